@@ -1,0 +1,140 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+Every request is "tokens computed so far" against "tokens it has" (prompt plus outputs);
+a step gives each scheduled request a chunk of the difference. A decode is a chunk of
+one token, a prefill chunk is up to the remaining step budget, so decodes and prefill
+chunks share a step and long prompts are split (chunked prefill).
+
+Running requests go first, oldest first; waiting requests join while budget, sequence
+slots and pages last. When a running request needs a page and none is free, the newest
+running request is preempted: its pages go back to the pool and it is recomputed later
+from its prompt and the tokens it already produced, so nothing it returned changes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.kv_cache import PagePool
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first token index computed in this step
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when the step computes the request's last known token, so it samples."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class BatchPlanner:
+    """Owns the waiting queue, the running set and every request's pages."""
+
+    def __init__(
+        self, pool: PagePool, page_size: int, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            fits = self._reserve_pages(request, num_tokens)
+            if not fits and not self._preempt_until_fits(request, num_tokens, plan):
+                continue  # `request` itself was preempted; the list shrank under `index`
+            plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+            index += 1
+
+        while (
+            not plan.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            if not self._reserve_pages(request, num_tokens):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        return plan
+
+    def finish(self, request: Request) -> None:
+        """Drop a request wherever it is and return its pages; safe to call twice."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+
+    def _reserve_pages(self, request: Request, num_tokens: int) -> bool:
+        total_pages = -(-(request.num_computed_tokens + num_tokens) // self.page_size)
+        missing = total_pages - len(request.pages)
+        if missing <= 0:
+            return True
+        if missing > self.pool.num_free:
+            return False
+        request.pages.extend(self.pool.allocate(missing))
+        return True
+
+    def _preempt_until_fits(self, request: Request, num_tokens: int, plan: StepPlan) -> bool:
+        """Preempt newest-first until `request` fits; False if `request` itself went."""
+        while True:
+            victim = self.running.pop()
+            self._release(victim)
+            victim.status = RequestStatus.WAITING
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return False
+            if self._reserve_pages(request, num_tokens):
+                return True
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.pages)
+        request.pages = []
+        request.image_embeddings.clear()

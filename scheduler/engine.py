@@ -1,0 +1,214 @@
+"""The in-process engine: add requests, step, read outputs.
+
+One `step()` reads as the whole loop: plan the batch, run it, account the results.
+The scheduler process (server issue) drives exactly this object from its socket loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from scheduler.batch_planner import BatchPlanner, StepPlan
+from scheduler.config import EngineConfig
+from scheduler.kv_cache import KVCache, KVLayout
+from scheduler.model_runner import ModelRunner
+from scheduler.models.mrope import mrope_positions
+from scheduler.models.registry import load_model
+from scheduler.request import EnginePrompt, FinishReason, Request
+from scheduler.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.device)
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device)
+        model_config = self.model.config
+        self.eos_token_ids = _eos_token_ids(Path(config.model), model_config)
+
+        layout = KVLayout(
+            num_layers=model_config.num_layers,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            page_size=config.page_size,
+            dtype=self.dtype,
+        )
+        num_pages = config.num_kv_pages or layout.pages_for_budget(self._kv_budget_bytes())
+        self.kv_cache = KVCache(layout, num_pages, self.device)
+        capacity = num_pages * config.page_size
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+            capacity,
+        )
+        if config.max_model_len and self.max_model_len < config.max_model_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d: the KV cache holds %d tokens",
+                config.max_model_len,
+                self.max_model_len,
+                capacity,
+            )
+        self.planner = BatchPlanner(
+            self.kv_cache.pool, config.page_size, config.max_num_batched_tokens, config.max_num_seqs
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.dtype)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+
+    # -- the public surface -------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: EnginePrompt,
+        sampling: SamplingParams,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt.token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt.token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt.token_ids)} tokens; the model's context "
+                f"length is {self.max_model_len}, which leaves no room to generate"
+            )
+        vocab = self.model.config.vocab_size
+        if max(prompt.token_ids) >= vocab or min(prompt.token_ids) < 0:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        positions, rope_delta = mrope_positions(
+            len(prompt.token_ids),
+            [(image.offset, image.length) for image in prompt.images],
+            [image.grid_thw for image in prompt.images],
+            self.model.config.spatial_merge_size,
+        )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt.token_ids),
+            sampling=sampling,
+            images=list(prompt.images),
+            eos_token_ids=self.eos_token_ids,
+            arrival_order=next(self._arrivals),
+            prompt_positions=positions,
+            rope_delta=rope_delta,
+        )
+        if sampling.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self.requests[request_id] = request
+        self.planner.add(request)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.planner.finish(request)
+            request.finish_reason = FinishReason.ABORT
+
+    def has_unfinished_requests(self) -> bool:
+        return self.planner.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.planner.schedule()
+        if not plan.chunks:
+            return []
+        sampled = self.runner.execute(plan)
+        return self._account(plan, sampled)
+
+    def generate(
+        self, prompts: Sequence[EnginePrompt], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[int]]:
+        """Runs prompts to completion (all added at once) and returns their output ids."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
+        ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(request_id, prompt, p)
+        outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        for output in self.run_until_idle():
+            outputs[output.request_id].extend(output.new_token_ids)
+        return [outputs[request_id] for request_id in ids]
+
+    def run_until_idle(self) -> Iterable[RequestOutput]:
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _account(self, plan: StepPlan, sampled: list[int]) -> list[RequestOutput]:
+        outputs = []
+        tokens = iter(sampled)
+        for chunk in plan.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            if not chunk.completes_sequence:
+                continue
+            token = next(tokens)
+            request.output_token_ids.append(token)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                request.finish_reason = reason
+                self.planner.finish(request)
+                del self.requests[request.request_id]
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=request.prompt_len,
+                    num_output_tokens=len(request.output_token_ids),
+                )
+            )
+        return outputs
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        sampling = request.sampling
+        if len(request.output_token_ids) >= sampling.min_tokens:
+            if token in sampling.stop_token_ids:
+                return FinishReason.STOP
+            if token in self.eos_token_ids and not sampling.ignore_eos:
+                return FinishReason.STOP
+        if len(request.output_token_ids) >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _kv_budget_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            activation_reserve = 2 << 30
+            return int(total * self.config.gpu_memory_utilization) - used - activation_reserve
+        return self.config.kv_cache_memory
+
+
+def _eos_token_ids(model_dir: Path, model_config) -> frozenset[int]:
+    """EOS ids as `generate` uses them: generation_config.json first, then config.json."""
+    ids: set[int] = set()
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.exists():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids:
+        ids.update(model_config.eos_token_ids)
+    return frozenset(ids)

@@ -1,0 +1,127 @@
+"""A request as the scheduler sees it: token ids, image spans, progress and pages."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.sampling import SamplingParams
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt: where its tokens sit and how to get its pixels.
+
+    `key` is the 128-bit content hash computed by the tokenizer worker (the scheduler
+    never hashes). `pixel_values` are the image processor's patches,
+    `[t*h*w, channels * temporal_patch * patch * patch]`; the scheduler reads them only
+    when a prefill chunk overlaps `[offset, offset + length)`.
+    """
+
+    key: bytes
+    offset: int
+    length: int
+    grid_thw: tuple[int, int, int]
+    pixel_values: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.offset < end and start < self.end
+
+
+@dataclass
+class EnginePrompt:
+    """A prompt ready for the engine: expanded token ids and its images, in order."""
+
+    token_ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable per-request state owned by the scheduler process."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    images: list[ImageInput] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_order: int = 0
+
+    # M-RoPE: prompt positions [3, prompt_len]; token i >= prompt_len sits at i + rope_delta.
+    prompt_positions: torch.Tensor | None = None
+    rope_delta: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    # Image embeddings computed for this request and still needed by a later chunk.
+    image_embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt_len = self.prompt_len
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions `[3, end - start]` of tokens `start..end`."""
+        assert self.prompt_positions is not None, "positions are set when the request is added"
+        prompt_len = self.prompt_len
+        parts = []
+        if start < prompt_len:
+            parts.append(self.prompt_positions[:, start : min(end, prompt_len)])
+        if end > prompt_len:
+            first = max(start, prompt_len)
+            generated = torch.arange(first, end, dtype=torch.long) + self.rope_delta
+            parts.append(generated.unsqueeze(0).expand(3, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def suppressed_token_ids(self) -> list[int]:
+        """Tokens that may not be sampled next: stop tokens before `min_tokens` is reached."""
+        if len(self.output_token_ids) >= self.sampling.min_tokens:
+            return []
+        stops = set(self.sampling.stop_token_ids)
+        if not self.sampling.ignore_eos:
+            stops |= self.eos_token_ids
+        return sorted(stops)

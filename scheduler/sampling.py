@@ -1,0 +1,125 @@
+"""Sampling parameters and the batched sampler.
+
+Every request in a step is sampled in one pass over a `[batch, vocab]` logits tensor:
+greedy rows take the argmax, the others go through temperature, top-k and top-p masks
+and an exponential-race draw (`argmax(p / q)` with `q ~ Exp(1)` is a sample from `p`).
+The race lets a request with a `seed` draw its noise from its own generator, so its
+tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a user asks of one completion; names follow vLLM and the OpenAI API."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SamplingRow:
+    """One request's view for one step: its parameters and what the sampler must know."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    suppress_token_ids: Sequence[int]  # e.g. EOS while fewer than min_tokens were generated
+
+
+class Sampler:
+    """Samples one token per row of a logits batch; no Python loop over the vocabulary."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        logits = logits.float()
+        vocab = logits.shape[-1]
+        device = logits.device
+        self._suppress(logits, rows)
+
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(row.params.greedy for row in rows):
+            return greedy_tokens
+
+        temperature = torch.tensor(
+            [row.params.temperature or 1.0 for row in rows], device=device
+        ).unsqueeze(1)
+        logits = logits / temperature
+        logits = self._apply_top_k(logits, rows)
+        logits = self._apply_top_p(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i] = torch.empty(vocab, device=device).exponential_(generator=row.generator)
+        sampled_tokens = (probs / noise).argmax(dim=-1)
+
+        is_greedy = torch.tensor([row.params.greedy for row in rows], device=device)
+        return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+
+    @staticmethod
+    def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        row_index: list[int] = []
+        token_index: list[int] = []
+        for i, row in enumerate(rows):
+            row_index.extend([i] * len(row.suppress_token_ids))
+            token_index.extend(row.suppress_token_ids)
+        if row_index:
+            logits[row_index, token_index] = float("-inf")
+
+    @staticmethod
+    def _apply_top_k(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        ks = [row.params.top_k if row.params.top_k > 0 else vocab for row in rows]
+        if all(k >= vocab for k in ks):
+            return logits
+        k = torch.tensor(ks, device=logits.device).clamp(max=vocab).unsqueeze(1)
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        kth_largest = sorted_logits.gather(-1, k - 1)
+        return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+    @staticmethod
+    def _apply_top_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        if all(row.params.top_p >= 1.0 for row in rows):
+            return logits
+        top_p = torch.tensor([row.params.top_p for row in rows], device=logits.device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
+        drop_sorted = mass_before >= top_p.unsqueeze(1)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        return logits.masked_fill(drop, float("-inf"))

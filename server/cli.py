@@ -1,0 +1,37 @@
+"""`iris` command line: one subcommand per entry point, imported lazily.
+
+Lazy imports keep `iris --help` instant and let each subcommand pull in only what it
+needs (the generator needs transformers' model classes, `generate` needs the engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "tiny-model": "write a small random-weight checkpoint in the Hugging Face layout",
+        "generate": "run the in-process engine on one prompt (no server)",
+    }
+    if not argv or argv[0] not in commands:
+        parser = argparse.ArgumentParser(prog="iris", description="Iris VLM inference server")
+        sub = parser.add_subparsers(dest="command", required=True)
+        for name, help_text in commands.items():
+            sub.add_parser(name, help=help_text, add_help=False)
+        parser.parse_args(argv[:1])  # prints usage and exits for a missing or unknown command
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "tiny-model":
+        from scheduler.tiny_checkpoint import main_tiny_model
+
+        return main_tiny_model(rest)
+    from server.generate_cli import main_generate
+
+    return main_generate(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

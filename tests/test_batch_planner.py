@@ -1,0 +1,103 @@
+"""Continuous batching and preemption, on fake requests (no model)."""
+
+from scheduler.batch_planner import BatchPlanner
+from scheduler.kv_cache import PagePool
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling import SamplingParams
+
+PAGE = 4
+
+
+def request(name: str, prompt_len: int, order: int = 0) -> Request:
+    return Request(
+        name, list(range(prompt_len)), SamplingParams(max_tokens=100), arrival_order=order
+    )
+
+
+def run_step(planner: BatchPlanner) -> dict[str, int]:
+    """Schedules one step and pretends the model ran it, sampling token 7 where due."""
+    plan = planner.schedule()
+    for chunk in plan.chunks:
+        chunk.request.num_computed_tokens = chunk.end
+        if chunk.end == chunk.request.num_tokens:
+            chunk.request.output_token_ids.append(7)
+    return {c.request.request_id: c.num_tokens for c in plan.chunks}
+
+
+def test_long_prompts_are_chunked_and_decodes_share_the_step():
+    planner = BatchPlanner(PagePool(100), PAGE, max_num_batched_tokens=10, max_num_seqs=8)
+    planner.add(request("short", 3))
+    assert run_step(planner) == {"short": 3}
+    planner.add(request("long", 25))
+    assert run_step(planner) == {"short": 1, "long": 9}
+    assert run_step(planner) == {"short": 1, "long": 9}
+    assert run_step(planner) == {"short": 1, "long": 7}
+    assert run_step(planner) == {"short": 1, "long": 1}
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    planner = BatchPlanner(PagePool(100), PAGE, max_num_batched_tokens=100, max_num_seqs=2)
+    for i in range(3):
+        planner.add(request(f"r{i}", 2))
+    assert set(run_step(planner)) == {"r0", "r1"}
+    planner.finish(planner.running[0])
+    assert set(run_step(planner)) == {"r1", "r2"}
+
+
+def test_pages_follow_tokens_and_return_on_finish():
+    pool = PagePool(10)
+    planner = BatchPlanner(pool, PAGE, max_num_batched_tokens=100, max_num_seqs=8)
+    r = request("r", 5)
+    planner.add(r)
+    run_step(planner)
+    assert len(r.pages) == 2  # 5 tokens in pages of 4
+    run_step(planner)  # computes token 6 of 6
+    run_step(planner)  # token 7
+    run_step(planner)  # token 8: still two pages
+    assert len(r.pages) == 2
+    run_step(planner)  # token 9 needs a third page
+    assert len(r.pages) == 3 and pool.num_free == 7
+    planner.finish(r)
+    assert pool.num_free == 10 and r.status is RequestStatus.FINISHED
+
+
+def test_newest_request_is_preempted_when_pages_run_out_and_resumes_later():
+    pool = PagePool(4)  # 16 tokens in all
+    planner = BatchPlanner(pool, PAGE, max_num_batched_tokens=100, max_num_seqs=8)
+    old, new = request("old", 8, 0), request("new", 7, 1)
+    planner.add(old)
+    planner.add(new)
+    assert run_step(planner) == {"old": 8, "new": 7}  # 2 + 2 pages, none free
+    # old (9 tokens) needs a third page: new is preempted, its pages freed.
+    assert run_step(planner) == {"old": 1}
+    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
+    assert new.pages == [] and new.num_preemptions == 1
+    assert new.output_token_ids == [7]  # what it produced is kept and recomputed later
+    planner.finish(old)
+    # new is recomputed from prompt plus its output so far, then decodes.
+    assert run_step(planner) == {"new": 8}
+    assert run_step(planner) == {"new": 1}
+    assert pool.num_free == pool.num_pages - len(new.pages)
+
+
+def test_a_request_that_cannot_grow_preempts_itself_rather_than_older_ones():
+    pool = PagePool(2)
+    planner = BatchPlanner(pool, PAGE, max_num_batched_tokens=100, max_num_seqs=8)
+    a, b = request("a", 4, 0), request("b", 4, 1)
+    planner.add(a)
+    planner.add(b)
+    assert run_step(planner) == {"a": 4, "b": 4}
+    # Both need a second page; a takes b's, b (the newest) goes back to waiting.
+    assert run_step(planner) == {"a": 1}
+    assert [r.request_id for r in planner.waiting] == ["b"]
+    assert pool.num_free == 0 and len(a.pages) == 2
+
+
+def test_abort_of_a_waiting_request_frees_nothing_twice():
+    pool = PagePool(4)
+    planner = BatchPlanner(pool, PAGE, max_num_batched_tokens=100, max_num_seqs=8)
+    r = request("r", 3)
+    planner.add(r)
+    planner.finish(r)
+    planner.finish(r)
+    assert pool.num_free == 4 and not planner.has_work()
