@@ -1,0 +1,305 @@
+"""Every message that crosses a process boundary, and its msgpack codec.
+
+One tagged union per socket direction (tags are ints, unique across all unions):
+
+    union                 from → to                      messages (tags)
+    ServerToTokenizer     server → tokenizer worker      TokenizeRequest 10, AbortRequest 11
+    TokenizerToScheduler  tokenizer worker → scheduler   EngineRequest 20, AbortEngineRequest 21
+    SchedulerToTokenizer  scheduler → tokenizer worker   ReleaseImages 30
+    ToServer              scheduler, workers → server    TokenBatch 40, RequestError 41
+
+`ToServer` has two senders on purpose: the server binds one PULL socket, the scheduler
+sends tokens and per-request errors into it, and a tokenizer worker sends the errors of
+requests that never reached the scheduler (an unreadable image, a prompt over the limit).
+
+Wire rules: structs are `array_like` (fields go by position, so only ever *append*
+fields, with defaults), and no pixel ever travels here — an image is a `ShmPointer`
+into a worker's arena. msgspec writes every field of an `array_like` struct, defaults
+included (jcrist/msgspec#720); `omit_defaults=True` is kept for the project convention
+and makes messages smaller for free if msgspec lifts that limit.
+
+Token ids are `bytes` of little-endian int32, not `list[int]`. Measured with msgspec
+0.22 on a Qwen-vocabulary prompt of 300 text tokens and one 1920×1080 image (2,040
+image tokens): 9.4 kB vs 11.4 kB on the wire (msgpack spends 5 bytes on every id above
+65,535, and the image pad id is one), and the scheduler decodes it in 0.2 µs instead of
+30 µs; a worker pays ~30 µs more to pack, in parallel with the other workers. The
+scheduler can hash or index the bytes as they are, or `unpack_token_ids` them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any, Generic, Literal, TypeAlias, TypeVar, get_args
+
+import msgspec
+import numpy as np
+
+_TOKENIZE, _ABORT = 10, 11
+_ENGINE_REQUEST, _ABORT_ENGINE = 20, 21
+_RELEASE_IMAGES = 30
+_TOKEN_BATCH, _REQUEST_ERROR = 40, 41
+
+Key128 = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Struct(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base of every wire struct (`gc=False`: they never hold reference cycles)."""
+
+
+class _Frozen(_Struct, frozen=True):
+    """Base of value types (hashable, so usable as dict keys)."""
+
+
+class _Message(_Struct, tag_field="kind"):
+    """Base of the top-level messages; each subclass sets a unique int `tag`."""
+
+
+# --- shared pieces ---------------------------------------------------------------
+
+
+class Sampling(_Frozen):
+    """Sampling parameters; field names equal `scheduler.sampling.SamplingParams`."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class ShmHandle(_Frozen):
+    """Names one allocation in a worker's arena; enough to pin or release it."""
+
+    segment: str
+    offset: NonNegative
+    generation: int
+
+
+class ShmPointer(_Frozen):
+    """Where a tensor lies in a tokenizer worker's shared-memory arena.
+
+    `offset` is the first data byte inside `segment`. `generation` is unique per
+    allocation: the owner refuses a release whose generation is not the live one, and a
+    reader refuses to view an entry that was freed or reused since (use-after-free).
+    `dtype` is a torch dtype name ("float32", "bfloat16", "uint8", ...).
+    """
+
+    worker_id: NonNegative
+    segment: str
+    offset: NonNegative
+    nbytes: NonNegative
+    dtype: str
+    shape: tuple[int, ...]
+    generation: int
+
+    @property
+    def handle(self) -> ShmHandle:
+        return ShmHandle(self.segment, self.offset, self.generation)
+
+
+class ImageRef(_Frozen):
+    """One image of a prompt: its key, its token span and where its pixels are.
+
+    `key` is the 128-bit xxh3 of the encoded bytes and the processor settings; the
+    image's placeholder tokens are `token_ids[offset:offset + length]`. `pixels` is None
+    when the worker sends no pixels for it (the scheduler resolves the key itself).
+    """
+
+    key: Key128
+    offset: NonNegative
+    length: NonNegative
+    grid_thw: tuple[int, int, int]
+    pixels: ShmPointer | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+# --- server → tokenizer worker ----------------------------------------------------
+
+
+class TokenizeRequest(_Message, tag=_TOKENIZE):
+    """A validated API request, before the chat template and image processing.
+
+    Exactly one of `messages` (chat completions: the OpenAI message list as received)
+    and `prompt` (completions: text or token ids) is set. `max_pixels`/`min_pixels`
+    override the processor's defaults for this request's images.
+    """
+
+    request_id: str
+    sampling: Sampling
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    max_pixels: int | None = None
+    min_pixels: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("exactly one of `messages` and `prompt` must be set")
+
+
+class AbortRequest(_Message, tag=_ABORT):
+    """The client went away. Sent to the worker that got the request (messages on one
+    socket stay in order), which forwards an `AbortEngineRequest` to the scheduler."""
+
+    request_id: str
+
+
+ServerToTokenizer: TypeAlias = TokenizeRequest | AbortRequest
+
+
+# --- tokenizer worker → scheduler -------------------------------------------------
+
+
+class EngineRequest(_Message, tag=_ENGINE_REQUEST):
+    """A prompt ready for the engine: expanded token ids and its images, in order.
+
+    Every `ImageRef.pixels` pointer is pinned once for this request; the scheduler
+    releases each (`ReleaseImages`) after the image's embedding is computed, or when the
+    request finishes or is aborted.
+    """
+
+    request_id: str
+    token_ids: bytes  # little-endian int32, see `pack_token_ids`
+    sampling: Sampling
+    images: list[ImageRef] = []
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) % 4:
+            raise ValueError(f"token_ids holds {len(self.token_ids)} bytes, not int32s")
+        num_tokens = len(self.token_ids) // 4
+        for image in self.images:
+            if image.end > num_tokens:
+                raise ValueError(
+                    f"image span [{image.offset}, {image.end}) exceeds {num_tokens} tokens"
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) // 4
+
+
+class AbortEngineRequest(_Message, tag=_ABORT_ENGINE):
+    request_id: str
+
+
+TokenizerToScheduler: TypeAlias = EngineRequest | AbortEngineRequest
+
+
+# --- scheduler → tokenizer worker -------------------------------------------------
+
+
+class ReleaseImages(_Message, tag=_RELEASE_IMAGES):
+    """Unpin arena entries; sent to the worker that owns their segment."""
+
+    handles: list[ShmHandle]
+
+
+SchedulerToTokenizer: TypeAlias = ReleaseImages
+
+
+# --- scheduler / tokenizer worker → server ----------------------------------------
+
+
+class RequestOutput(_Struct):
+    """What one request produced in one engine step (token counts are totals so far)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class TokenBatch(_Message, tag=_TOKEN_BATCH):
+    outputs: list[RequestOutput]
+
+
+class RequestError(_Message, tag=_REQUEST_ERROR):
+    """A request ends with an OpenAI-style error; it produces nothing more."""
+
+    request_id: str
+    status: int  # HTTP status
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+
+
+ToServer: TypeAlias = TokenBatch | RequestError
+
+
+# --- codecs -----------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class MessageError(ValueError):
+    """Bytes that are not a message of the expected union (a bug in the sender)."""
+
+
+class Codec(Generic[T]):
+    """msgpack encoder/decoder for one union; refuses to send a message of another."""
+
+    def __init__(self, union: Any, name: str) -> None:
+        self.name = name
+        self._encoder = msgspec.msgpack.Encoder()
+        self.types: tuple[type, ...] = get_args(union) or (union,)
+        self._tags = sorted(t.__struct_config__.tag for t in self.types)
+        self._decoder = msgspec.msgpack.Decoder(union)
+
+    def encode(self, msg: T) -> bytes:
+        if not isinstance(msg, self.types):
+            raise TypeError(f"{type(msg).__name__} is not a {self.name} message")
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes | memoryview) -> T:
+        try:
+            return self._decoder.decode(data)
+        except msgspec.DecodeError as e:
+            raise MessageError(f"bad {self.name} message: {self._explain(data, e)}") from e
+
+    def _explain(self, data: bytes | memoryview, error: Exception) -> str:
+        try:
+            raw = msgspec.msgpack.decode(data)
+        except msgspec.DecodeError:
+            return str(error)
+        if isinstance(raw, list) and raw and raw[0] not in self._tags:
+            return f"unknown tag {raw[0]!r} (expected one of {self._tags})"
+        return str(error)
+
+
+SERVER_TO_TOKENIZER: Codec[ServerToTokenizer] = Codec(ServerToTokenizer, "server→tokenizer")
+TOKENIZER_TO_SCHEDULER: Codec[TokenizerToScheduler] = Codec(
+    TokenizerToScheduler, "tokenizer→scheduler"
+)
+SCHEDULER_TO_TOKENIZER: Codec[SchedulerToTokenizer] = Codec(
+    SchedulerToTokenizer, "scheduler→tokenizer"
+)
+TO_SERVER: Codec[ToServer] = Codec(ToServer, "→server")
+
+
+# --- token ids --------------------------------------------------------------------
+
+_INT32_LE = np.dtype("<i4")
+
+
+def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian int32 bytes (the `EngineRequest.token_ids` form)."""
+    return np.asarray(token_ids, dtype=_INT32_LE).tobytes()
+
+
+def token_array(data: bytes) -> np.ndarray:
+    """Zero-copy read-only int32 array over packed token ids."""
+    return np.frombuffer(data, dtype=_INT32_LE)
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype=_INT32_LE).tolist()
