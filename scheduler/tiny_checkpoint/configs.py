@@ -1,0 +1,158 @@
+"""Model configs of the generated checkpoints, built with transformers' own config classes.
+
+Shapes keep the structure of the real models (GQA, bias on q/k/v, M-RoPE, 14-px patches,
+2x2 spatial merge, 2-frame temporal patches, Qwen2.5's windowed ViT) at toy widths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedConfig, Qwen2_5_VLConfig, Qwen2VLConfig
+
+from . import ARCHS, SIZES
+from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, token_id
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vit_width: int
+    vit_depth: int
+    vit_heads: int
+    vit_intermediate: int  # Qwen2.5 MLP width; Qwen2-VL uses mlp_ratio = this / vit_width
+    fullatt_blocks: tuple[int, ...]  # Qwen2.5 only: the others use window attention
+    # Init std of every linear/embedding weight (transformers' default is 0.02). At 0.02 a
+    # random model's logits are nearly flat and greedy decoding repeats one token (the tied
+    # Qwen2-VL tiny model emits a single token 30 times for every prompt), so a parity test
+    # would prove little. std * sqrt(hidden) ~= 1.6 gives varied greedy continuations
+    # (26-30 distinct tokens out of 30, different per prompt and per image) with top-1/top-2
+    # logit gaps of median ~0.3 and 5th percentile ~0.03, while keeping activations moderate
+    # (small: max |hidden state| ~50; it is ~1000 at std 0.2).
+    init_std: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SHAPES: dict[str, Shape] = {
+    # 0.30M parameters (qwen2_vl, tied) / 0.41M (qwen2_5_vl); builds in ~0.05 s.
+    "tiny": Shape(
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate=192,
+        vit_width=32,
+        vit_depth=3,
+        vit_heads=2,
+        vit_intermediate=128,
+        fullatt_blocks=(1,),
+        init_std=0.2,
+    ),
+    # 38.5M / 42.6M parameters; builds in ~0.5 s. Real head sizes: text head_dim 128
+    # (mrope_section [16, 24, 24], as Qwen2-VL), ViT head_dim 80.
+    "small": Shape(
+        hidden=512,
+        layers=8,
+        heads=4,
+        kv_heads=2,
+        intermediate=1536,
+        vit_width=320,
+        vit_depth=8,
+        vit_heads=4,
+        vit_intermediate=1280,
+        fullatt_blocks=(3, 7),
+        init_std=0.07,
+    ),
+}
+
+# Which arch ties lm_head to embed_tokens (Qwen2-VL-2B ties, Qwen2.5-VL-7B does not), so
+# that the default fixtures exercise both loading paths.
+TIE_WORD_EMBEDDINGS = {"qwen2_vl": True, "qwen2_5_vl": False}
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Split head_dim/2 rotary frequencies into (temporal, height, width) like Qwen (1:1.5:1.5).
+
+    transformers does not check that the sections sum to head_dim/2; a wrong sum silently
+    rotates the wrong channels.
+    """
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def build_config(arch: str, size: str) -> PreTrainedConfig:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    s = SHAPES[size]
+    text = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "max_position_embeddings": 32768,
+        "max_window_layers": s.layers,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": mrope_section(s.head_dim),
+        },
+        "initializer_range": s.init_std,
+        "bos_token_id": token_id(BOS_TOKEN),
+        "eos_token_id": token_id(EOS_TOKEN),
+        "pad_token_id": token_id(PAD_TOKEN),
+    }
+    common = {
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+        "depth": s.vit_depth,
+        "num_heads": s.vit_heads,
+        "initializer_range": s.init_std,
+    }
+    if arch == "qwen2_vl":
+        # Qwen2-VL: ViT width is `embed_dim`; `hidden_size` is the merger's output width.
+        vision = {
+            **common,
+            "embed_dim": s.vit_width,
+            "hidden_size": s.hidden,
+            "mlp_ratio": s.vit_intermediate // s.vit_width,
+            "hidden_act": "quick_gelu",
+        }
+        cls: type[PreTrainedConfig] = Qwen2VLConfig
+    else:
+        # Qwen2.5-VL: ViT width is `hidden_size`; `out_hidden_size` is the merger's output.
+        vision = {
+            **common,
+            "hidden_size": s.vit_width,
+            "intermediate_size": s.vit_intermediate,
+            "out_hidden_size": s.hidden,
+            "hidden_act": "silu",
+            "window_size": 112,
+            "fullatt_block_indexes": list(s.fullatt_blocks),
+            "tokens_per_second": 2,
+        }
+        cls = Qwen2_5_VLConfig
+    return cls(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=token_id("<|image_pad|>"),
+        video_token_id=token_id("<|video_pad|>"),
+        vision_start_token_id=token_id("<|vision_start|>"),
+        vision_end_token_id=token_id("<|vision_end|>"),
+        tie_word_embeddings=TIE_WORD_EMBEDDINGS[arch],
+    )

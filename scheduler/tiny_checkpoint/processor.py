@@ -1,0 +1,76 @@
+"""Image-processor files of the generated checkpoints, and the transformers reference processor."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+from transformers import (
+    AutoImageProcessor,
+    AutoTokenizer,
+    ProcessorMixin,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLProcessor,
+)
+
+PROCESSOR_CLASSES: dict[str, type[ProcessorMixin]] = {
+    "qwen2_vl": Qwen2VLProcessor,
+    "qwen2_5_vl": Qwen2_5_VLProcessor,
+}
+
+
+def save_image_processor(out_dir: Path) -> None:
+    """Write preprocessor_config.json the way transformers writes it (transformers' defaults).
+
+    The PIL backend needs no torchvision and serialises exactly like the torchvision one
+    (`image_processor_type: Qwen2VLImageProcessor`), so a machine with torchvision loads the
+    fast processor from the same file. transformers' defaults cap an image at 1003520 px
+    (1280 tokens); real Qwen2-VL checkpoints ship max_pixels=12845056.
+
+    We write the hub layout (preprocessor_config.json) rather than the processor_config.json
+    that transformers 5's `Qwen2VLProcessor.save_pretrained` would: that file nests the video
+    processor's settings too, which cannot be produced without torchvision, and a null entry
+    there would break `AutoProcessor` on machines that do have torchvision.
+    """
+    Qwen2VLImageProcessorPil().save_pretrained(out_dir)
+
+
+@cache
+def _image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
+    class ImageOnly(cls):  # type: ignore[valid-type, misc]
+        def check_argument_for_proper_class(self, argument_name: str, argument: object) -> object:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = f"ImageOnly{cls.__name__}"
+    return ImageOnly
+
+
+def reference_processor(model_dir: str | Path) -> ProcessorMixin:
+    """transformers' own Qwen2-VL / Qwen2.5-VL processor for `model_dir`, without video support.
+
+    The reference that the tokenizer worker's output is compared against. `AutoProcessor`
+    cannot build these processors without torchvision (the video processor requires it), so
+    this builds the processor class directly from `AutoTokenizer` + `AutoImageProcessor` with
+    `video_processor=None`. `ProcessorMixin.__init__` type-checks every sub-processor and
+    rejects `None`; the returned object is an instance of a one-method subclass that lets
+    exactly that argument be `None`. Everything else (text expansion of `<|image_pad|>`,
+    pixel values, grids, chat template) is transformers' unchanged code; passing `videos=`
+    fails.
+    """
+    model_dir = Path(model_dir)
+    model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["model_type"]
+    if model_type not in PROCESSOR_CLASSES:
+        raise ValueError(f"{model_dir}: unsupported model_type {model_type!r}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    image_processor = AutoImageProcessor.from_pretrained(model_dir)
+    cls = _image_only(PROCESSOR_CLASSES[model_type])
+    return cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=tokenizer.chat_template,
+    )

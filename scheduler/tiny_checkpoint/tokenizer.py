@@ -1,0 +1,117 @@
+"""A small Qwen2-style byte-level BPE tokenizer, trained on the committed corpus.
+
+The pipeline (NFC normaliser, Qwen2's pre-tokenisation regex, byte-level BPE) is the one
+`transformers.Qwen2Tokenizer` builds; only the vocabulary is small. The special tokens are
+Qwen2-VL's, in Qwen2-VL's order, placed after the BPE vocabulary as in the real tokenizer
+(there: ids 151643..151656, here: ``BPE_VOCAB_SIZE + 0..13``).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+
+from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, trainers
+from tokenizers.models import BPE
+from transformers import Qwen2Tokenizer
+
+# Same split regex as transformers' Qwen2Tokenizer (and the real Qwen2 tokenizer.json).
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+PAD_TOKEN = BOS_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+
+# 1522 BPE entries (256 byte symbols + 1266 merges) + 14 specials = 1536 = the model's
+# vocab_size, so every row of the embedding decodes to a real token.
+BPE_VOCAB_SIZE = 1522
+VOCAB_SIZE = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
+
+
+def token_id(token: str) -> int:
+    """Id of a special token in the tiny tokenizer (no tokenizer needs to be built)."""
+    return BPE_VOCAB_SIZE + SPECIAL_TOKENS.index(token)
+
+
+def corpus_text() -> str:
+    return resources.files(__package__).joinpath("corpus.txt").read_text(encoding="utf-8")
+
+
+def chat_template() -> str:
+    return resources.files(__package__).joinpath("chat_template.jinja").read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=1)
+def _train_bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
+    """Train the byte-level BPE; deterministic for a given corpus and `tokenizers` version."""
+    tok = Tokenizer(BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text().splitlines(keepends=True), trainer=trainer)
+    model = json.loads(tok.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    if len(vocab) != BPE_VOCAB_SIZE:
+        raise RuntimeError(f"corpus too small: BPE learned {len(vocab)} < {BPE_VOCAB_SIZE} entries")
+    pairs = (m.split(" ") if isinstance(m, str) else m for m in model["merges"])
+    merges = tuple((a, b) for a, b in pairs)
+    return vocab, merges
+
+
+def build_tokenizer(processor_class: str | None = None) -> Qwen2Tokenizer:
+    """The tiny tokenizer as a transformers `Qwen2Tokenizer`, chat template attached.
+
+    `processor_class` is recorded in tokenizer_config.json, as `ProcessorMixin.save_pretrained`
+    does for real Qwen-VL checkpoints.
+    """
+    vocab, merges = _train_bpe()
+    # Qwen2Tokenizer registers its special tokens in the order eos/unk/pad, then the extra
+    # ones; building with eos=<|endoftext|> puts every special at its Qwen2-VL position.
+    tokenizer = Qwen2Tokenizer(
+        vocab=dict(vocab),
+        merges=list(merges),
+        unk_token=None,
+        bos_token=None,
+        eos_token=PAD_TOKEN,
+        pad_token=PAD_TOKEN,
+        extra_special_tokens=list(SPECIAL_TOKENS[1:]),
+        errors="replace",
+        model_max_length=32768,
+        split_special_tokens=False,
+    )
+    tokenizer.eos_token = EOS_TOKEN
+    tokenizer.chat_template = chat_template()
+    if processor_class is not None:
+        tokenizer._set_processor_class(processor_class)
+    ids = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
+    if ids != [token_id(t) for t in SPECIAL_TOKENS] or len(tokenizer) != VOCAB_SIZE:
+        raise RuntimeError(f"unexpected special-token layout: {ids}, len={len(tokenizer)}")
+    return tokenizer

@@ -1,0 +1,48 @@
+"""Shared fixtures: random-weight checkpoints written by `scheduler.tiny_checkpoint`.
+
+`tiny_checkpoint(arch, **kwargs)` returns the folder of a checkpoint generated with
+`generate_checkpoint(arch, out_dir, **kwargs)`, once per distinct argument set per session.
+`qwen2_vl_tiny` (tied embeddings) and `qwen2_5_vl_tiny` (untied) are the fp32 seed-0 ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+TinyCheckpoint = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
+    import torch
+
+    from scheduler.tiny_checkpoint import generate_checkpoint
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str, **kwargs: object) -> Path:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{arch}-ckpt")
+            made[key] = generate_checkpoint(arch, out, **kwargs)  # type: ignore[arg-type]
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
+    return tiny_checkpoint("qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
+    return tiny_checkpoint("qwen2_5_vl")
