@@ -1,0 +1,238 @@
+"""`VLModelConfig`: the model shape read straight from a checkpoint's config.json.
+
+Two layouts exist in the wild and both are read here:
+
+- the hub's flat layout (what Qwen/Qwen2-VL-* and Qwen/Qwen2.5-VL-* ship): text
+  parameters at the top level, `rope_theta` beside them and
+  `rope_scaling: {"type": "mrope", "mrope_section": [...]}`;
+- the transformers-5 nested layout written by `save_pretrained`: text parameters under
+  `text_config`, rope under `text_config.rope_parameters`.
+
+The vision tower differs per architecture: Qwen2-VL names its width `embed_dim` and uses
+`hidden_size` for the merger's output (the LM width) with `mlp_ratio`; Qwen2.5-VL uses
+`hidden_size`, `intermediate_size` and `out_hidden_size`. Defaults are transformers'
+defaults, so a file that leaves a key out means the same thing to us as to transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+QWEN2_VL = "Qwen2VLForConditionalGeneration"
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+_ARCH_BY_MODEL_TYPE = {"qwen2_vl": QWEN2_VL, "qwen2_5_vl": QWEN2_5_VL}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The ViT. `window_size == 0` means no window attention (Qwen2-VL)."""
+
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int
+    hidden_act: str
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    rope_theta: float
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    tokens_per_second: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one row of `pixel_values`: C * T * P * P."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+@dataclass(frozen=True)
+class VLModelConfig:
+    architecture: str
+    # language model
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # token ids
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    # dtype the weights were saved in ("bfloat16", ...); None when the file does not say
+    dtype: str | None
+    vision: VisionConfig
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.vision.spatial_merge_size
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> VLModelConfig:
+        """Reads `config.json`; EOS ids from `generation_config.json` are added when present."""
+        model_dir = Path(model_dir)
+        raw = json.loads((model_dir / "config.json").read_text())
+        config = cls.from_dict(raw)
+        generation = model_dir / "generation_config.json"
+        if generation.exists():
+            extra = _as_id_tuple(json.loads(generation.read_text()).get("eos_token_id"))
+            merged = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
+            config = replace(config, eos_token_ids=merged)
+        return config
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> VLModelConfig:
+        architecture = architecture_of(raw)
+        text = raw.get("text_config") or {}
+
+        def get(key: str, default: Any) -> Any:
+            """Text keys: nested `text_config` first, then the flat top level."""
+            if key in text and text[key] is not None:
+                return text[key]
+            value = raw.get(key)
+            return default if value is None else value
+
+        hidden_size = int(get("hidden_size", 8192))
+        num_heads = int(get("num_attention_heads", 64))
+        num_kv_heads = int(get("num_key_value_heads", None) or num_heads)
+        # transformers' Qwen2-VL attention uses hidden_size // heads whatever head_dim says.
+        head_dim = hidden_size // num_heads
+        if head_dim * num_heads != hidden_size:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by {num_heads} heads")
+
+        rope = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise NotImplementedError(f"rope type {rope_type!r} is not supported (only mrope)")
+        mrope_section = tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24)))
+        if len(mrope_section) != 3 or 2 * sum(mrope_section) != head_dim:
+            raise ValueError(
+                f"mrope_section {list(mrope_section)} must have 3 parts summing to head_dim/2 "
+                f"({head_dim // 2})"
+            )
+        rope_theta = float(rope.get("rope_theta") or get("rope_theta", 1_000_000.0))
+        if get("use_sliding_window", False):
+            raise NotImplementedError("use_sliding_window=true is not supported")
+        if get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"text hidden_act {get('hidden_act', '')!r} is not supported")
+
+        # pre-v5 saves put tie_word_embeddings inside text_config; transformers honours both.
+        tie = bool(raw.get("tie_word_embeddings", False)) or bool(
+            text.get("tie_word_embeddings", False)
+        )
+        eos = _as_id_tuple(get("eos_token_id", 151645))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(get("vocab_size", 152064)),
+            hidden_size=hidden_size,
+            intermediate_size=int(get("intermediate_size", 29568)),
+            num_layers=int(get("num_hidden_layers", 80)),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
+            rope_theta=rope_theta,
+            mrope_section=mrope_section,  # type: ignore[arg-type]
+            tie_word_embeddings=tie,
+            max_position_embeddings=int(get("max_position_embeddings", 32768)),
+            image_token_id=int(raw.get("image_token_id", 151655)),
+            video_token_id=int(raw.get("video_token_id", 151656)),
+            vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
+            vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
+            eos_token_ids=eos,
+            bos_token_id=get("bos_token_id", None),
+            pad_token_id=get("pad_token_id", None),
+            dtype=raw.get("dtype") or raw.get("torch_dtype") or get("dtype", None),
+            vision=_vision_config(architecture, raw.get("vision_config") or {}),
+        )
+
+
+def architecture_of(raw: dict[str, Any]) -> str:
+    """`architectures[0]`, or the architecture implied by `model_type` when that is absent."""
+    architectures = raw.get("architectures") or []
+    if architectures:
+        return str(architectures[0])
+    model_type = raw.get("model_type", "")
+    if model_type in _ARCH_BY_MODEL_TYPE:
+        return _ARCH_BY_MODEL_TYPE[model_type]
+    raise ValueError(f"config.json names no architecture (model_type={model_type!r})")
+
+
+def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
+    def get(key: str, default: Any) -> Any:
+        value = v.get(key)
+        return default if value is None else value
+
+    common = dict(
+        depth=int(get("depth", 32)),
+        num_heads=int(get("num_heads", 16)),
+        patch_size=_scalar(get("patch_size", 14)),
+        temporal_patch_size=_scalar(get("temporal_patch_size", 2)),
+        spatial_merge_size=int(get("spatial_merge_size", 2)),
+        in_channels=int(v.get("in_channels") or v.get("in_chans") or 3),
+        rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        tokens_per_second=int(get("tokens_per_second", 4)),
+    )
+    if architecture == QWEN2_VL:
+        embed_dim = int(get("embed_dim", 1280))
+        return VisionConfig(
+            hidden_size=embed_dim,
+            intermediate_size=int(embed_dim * get("mlp_ratio", 4)),
+            out_hidden_size=int(get("hidden_size", 3584)),
+            hidden_act=str(get("hidden_act", "quick_gelu")),
+            window_size=0,
+            fullatt_block_indexes=(),
+            **common,
+        )
+    if architecture == QWEN2_5_VL:
+        return VisionConfig(
+            hidden_size=int(get("hidden_size", 3584)),
+            intermediate_size=int(get("intermediate_size", 3420)),
+            out_hidden_size=int(get("out_hidden_size", 3584)),
+            hidden_act=str(get("hidden_act", "silu")),
+            window_size=int(get("window_size", 112)),
+            fullatt_block_indexes=tuple(
+                int(i) for i in get("fullatt_block_indexes", (7, 15, 23, 31))
+            ),
+            **common,
+        )
+    raise ValueError(
+        f"unsupported architecture {architecture!r}; supported: {QWEN2_VL}, {QWEN2_5_VL}"
+    )
+
+
+def _scalar(value: Any) -> int:
+    """transformers allows `patch_size` as [p, p]; only square patches exist for Qwen."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise NotImplementedError(f"non-square patch size {value}")
+        value = value[0]
+    return int(value)
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)

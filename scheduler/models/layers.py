@@ -1,0 +1,181 @@
+"""Building blocks shared by the language model and the vision towers.
+
+Every function here reproduces transformers' Qwen2-VL arithmetic step for step (which
+dtype each op runs in included), so fp32 results agree to rounding and bf16 results
+round the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Normalises in fp32, casts back, then scales (transformers' order)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "quick_gelu": quick_gelu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise NotImplementedError(f"activation {name!r}; known: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one `gate_up_proj`.
+
+    Checkpoints store `gate_proj` and `up_proj`; the loader writes them into the two
+    halves (see `PACKED_SHARDS`).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.gate_up_proj.shard_sizes = (intermediate_size, intermediate_size)  # type: ignore[assignment]
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+# checkpoint module name -> (our fused module name, shard index)
+PACKED_SHARDS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+# ---------------------------------------------------------------- rotary embeddings
+
+
+def rope_inv_freq(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies of a `dim`-wide rotary embedding, fp32, `[dim // 2]`."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (theta**exponent)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[N, heads, D]`, cos/sin `[N, D]` (already in x's dtype for the LM)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return x * cos + rotate_half(x) * sin
+
+
+def mrope_cos_sin(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    mrope_section: Sequence[int],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[N, head_dim]` for M-RoPE positions `[3, N]` (temporal, height, width).
+
+    Frequency band i of each half takes its angle from axis `i % 3` of the section it
+    falls in: with section (16, 24, 24) the first 16 frequencies follow the temporal
+    position, the next 24 the height and the last 24 the width.
+    """
+    freqs = positions[..., None].float() * inv_freq.float()  # [3, N, D/2]
+    parts = freqs.split(list(mrope_section), dim=-1)
+    freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [N, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Holds the LM's inverse frequencies as a non-persistent fp32 buffer."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: Sequence[int]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.mrope_section = tuple(mrope_section)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recomputes `inv_freq` (needed after building on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, device=self.inv_freq.device)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return mrope_cos_sin(positions, self.inv_freq, self.mrope_section, dtype)
+
+
+# ------------------------------------------------------------ segmented attention
+
+
+class SegmentPlan:
+    """Non-causal attention restricted to contiguous segments of a flat token axis.
+
+    Built once per vision forward from `cu_seqlens` and reused by every block. Segments of
+    equal length are gathered into one batched SDPA call, so a tower with hundreds of
+    same-sized windows makes a handful of kernel calls, and memory grows with the sum of
+    the segments' squared lengths — never with the square of the total. A call batches at
+    most `max_scores // length**2` segments, so even a backend that materialises the scores
+    holds about one large image's worth at a time.
+    """
+
+    def __init__(
+        self, cu_seqlens: Sequence[int], device: torch.device, max_scores: int = 1 << 24
+    ) -> None:
+        by_length: dict[int, list[int]] = {}
+        for start, end in itertools.pairwise(cu_seqlens):
+            if end > start:
+                by_length.setdefault(end - start, []).append(start)
+        self.total = int(cu_seqlens[-1])
+        self.whole = len(by_length) == 1 and len(by_length.get(self.total, [])) == 1
+        self.groups: list[torch.Tensor] = []  # each [num_segments, length] token indices
+        for length, group_starts in by_length.items():
+            per_call = max(1, max_scores // (length * length))
+            for i in range(0, len(group_starts), per_call):
+                first = torch.tensor(group_starts[i : i + per_call], device=device)
+                self.groups.append(first[:, None] + torch.arange(length, device=device))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q/k/v `[total, heads, D]` -> `[total, heads, D]`."""
+        scale = q.shape[-1] ** -0.5
+        if self.whole:  # 4-D inputs: the fused (flash / mem-efficient) kernels need them
+            qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            return F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
+        out = torch.empty_like(q)
+        for index in self.groups:
+            # [S, L, H, D] -> [S, H, L, D]
+            qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
+            attended = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+            out[index] = attended.transpose(1, 2)
+        return out

@@ -1,0 +1,122 @@
+"""Reading safetensors checkpoints and copying them into a module by parameter name."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, else `model.safetensors`,
+    else every `*.safetensors` in the folder."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    if (model_dir / SINGLE_FILE).exists():
+        return [model_dir / SINGLE_FILE]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields `(name, tensor)` for every tensor of the checkpoint, on the CPU, as stored."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def load_named_weights(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    rename: Callable[[str], str | None],
+    packed: dict[str, tuple[str, int]],
+) -> None:
+    """Copies checkpoint tensors into `module`'s parameters, casting to their dtype and device.
+
+    `rename` maps a checkpoint name to the module's name (None = skip the tensor).
+    `packed` maps a checkpoint module name (`q_proj`) to a fused module of ours and the
+    shard it fills (`("qkv_proj", 0)`); a fused `nn.Linear` carries `shard_sizes`.
+    Raises naming every missing, unexpected or mis-shaped weight.
+    """
+    params = dict(module.named_parameters())
+    modules = dict(module.named_modules())
+    needed: set[tuple[str, int]] = set()
+    for name in params:
+        owner, _, _ = name.rpartition(".")
+        shards = getattr(modules[owner], "shard_sizes", None)
+        needed.update((name, i) for i in range(len(shards) if shards else 1))
+
+    unexpected: list[str] = []
+    bad_shape: list[str] = []
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name)
+        if name is None:
+            continue
+        target, shard = _unpack(name, packed)
+        param = params.get(target)
+        if param is None:
+            unexpected.append(ckpt_name)
+            continue
+        destination = param.data
+        if shard is not None:
+            owner = modules[target.rpartition(".")[0]]
+            sizes = owner.shard_sizes
+            destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if destination.shape != tensor.shape:
+            bad_shape.append(f"{ckpt_name}: {tuple(tensor.shape)} vs {tuple(destination.shape)}")
+            continue
+        with torch.no_grad():
+            destination.copy_(tensor)
+        needed.discard((target, shard or 0))
+
+    problems = []
+    if unexpected:
+        problems.append(f"unexpected weights: {_names(unexpected)}")
+    if bad_shape:
+        problems.append(f"shape mismatches: {_names(bad_shape)}")
+    if needed:
+        missing = sorted(_checkpoint_name(n, s, packed, modules) for n, s in needed)
+        problems.append(f"missing weights: {_names(missing)}")
+    if problems:
+        raise ValueError("checkpoint does not match the model; " + "; ".join(problems))
+
+
+def _unpack(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in packed:
+        fused, shard = packed[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), shard
+    return name, None
+
+
+def _checkpoint_name(
+    name: str, shard: int, packed: dict[str, tuple[str, int]], modules: dict[str, nn.Module]
+) -> str:
+    """The checkpoint-side name of one (possibly fused) parameter shard, for error messages."""
+    owner, _, leaf = name.rpartition(".")
+    if getattr(modules[owner], "shard_sizes", None) is None:
+        return name
+    prefix, _, fused = owner.rpartition(".")
+    for source, (target, index) in packed.items():
+        if target == fused and index == shard:
+            return f"{prefix}.{source}.{leaf}"
+    return f"{name}[shard {shard}]"
+
+
+def _names(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")

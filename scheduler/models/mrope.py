@@ -1,0 +1,66 @@
+"""M-RoPE positions for a prompt, from image spans instead of a scan of the token ids.
+
+Text tokens advance all three axes together. An image's `t*h'*w'` tokens (h', w' after
+merging) sit on a grid whose temporal, row and column positions start at the position
+the next text token would have had; the text after the image resumes at that start plus
+`max(h', w')`. A prompt with images therefore ends at a position lower than its length,
+and every later token `i` sits at `i + rope_delta` on all three axes.
+
+Equal to transformers' `Qwen2VLModel.get_rope_index` (and Qwen2.5-VL's, for images).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def mrope_positions(
+    num_tokens: int,
+    image_spans: Sequence[tuple[int, int]],
+    image_grids: Sequence[tuple[int, int, int]],
+    spatial_merge_size: int,
+) -> tuple[torch.Tensor, int]:
+    """Positions `[3, num_tokens]` (int64) and the rope delta of a whole prompt.
+
+    `image_spans` are `(offset, length)` of each image's `<|image_pad|>` run in the token
+    ids, `image_grids` the matching `(t, h, w)` in patches before merging.
+    """
+    if len(image_spans) != len(image_grids):
+        raise ValueError(f"{len(image_spans)} image spans but {len(image_grids)} grids")
+    m = spatial_merge_size
+    parts: list[torch.Tensor] = []
+    token = 0  # next token index
+    position = 0  # position of the next text token
+    for (offset, length), (t, h, w) in sorted(zip(image_spans, image_grids, strict=True)):
+        gh, gw = h // m, w // m
+        if length != t * gh * gw:
+            raise ValueError(f"image span of {length} tokens does not match grid {(t, h, w)}")
+        if offset < token or offset + length > num_tokens:
+            raise ValueError(f"image span {(offset, length)} overlaps another or the end")
+        if offset > token:
+            parts.append(_text(position, offset - token))
+            position += offset - token
+        tt = torch.arange(t).view(t, 1, 1).expand(t, gh, gw)
+        hh = torch.arange(gh).view(1, gh, 1).expand(t, gh, gw)
+        ww = torch.arange(gw).view(1, 1, gw).expand(t, gh, gw)
+        parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + position)
+        position += max(gh, gw)
+        token = offset + length
+    if token < num_tokens:
+        parts.append(_text(position, num_tokens - token))
+    if not parts:
+        return torch.zeros(3, 0, dtype=torch.long), 0
+    positions = torch.cat(parts, dim=1)
+    return positions, int(positions.max()) + 1 - num_tokens
+
+
+def text_positions(start: int, count: int, rope_delta: int = 0) -> torch.Tensor:
+    """Positions `[3, count]` of tokens `start .. start+count-1` that follow the prompt's
+    images (decode steps, or a prompt's text tail): `index + rope_delta` on every axis."""
+    return _text(start + rope_delta, count)
+
+
+def _text(start: int, count: int) -> torch.Tensor:
+    return torch.arange(start, start + count, dtype=torch.long).repeat(3, 1)

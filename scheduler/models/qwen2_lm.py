@@ -1,0 +1,85 @@
+"""The Qwen2 decoder with M-RoPE, as used by Qwen2-VL and Qwen2.5-VL.
+
+Module names follow the checkpoint (`embed_tokens`, `layers.N.self_attn`, `mlp`,
+`input_layernorm`, ...) except for two fused projections, `qkv_proj` and `gate_up_proj`,
+which the loader fills from `q/k/v_proj` and `gate/up_proj`. Attention itself is an
+`AttentionContext`'s job; this module only projects, rotates and mixes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from scheduler.models.attention_api import AttentionContext
+from scheduler.models.config import VLModelConfig
+from scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, config: VLModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=True)
+        self.qkv_proj.shard_sizes = (q_size, kv_size, kv_size)  # type: ignore[assignment]
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionContext,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = attn.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, config: VLModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen2Attention(config, layer_idx)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=False, act="silu")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Model(nn.Module):
+    """Checkpoint prefix `model.`: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: VLModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [Qwen2DecoderLayer(config, i) for i in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        """inputs_embeds `[N, H]`, positions `[3, N]` (or `[N]` for text-only) -> `[N, H]`."""
+        if positions.dim() == 1:
+            positions = positions.expand(3, -1)
+        cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)

@@ -1,0 +1,112 @@
+"""Qwen2-VL: vision tower + Qwen2 decoder + LM head, the API the scheduler drives.
+
+The scheduler embeds tokens, encodes the images a prefill chunk needs, splices the
+image embeddings into the `<|image_pad|>` rows itself, and runs `forward` on a flat
+batch of tokens from several sequences with an `AttentionContext` for the step.
+
+Weights load by name from either layout a checkpoint may use:
+- hub: `model.embed_tokens.*`, `model.layers.N.*`, `model.norm.*`, `visual.*`, `lm_head.*`
+  (also what transformers 5 `save_pretrained` writes);
+- transformers' in-memory `state_dict`: `model.language_model.*`, `model.visual.*`, `lm_head.*`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from scheduler.models.attention_api import AttentionContext
+from scheduler.models.config import VLModelConfig
+from scheduler.models.layers import PACKED_SHARDS
+from scheduler.models.loader import load_named_weights
+from scheduler.models.qwen2_lm import Qwen2Model
+from scheduler.models.vision_qwen2 import Qwen2VisionTransformer
+
+# checkpoint prefix -> our prefix, first match wins
+_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("model.visual.", "visual."),
+)
+# buffers some exporters save; we always recompute them
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
+
+
+class Qwen2VLForCausalLM(nn.Module):
+    vision_tower = Qwen2VisionTransformer
+
+    def __init__(self, config: VLModelConfig) -> None:
+        super().__init__()
+        if config.vision.out_hidden_size != config.hidden_size:
+            raise ValueError(
+                f"vision out_hidden_size {config.vision.out_hidden_size} != hidden_size "
+                f"{config.hidden_size}"
+            )
+        self.config = config
+        self.model = Qwen2Model(config)
+        self.visual = self.vision_tower(config.vision)
+        # tied checkpoints have no lm_head; `compute_logits` uses the embeddings instead
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[N]` -> `[N, H]`."""
+        return self.model.embed_tokens(input_ids)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Image embeddings `[sum_i t*h*w / merge**2, H]`, images in the order given.
+
+        `pixel_values` `[sum_patches, C*T*P*P]` exactly as the HF image processor emits them
+        (several images concatenated); `grid_thw` `[num_images, 3]`.
+        """
+        expected = int(grid_thw.prod(-1).sum())
+        if pixel_values.shape != (expected, self.config.vision.patch_dim):
+            raise ValueError(
+                f"pixel_values {tuple(pixel_values.shape)} do not match grid_thw "
+                f"(expected {(expected, self.config.vision.patch_dim)})"
+            )
+        pixel_values = pixel_values.to(device=self.device, dtype=self.dtype)
+        return self.visual(pixel_values, grid_thw)
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        """inputs_embeds `[N, H]` (flat over sequences), positions `[3, N]` int64 ->
+        hidden states `[N, H]` after the final norm."""
+        return self.model(inputs_embeds, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[B, H]` -> fp32 `[B, vocab]` (the matmul runs in the model's dtype, as in HF)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def reset_buffers(self) -> None:
+        """Recomputes non-persistent buffers (rotary frequencies), e.g. after `to_empty`."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, rename=self._rename, packed=PACKED_SHARDS)
+
+    def _rename(self, name: str) -> str | None:
+        if name.endswith(_SKIPPED_SUFFIXES):
+            return None
+        if name.startswith("lm_head.") and self.lm_head is None:
+            return None  # tied: transformers ignores a stored lm_head as well
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name

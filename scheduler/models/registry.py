@@ -1,0 +1,74 @@
+"""Which class serves which checkpoint, and building a model from a folder.
+
+Model modules are imported only when picked, so importing the registry is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from scheduler.models.config import VLModelConfig, architecture_of
+from scheduler.models.layers import RMSNorm
+from scheduler.models.loader import iter_safetensors
+
+# config.architectures[0] -> "module:Class"
+ARCHITECTURES: dict[str, str] = {
+    "Qwen2VLForConditionalGeneration": "scheduler.models.qwen2_vl:Qwen2VLForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "scheduler.models.qwen2_5_vl:Qwen2_5_VLForCausalLM",
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+    module_name, class_name = ARCHITECTURES[architecture].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def load_config(model_dir: str | Path) -> VLModelConfig:
+    """Reads the checkpoint's config, failing early and clearly on an unknown architecture."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    model_class(architecture_of(raw))  # raises for unsupported ones
+    return VLModelConfig.from_pretrained(model_dir)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    dummy_weights: bool = False,
+) -> nn.Module:
+    """Builds the model on the meta device, materialises it on `device` in `dtype` and
+    loads the checkpoint's weights (or, with `dummy_weights`, small random ones)."""
+    config = load_config(model_dir)
+    cls = model_class(config.architecture)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.reset_buffers()
+    if dummy_weights:
+        _init_dummy(model)
+    else:
+        model.load_weights(iter_safetensors(model_dir))
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module, seed: int = 0) -> None:
+    """Norms at identity, everything else N(0, 0.02): shapes and speed, not meaning."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for module in model.modules():
+        is_norm = isinstance(module, (nn.LayerNorm, RMSNorm))
+        for name, param in module.named_parameters(recurse=False):
+            if is_norm:
+                param.fill_(1.0 if name == "weight" else 0.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
