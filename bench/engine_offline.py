@@ -1,0 +1,132 @@
+"""Offline engine benchmark: prefill and decode tokens/s, ViT images/s (no HTTP, no IPC).
+
+Runs the in-process engine on the generated `tiny` and `small` checkpoints and compares
+variants side by side in one run:
+
+- prefill: 4 text prompts at a step budget of 2048 tokens vs chunked at 256;
+- decode: 8 concurrent requests (continuous batching) vs 1 request at a time;
+- ViT: 4 images encoded in one vision-tower call vs one call per image.
+
+    python -m bench.engine_offline --sizes tiny small [--quick] [--out DIR]   # from the repo root
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bench.results_io import markdown_table, write_result
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.request import EnginePrompt
+from scheduler.sampling import SamplingParams
+from scheduler.tiny_checkpoint import builtin_checkpoint
+from tests.reference import make_image
+from tokenizer_worker.prompt import PromptBuilder
+
+
+def text_prompt(builder: PromptBuilder, num_tokens: int, seed: int) -> EnginePrompt:
+    words = " ".join(f"word{(seed * 131 + i) % 997}" for i in range(num_tokens))
+    ids = builder.tokenizer.encode(words, add_special_tokens=False)[:num_tokens]
+    return EnginePrompt(token_ids=ids)
+
+
+def timed_prefill(engine: Engine, prompts: list[EnginePrompt]) -> float:
+    """Seconds to prefill all prompts (each samples one token)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    started = time.perf_counter()
+    for _ in engine.run_until_idle():
+        pass
+    return time.perf_counter() - started
+
+
+def timed_decode(engine: Engine, prompts: list[EnginePrompt], new_tokens: int) -> float:
+    """Seconds spent in decode-only steps once every prompt has been prefilled."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{i}", prompt, params)
+    engine.step()  # prefill of all prompts (the budget covers them)
+    started = time.perf_counter()
+    for _ in engine.run_until_idle():
+        pass
+    return time.perf_counter() - started
+
+
+def bench_size(size: str, quick: bool) -> list[list[object]]:
+    model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=size)
+    builder = PromptBuilder(model_dir)
+    prompt_len = 128 if quick else 512
+    new_tokens = 8 if quick else 32
+    rows: list[list[object]] = []
+
+    def engine(**overrides) -> Engine:
+        """A fresh engine, warmed up so first-call costs stay out of the timings."""
+        fresh = Engine(EngineConfig(model=str(model_dir), **overrides))
+        fresh.generate([text_prompt(builder, 32, seed=99)], SamplingParams(max_tokens=4))
+        return fresh
+
+    prefill_prompts = [text_prompt(builder, prompt_len, seed) for seed in range(4)]
+    tokens = sum(len(p.token_ids) for p in prefill_prompts)
+    whole = tokens / timed_prefill(engine(max_num_batched_tokens=2048), prefill_prompts)
+    chunked = tokens / timed_prefill(engine(max_num_batched_tokens=256), prefill_prompts)
+    rows.append(
+        [size, "prefill tok/s", "budget 2048", whole, "budget 256", chunked, whole / chunked]
+    )
+
+    decode_prompts = [text_prompt(builder, 64, seed) for seed in range(8)]
+    batched = 8 * new_tokens / timed_decode(engine(), decode_prompts, new_tokens)
+    single_seconds = sum(timed_decode(engine(), [p], new_tokens) for p in decode_prompts[:2])
+    single = 2 * new_tokens / single_seconds
+    rows.append(
+        [size, "decode tok/s", "8 concurrent", batched, "1 at a time", single, batched / single]
+    )
+
+    iris = engine()
+    side = 224 if quick else 448
+    prompt = builder.build(
+        builder.render_chat([{"role": "user", "content": [{"type": "image"}] * 4}]),
+        [make_image(side, side, seed=s) for s in range(4)],
+    )
+    pixels = [image.pixel_values.to(iris.device, iris.dtype) for image in prompt.images]
+    grids = [torch.tensor([image.grid_thw], device=iris.device) for image in prompt.images]
+    with torch.inference_mode():
+        iris.model.encode_images(pixels[0], grids[0])  # warm-up
+        started = time.perf_counter()
+        iris.model.encode_images(torch.cat(pixels), torch.cat(grids))
+        one_call = 4 / (time.perf_counter() - started)
+        started = time.perf_counter()
+        for p, g in zip(pixels, grids, strict=True):
+            iris.model.encode_images(p, g)
+        per_image = 4 / (time.perf_counter() - started)
+    label = f"ViT img/s ({side}x{side}, {prompt.images[0].length} tok)"
+    rows.append(
+        [size, label, "4 in one call", one_call, "1 per call", per_image, one_call / per_image]
+    )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--quick", action="store_true", help="small inputs (smoke test)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", type=Path, default=None, help="results folder")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [row for size in args.sizes for row in bench_size(size, args.quick)]
+    header = ["model", "metric", "variant A", "A", "variant B", "B", "A / B"]
+    write_result(
+        "engine_offline" + ("_quick" if args.quick else ""),
+        "Offline engine throughput (in-process, Qwen2.5-VL generated checkpoints)",
+        markdown_table(header, rows),
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()

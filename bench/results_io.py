@@ -1,0 +1,72 @@
+"""Writes a benchmark's table to bench/results/ with the machine, command, date and commit."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_description() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} torch threads, Python {platform.python_version()}"
+    )
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=RESULTS_DIR.parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(value: object) -> str:
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_result(name: str, title: str, body: str, results_dir: Path | None = None) -> Path:
+    """Prints `body` and saves it as `<results_dir>/<name>.md` with its provenance."""
+    results_dir = results_dir or RESULTS_DIR
+    results_dir.mkdir(parents=True, exist_ok=True)
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    text = (
+        f"# {title}\n\n"
+        f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n"
+        f"- machine: {machine_description()}\n"
+        f"- command: `{command}`\n"
+        f"- commit: {git_commit()}\n\n"
+        f"{body}\n"
+    )
+    print(text)
+    path = results_dir / f"{name}.md"
+    path.write_text(text)
+    return path

@@ -1,0 +1,53 @@
+"""Hugging Face transformers as the reference: same checkpoint, same inputs, `generate`."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from scheduler.request import EnginePrompt
+
+
+@functools.lru_cache(maxsize=4)
+def hf_model(model_dir: str):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_generate(model_dir: str | Path, prompt: EnginePrompt, max_new_tokens: int) -> list[int]:
+    """Greedy `generate` on exactly the engine's token ids and pixel values."""
+    model = hf_model(str(model_dir))
+    input_ids = torch.tensor([prompt.token_ids])
+    inputs: dict[str, torch.Tensor] = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+    }
+    if prompt.images:
+        inputs["pixel_values"] = torch.cat([image.pixel_values for image in prompt.images])
+        inputs["image_grid_thw"] = torch.tensor([image.grid_thw for image in prompt.images])
+        inputs["mm_token_type_ids"] = (input_ids == model.config.image_token_id).int()
+    with torch.inference_mode():
+        output = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
+        )
+    return output[0, input_ids.shape[1] :].tolist()
+
+
+def make_image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    """A deterministic, structured test image (gradients plus noise) in any PIL mode."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack(
+        [(x * 255 // max(width - 1, 1)), (y * 255 // max(height - 1, 1)), (x + y) % 256], axis=-1
+    )
+    noise = rng.integers(0, 64, size=(height, width, 3))
+    rgb = Image.fromarray(((base + noise) % 256).astype(np.uint8), "RGB")
+    if mode == "P":
+        return rgb.quantize(colors=32)
+    return rgb.convert(mode)

@@ -1,0 +1,67 @@
+"""The user-facing commands run: `iris generate` and the offline engine benchmark."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.reference import make_image
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {
+        "IRIS_CACHE_DIR": str(tmp_path / "cache"),
+        "HF_HUB_OFFLINE": "1",
+        "PATH": "/usr/bin:/bin",
+    }
+    result = subprocess.run(
+        args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def test_iris_generate_with_an_image(qwen2_vl_tiny, tmp_path):
+    image = tmp_path / "picture.png"
+    make_image(100, 80, seed=1).save(image)
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "generate",
+            str(qwen2_vl_tiny),
+            "--image",
+            str(image),
+            "--max-tokens",
+            "5",
+        ],
+        tmp_path,
+    )
+    assert re.search(r"\[\d+ prompt tokens, 1 images, [1-5] output tokens", result.stdout)
+
+
+def test_engine_benchmark_writes_its_table(tmp_path):
+    run(
+        [
+            sys.executable,
+            "-m",
+            "bench.engine_offline",
+            "--sizes",
+            "tiny",
+            "--quick",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "results"),
+        ],
+        tmp_path,
+    )
+    table = (tmp_path / "results" / "engine_offline_quick.md").read_text()
+    for metric in ("prefill tok/s", "decode tok/s", "ViT img/s"):
+        assert metric in table
+    assert "- machine:" in table and "- command:" in table and "- commit:" in table
