@@ -6,7 +6,8 @@ One tagged union per socket direction (tags are ints, unique across all unions):
     ServerToTokenizer     server → tokenizer worker      TokenizeRequest 10, AbortRequest 11
     TokenizerToScheduler  tokenizer worker → scheduler   EngineRequest 20, AbortEngineRequest 21
     SchedulerToTokenizer  scheduler → tokenizer worker   ReleaseImages 30
-    ToServer              scheduler, workers → server    TokenBatch 40, RequestError 41
+    ToServer              scheduler, workers → server    TokenBatch 40, RequestError 41,
+                                                         EngineStats 42, WorkerStats 43
 
 `ToServer` has two senders on purpose: the server binds one PULL socket, the scheduler
 sends tokens and per-request errors into it, and a tokenizer worker sends the errors of
@@ -37,7 +38,7 @@ import numpy as np
 _TOKENIZE, _ABORT = 10, 11
 _ENGINE_REQUEST, _ABORT_ENGINE = 20, 21
 _RELEASE_IMAGES = 30
-_TOKEN_BATCH, _REQUEST_ERROR = 40, 41
+_TOKEN_BATCH, _REQUEST_ERROR, _ENGINE_STATS, _WORKER_STATS = 40, 41, 42, 43
 
 Key128 = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -233,7 +234,32 @@ class RequestError(_Message, tag=_REQUEST_ERROR):
     param: str | None = None
 
 
-ToServer: TypeAlias = TokenBatch | RequestError
+class EngineStats(_Message, tag=_ENGINE_STATS):
+    """The scheduler's gauges, sent when they change (at most a few times a second)."""
+
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    pinned_images: int  # arena entries the scheduler holds pins on
+    num_preemptions: int = 0
+    images_encoded: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class WorkerStats(_Message, tag=_WORKER_STATS):
+    """A tokenizer worker's gauges, sent when they change."""
+
+    worker_id: int
+    arena_used_bytes: int
+    arena_capacity_bytes: int
+    arena_pinned_entries: int
+    requests_processed: int = 0
+    images_processed: int = 0
+
+
+ToServer: TypeAlias = TokenBatch | RequestError | EngineStats | WorkerStats
 
 
 # --- codecs -----------------------------------------------------------------------

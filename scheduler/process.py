@@ -1,0 +1,248 @@
+"""The scheduler process: drives the engine from its sockets.
+
+    receive → admit (pixels stay in shared memory) → step → send tokens → release pins
+
+Every tokenizer worker pushes `EngineRequest`s and `AbortEngineRequest`s into one PULL
+socket; a worker forwards an abort after the request it aborts, so the two never race.
+Pixels are zero-copy views of the owning worker's arena; their pins are released when
+the request finishes or is aborted (`ReleaseImages` to that worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ipc.messages import (
+    SCHEDULER_TO_TOKENIZER,
+    TO_SERVER,
+    TOKENIZER_TO_SCHEDULER,
+    AbortEngineRequest,
+    EngineRequest,
+    EngineStats,
+    ReleaseImages,
+    RequestError,
+    RequestOutput,
+    ShmHandle,
+    TokenBatch,
+    ToServer,
+    unpack_token_ids,
+)
+from ipc.shm_arena import ShmReader
+from ipc.sockets import PullSocket, PushSocket, ipc_address
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.engine import RequestOutput as EngineOutput
+from scheduler.request import EnginePrompt, ImageInput
+from scheduler.sampling import SamplingParams
+
+logger = logging.getLogger("iris.scheduler")
+IDLE_POLL_SECONDS = 0.1
+STATS_INTERVAL_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class SchedulerProcessConfig:
+    engine: EngineConfig
+    run_dir: str
+    num_workers: int
+
+
+class SchedulerLoop:
+    def __init__(self, engine: Engine, run_dir: Path, num_workers: int) -> None:
+        self.engine = engine
+        self.inbox = PullSocket(TOKENIZER_TO_SCHEDULER, ipc_address(run_dir, "scheduler"))
+        self.to_server = PushSocket(TO_SERVER, ipc_address(run_dir, "server"))
+        self.to_workers = [
+            PushSocket(SCHEDULER_TO_TOKENIZER, ipc_address(run_dir, f"release-{i}"))
+            for i in range(num_workers)
+        ]
+        self.reader = ShmReader()
+        self.pins: dict[str, list[tuple[int, ShmHandle]]] = {}
+        self.stopping = False
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self._last_stats: EngineStats | None = None
+        self._last_stats_time = 0.0
+
+    def run(self) -> None:
+        parent = os.getppid()
+        while not self.stopping and os.getppid() == parent:
+            busy = self.engine.has_unfinished_requests()
+            message = self.inbox.recv(0 if busy else IDLE_POLL_SECONDS)
+            while message is not None:
+                self._handle(message)
+                message = self.inbox.recv(0)
+            if self.engine.has_unfinished_requests():
+                self._send_outputs(self.engine.step())
+            self._send_stats()
+
+    def close(self) -> None:
+        for request_id in list(self.pins):
+            self._release(request_id)
+        for socket in (self.inbox, self.to_server, *self.to_workers):
+            socket.close()
+        self.reader.close()
+
+    # -- messages in ----------------------------------------------------------------------
+
+    def _handle(self, message: EngineRequest | AbortEngineRequest) -> None:
+        if isinstance(message, AbortEngineRequest):
+            self.engine.abort(message.request_id)
+            self._release(message.request_id)
+            return
+        self.pins[message.request_id] = [
+            (image.pixels.worker_id, image.pixels.handle)
+            for image in message.images
+            if image.pixels is not None
+        ]
+        try:
+            prompt, sampling = self._admission(message)
+            self.engine.add_request(message.request_id, prompt, sampling)
+            self.prompt_tokens += len(prompt.token_ids)
+        except ValueError as error:
+            self._release(message.request_id)
+            self._send(RequestError(message.request_id, 400, str(error), param=_param_of(error)))
+
+    def _admission(self, message: EngineRequest) -> tuple[EnginePrompt, SamplingParams]:
+        token_ids = unpack_token_ids(message.token_ids)
+        max_model_len = self.engine.max_model_len
+        wanted = message.sampling.max_tokens
+        if len(token_ids) + max(wanted, 1) > max_model_len:
+            raise _ContextLengthError(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"you requested {len(token_ids) + wanted} tokens ({len(token_ids)} in the "
+                f"messages, {wanted} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                param="max_tokens" if wanted else "messages",
+            )
+        images = []
+        for image in message.images:
+            if image.pixels is None:
+                raise ValueError("an image arrived without pixels")
+            images.append(
+                ImageInput(
+                    key=image.key,
+                    offset=image.offset,
+                    length=image.length,
+                    grid_thw=image.grid_thw,
+                    pixel_values=self.reader.view(image.pixels),
+                )
+            )
+        fields = {f: getattr(message.sampling, f) for f in message.sampling.__struct_fields__}
+        fields["max_tokens"] = wanted or max_model_len - len(token_ids)
+        fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
+        return EnginePrompt(token_ids=token_ids, images=images), SamplingParams(**fields)
+
+    # -- messages out ---------------------------------------------------------------------
+
+    def _send_outputs(self, outputs: list[EngineOutput]) -> None:
+        if not outputs:
+            return
+        batch = []
+        for output in outputs:
+            self.generation_tokens += len(output.new_token_ids)
+            batch.append(
+                RequestOutput(
+                    request_id=output.request_id,
+                    new_token_ids=output.new_token_ids,
+                    finished=output.finished,
+                    finish_reason=output.finish_reason.value if output.finish_reason else None,
+                    prompt_tokens=output.num_prompt_tokens,
+                    cached_tokens=0,
+                    completion_tokens=output.num_output_tokens,
+                )
+            )
+            if output.finished:
+                self._release(output.request_id)
+        self._send(TokenBatch(batch))
+
+    def _send_stats(self) -> None:
+        """Gauges for /metrics: sent when they change, at most every 0.2 s while busy,
+        and always once the engine is idle (so a test sees the settled values)."""
+        engine = self.engine
+        pool = engine.kv_cache.pool
+        stats = EngineStats(
+            num_running=len(engine.planner.running),
+            num_waiting=len(engine.planner.waiting),
+            kv_pages_used=pool.num_pages - pool.num_free,
+            kv_pages_total=pool.num_pages,
+            pinned_images=sum(len(pins) for pins in self.pins.values()),
+            num_preemptions=engine.planner.num_preemptions,
+            images_encoded=engine.runner.images_encoded,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+        now = time.monotonic()
+        idle = not engine.has_unfinished_requests()
+        if stats == self._last_stats or (
+            not idle and now - self._last_stats_time < STATS_INTERVAL_SECONDS
+        ):
+            return
+        self._last_stats, self._last_stats_time = stats, now
+        self._send(stats)
+
+    def _send(self, message: ToServer) -> None:
+        try:
+            self.to_server.send(message)
+        except TimeoutError:
+            logger.error("the server took no message for 5 s; dropping %s", type(message).__name__)
+
+    def _release(self, request_id: str) -> None:
+        by_worker: dict[int, list[ShmHandle]] = {}
+        for worker_id, handle in self.pins.pop(request_id, []):
+            by_worker.setdefault(worker_id, []).append(handle)
+        for worker_id, handles in by_worker.items():
+            try:
+                self.to_workers[worker_id].send(ReleaseImages(handles))
+            except (IndexError, TimeoutError):
+                logger.error("could not release %d images of worker %d", len(handles), worker_id)
+
+
+class _ContextLengthError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _param_of(error: ValueError) -> str | None:
+    return getattr(error, "param", None)
+
+
+def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
+    """Entry point of the spawned scheduler process; reports `(name, ok, info)` on `ready`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        engine = Engine(config.engine)
+        loop = SchedulerLoop(engine, Path(config.run_dir), config.num_workers)
+    except Exception as error:
+        logger.exception("scheduler failed to start")
+        ready.put(("scheduler", False, f"{type(error).__name__}: {error}"))
+        raise SystemExit(1) from error
+
+    def stop(signum: int, frame: object) -> None:
+        loop.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    ready.put(("scheduler", True, {"max_model_len": engine.max_model_len}))
+    logger.info(
+        "scheduler ready on %s (%s): %d KV pages of %d tokens, max_model_len %d",
+        engine.device,
+        engine.dtype,
+        engine.kv_cache.num_pages,
+        engine.kv_cache.page_size,
+        engine.max_model_len,
+    )
+    try:
+        loop.run()
+    finally:
+        loop.close()
+        logger.info("stopped")
+        logging.shutdown()
+        os._exit(0)  # skip the interpreter's teardown: a final GC can outlast the grace period
