@@ -3,6 +3,10 @@
 Iris does not need transformers' `AutoProcessor` (which needs torchvision for Qwen-VL):
 it takes the tokenizer and the image processor, and expands every `<|image_pad|>`
 into as many ids as the image has tokens after the patch merger.
+
+`PromptBuilder.build` is the in-process path (tests, `iris generate`, benchmarks); the
+tokenizer worker uses the same pieces (`encode`, `image_size`, `image_settings`,
+`process_image`, `expand`) with its own image fetching, cache and arena.
 """
 
 from __future__ import annotations
@@ -13,23 +17,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
 from scheduler.request import EnginePrompt, ImageInput
 from tokenizer_worker.image_key import image_key
 
-# Image-processor attributes that change the pixels an image becomes (invariant 2).
-_PIXEL_SETTINGS = (
-    "min_pixels",
-    "max_pixels",
-    "patch_size",
-    "temporal_patch_size",
-    "merge_size",
-    "image_mean",
-    "image_std",
-    "size",
-)
+ImageSize = tuple[int, int]  # (min_pixels, max_pixels): the processor's shortest/longest_edge
+Grid = tuple[int, int, int]
+
+
+class PlaceholderMismatch(ValueError):
+    """The text has another number of image placeholders than there are images."""
 
 
 class PromptBuilder:
@@ -39,44 +40,123 @@ class PromptBuilder:
         self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.image_token_id: int = config["image_token_id"]
+        self.video_token_id: int | None = config.get("video_token_id")
+        text = config.get("text_config", config)
+        self.vocab_size: int = text.get("vocab_size", config.get("vocab_size"))
         vision = config.get("vision_config", {})
         self.merge_size: int = vision.get("spatial_merge_size", 2)
-        settings = [(name, getattr(self.image_processor, name, None)) for name in _PIXEL_SETTINGS]
-        self._settings = (*settings, ("model", str(self.model_dir.resolve())))
+        processor = self.image_processor
+        self.default_size: ImageSize = (
+            processor.size["shortest_edge"],
+            processor.size["longest_edge"],
+        )
+        self.patch_dim: int = 3 * processor.temporal_patch_size * processor.patch_size**2
+        # Every processor setting (whatever changes the pixels is among them), the
+        # processor class and the model; the size comes per request (`image_settings`).
+        settings = processor.to_dict()
+        settings.pop("size", None)
+        self._settings = (
+            *((f"processor.{name}", value) for name, value in settings.items()),
+            ("processor", type(processor).__name__),
+            ("model", str(self.model_dir.resolve())),
+        )
+
+    # --- images ------------------------------------------------------------------
+
+    def image_size(self, min_pixels: int | None = None, max_pixels: int | None = None) -> ImageSize:
+        """The processor's size bounds with a request's overrides applied."""
+        default_min, default_max = self.default_size
+        size = (min_pixels or default_min, max_pixels or default_max)
+        if size[0] > size[1]:
+            raise ValueError(f"min_pixels {size[0]} is larger than max_pixels {size[1]}")
+        return size
+
+    def image_settings(self, size: ImageSize | None = None) -> tuple[tuple[str, Any], ...]:
+        """What an image key covers besides the encoded bytes (invariant 2)."""
+        return (*self._settings, ("size", size or self.default_size))
+
+    def num_patches(self, width: int, height: int, size: ImageSize | None = None) -> int:
+        """Rows of `pixel_values` for an image of this size, without processing it.
+
+        Raises ValueError for an aspect ratio the processor refuses (over 200).
+        """
+        min_pixels, max_pixels = size or self.default_size
+        return self.image_processor.get_number_of_image_patches(
+            height, width, {"min_pixels": min_pixels, "max_pixels": max_pixels}
+        )
+
+    def process_image(
+        self, image: Image.Image, size: ImageSize | None = None
+    ) -> tuple[np.ndarray, Grid]:
+        """float32 `pixel_values` [patches, C*T*P*P] exactly as the processor emits them."""
+        min_pixels, max_pixels = size or self.default_size
+        processed = self.image_processor(
+            images=[image], size={"shortest_edge": min_pixels, "longest_edge": max_pixels}
+        )
+        pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
+        grid = tuple(int(x) for x in processed["image_grid_thw"][0])
+        return pixels, grid  # type: ignore[return-value]
+
+    def num_image_tokens(self, grid: Grid) -> int:
+        return grid[0] * grid[1] * grid[2] // self.merge_size**2
+
+    # --- text --------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
 
-    def build(self, text: str, images: Sequence[Image.Image] = ()) -> EnginePrompt:
-        """Tokenizes `text` (already templated) and expands one placeholder per image."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def expand(self, ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Replace the i-th image placeholder by `lengths[i]` of them.
+
+        Returns the expanded ids and each image's offset in them.
+        """
         placeholders = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(placeholders) != len(images):
-            raise ValueError(
-                f"the prompt has {len(placeholders)} image placeholders for {len(images)} images"
+        if len(placeholders) != len(lengths):
+            raise PlaceholderMismatch(
+                f"the prompt has {len(placeholders)} image placeholders for {len(lengths)} images"
             )
         token_ids: list[int] = []
-        inputs: list[ImageInput] = []
+        offsets: list[int] = []
         previous = 0
-        for position, image in zip(placeholders, images, strict=True):
+        for position, length in zip(placeholders, lengths, strict=True):
             token_ids.extend(ids[previous:position])
-            processed = self.image_processor(images=[image], return_tensors="pt")
-            grid = tuple(int(x) for x in processed["image_grid_thw"][0])
-            length = grid[0] * grid[1] * grid[2] // self.merge_size**2
-            inputs.append(
-                ImageInput(
-                    key=image_key(_image_bytes(image), self._settings),
-                    offset=len(token_ids),
-                    length=length,
-                    grid_thw=grid,  # type: ignore[arg-type]
-                    pixel_values=processed["pixel_values"],
-                )
-            )
+            offsets.append(len(token_ids))
             token_ids.extend([self.image_token_id] * length)
             previous = position + 1
         token_ids.extend(ids[previous:])
+        return token_ids, offsets
+
+    # --- in process --------------------------------------------------------------
+
+    def build(self, text: str, images: Sequence[Image.Image] = ()) -> EnginePrompt:
+        """Tokenizes `text` (already templated) and expands one placeholder per image."""
+        ids = self.encode(text)
+        count = ids.count(self.image_token_id)
+        if count != len(images):
+            raise PlaceholderMismatch(
+                f"the prompt has {count} image placeholders for {len(images)} images"
+            )
+        processed = [self.process_image(image) for image in images]
+        lengths = [self.num_image_tokens(grid) for _, grid in processed]
+        token_ids, offsets = self.expand(ids, lengths)
+        settings = self.image_settings()
+        inputs = [
+            ImageInput(
+                key=image_key(_image_bytes(image), settings),
+                offset=offset,
+                length=length,
+                grid_thw=grid,
+                pixel_values=torch.from_numpy(pixels),
+            )
+            for image, (pixels, grid), offset, length in zip(
+                images, processed, offsets, lengths, strict=True
+            )
+        ]
         return EnginePrompt(token_ids=token_ids, images=inputs)
 
 

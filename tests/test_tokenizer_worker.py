@@ -1,0 +1,379 @@
+"""The tokenizer worker: in-process logic over a real arena, and one real worker process."""
+
+from __future__ import annotations
+
+import base64
+import io
+import multiprocessing as mp
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from ipc.messages import (
+    SCHEDULER_TO_TOKENIZER,
+    SERVER_TO_TOKENIZER,
+    TO_SERVER,
+    TOKENIZER_TO_SCHEDULER,
+    AbortEngineRequest,
+    AbortRequest,
+    EngineRequest,
+    ReleaseImages,
+    RequestError,
+    Sampling,
+    TokenizeRequest,
+    WorkerStats,
+    unpack_token_ids,
+)
+from ipc.shm_arena import SHM_DIR, ShmArena, ShmReader, instance_prefix, segment_name, sweep
+from ipc.sockets import PullSocket, PushSocket, ipc_address, new_run_dir
+from tests.reference import make_image
+from tokenizer_worker.config import WorkerConfig
+from tokenizer_worker.process import run_worker
+from tokenizer_worker.prompt import PromptBuilder
+from tokenizer_worker.worker import TokenizerWorker, drop_aborted
+
+MiB = 1 << 20
+SAMPLING = Sampling(max_tokens=7, temperature=0.5, seed=3, stop_token_ids=(5,))
+
+
+def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt)
+    return out.getvalue()
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(encode(image, fmt)).decode()}"
+
+
+def chat(*parts: dict[str, Any], text: str = "Describe.") -> list[dict[str, Any]]:
+    return [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [*parts, {"type": "text", "text": text}]},
+    ]
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}
+
+
+def request(
+    messages: Any = None, prompt: Any = None, rid: str = "r1", **kw: Any
+) -> TokenizeRequest:
+    return TokenizeRequest(rid, SAMPLING, messages=messages, prompt=prompt, **kw)
+
+
+@pytest.fixture(scope="module")
+def builder(qwen2_vl_tiny: Path) -> PromptBuilder:
+    return PromptBuilder(qwen2_vl_tiny)
+
+
+@pytest.fixture
+def instance() -> Iterator[str]:
+    instance = f"test-{uuid.uuid4().hex[:12]}"
+    yield instance
+    sweep(instance_prefix(instance))
+
+
+@pytest.fixture
+def make_worker(
+    builder: PromptBuilder, instance: str, tmp_path: Path
+) -> Iterator[Callable[..., TokenizerWorker]]:
+    workers: list[TokenizerWorker] = []
+
+    def make(arena_bytes: int = 64 * MiB, **config: Any) -> TokenizerWorker:
+        config.setdefault("allowed_local_media_path", str(tmp_path))
+        cfg = WorkerConfig(
+            0, str(builder.model_dir), str(tmp_path), instance, arena_bytes, **config
+        )
+        arena = ShmArena(segment_name(instance, len(workers)), arena_bytes, worker_id=0)
+        workers.append(TokenizerWorker(cfg, builder, arena))
+        return workers[-1]
+
+    yield make
+    for worker in workers:
+        worker.close()
+        assert not worker.arena.path.exists()
+
+
+@pytest.fixture
+def worker(make_worker: Callable[..., TokenizerWorker]) -> TokenizerWorker:
+    return make_worker()
+
+
+def release_all(worker: TokenizerWorker, engine_request: EngineRequest) -> None:
+    handles = [image.pixels.handle for image in engine_request.images if image.pixels]
+    worker.release(ReleaseImages(handles))
+
+
+def test_chat_with_two_images(worker: TokenizerWorker, builder: PromptBuilder, tmp_path: Path):
+    first, second = make_image(120, 90, seed=1), make_image(64, 48, "L", seed=2)
+    (tmp_path / "second.png").write_bytes(encode(second))
+    messages = chat(image_part(data_url(first)), image_part(f"file://{tmp_path}/second.png"))
+    out = worker.handle(request(messages))
+    assert isinstance(out, EngineRequest), out
+    assert out.request_id == "r1" and out.sampling == SAMPLING
+
+    template = chat({"type": "image"}, {"type": "image"})
+    template[0]["role"] = "system"
+    expected = builder.build(builder.render_chat(template), [first, second])
+    assert unpack_token_ids(out.token_ids) == expected.token_ids
+    with ShmReader() as reader:
+        for ref, image, want in zip(out.images, (first, second), expected.images, strict=True):
+            assert (ref.offset, ref.length, ref.grid_thw) == (
+                want.offset,
+                want.length,
+                want.grid_thw,
+            )
+            assert ref.pixels is not None and ref.pixels.dtype == "float32"
+            hf = builder.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+            torch.testing.assert_close(reader.view(ref.pixels), hf, rtol=0, atol=0)
+            assert len(ref.key) == 16
+    assert out.images[0].key != out.images[1].key
+    assert worker.arena.num_pinned == 2
+    release_all(worker, out)
+    assert worker.arena.num_pinned == 0
+    assert worker.arena.cached_bytes == worker.arena.usage_bytes > 0  # kept as a cache
+
+
+def test_cache_hit_skips_processing_and_min_max_pixels_change_the_key(worker: TokenizerWorker):
+    url = data_url(make_image(200, 150, seed=4), "JPEG")
+    messages = chat(image_part(url), image_part(url))  # the same image twice
+    out = worker.handle(request(messages))
+    assert isinstance(out, EngineRequest) and worker.images_processed == 1
+    a, b = out.images
+    assert a.key == b.key and a.pixels == b.pixels and b.offset > a.end
+    again = worker.handle(request(messages, rid="r2"))
+    assert isinstance(again, EngineRequest) and worker.images_processed == 1
+    assert [i.pixels for i in again.images] == [a.pixels, a.pixels]
+    assert worker.arena.num_pinned == 1  # one entry, four pins
+    small = worker.handle(request(chat(image_part(url)), rid="r3", max_pixels=28 * 28 * 4))
+    assert isinstance(small, EngineRequest) and worker.images_processed == 2
+    t, h, w = small.images[0].grid_thw
+    assert small.images[0].key != a.key and t * h * w <= 16 < prod(a.grid_thw)
+    for done in (out, again, small):
+        release_all(worker, done)
+    assert worker.arena.num_pinned == 0
+
+
+def test_a_full_hd_image_costs_a_few_bytes_on_the_wire(worker: TokenizerWorker):
+    out = worker.handle(request(chat(image_part(data_url(make_image(1920, 1080), "JPEG")))))
+    assert isinstance(out, EngineRequest)
+    assert out.images[0].length > 1000
+    wire = TOKENIZER_TO_SCHEDULER.encode(out)
+    assert len(wire) < 4096 + 4 * out.num_tokens  # no pixel bytes cross ZMQ
+    release_all(worker, out)
+
+
+def test_completions_prompt_as_text_and_as_token_ids(
+    worker: TokenizerWorker, builder: PromptBuilder
+):
+    out = worker.handle(request(prompt="The quick brown fox"))
+    assert isinstance(out, EngineRequest) and out.images == []
+    assert unpack_token_ids(out.token_ids) == builder.tokenizer.encode("The quick brown fox")
+    out = worker.handle(request(prompt=[1, 2, 3, 1500]))
+    assert isinstance(out, EngineRequest)
+    assert unpack_token_ids(out.token_ids) == [1, 2, 3, 1500]
+
+
+PNG = encode(make_image(40, 30, seed=5))
+OK = image_part(data_url(make_image(40, 30, seed=5)))
+BAD_REQUESTS = {
+    "too many images": (dict(messages=chat(OK, OK, OK, OK)), "messages", "at most 3 images"),
+    "bad base64": (
+        dict(messages=chat(image_part("data:image/png;base64,@@@@"))),
+        "messages",
+        "invalid base64",
+    ),
+    "not an image": (
+        dict(messages=chat(image_part("data:image/png;base64,aGVsbG8="))),
+        "messages",
+        "not an image",
+    ),
+    "truncated": (
+        dict(
+            messages=chat(
+                OK, image_part("data:image/png;base64," + base64.b64encode(PNG[:-60]).decode())
+            )
+        ),
+        "messages",
+        "image 2: cannot decode",
+    ),
+    "outside the allowed path": (
+        dict(messages=chat(image_part("/etc/hostname"))),
+        "messages",
+        "not under",
+    ),
+    "scheme": (
+        dict(messages=chat(image_part("gopher://x/a.png"))),
+        "messages",
+        "unsupported URL scheme",
+    ),
+    "role": (
+        dict(messages=[{"role": "tool", "content": "x"}]),
+        "messages",
+        "unsupported role 'tool'",
+    ),
+    "part": (dict(messages=chat({"type": "input_audio"})), "messages", "unsupported content part"),
+    "pad in text": (dict(messages=chat(text="<|image_pad|>")), "messages", "0 images"),
+    "aspect ratio": (
+        dict(messages=chat(image_part(data_url(make_image(1000, 4))))),
+        "messages",
+        "aspect ratio",
+    ),
+    "arena too small": (
+        dict(messages=chat(OK), min_pixels=20_000_000, max_pixels=30_000_000),
+        "messages",
+        "lower max_pixels",
+    ),
+    "min over max": (
+        dict(messages=chat(OK), min_pixels=5000, max_pixels=4000),
+        "min_pixels",
+        "larger",
+    ),
+    "max_pixels": (dict(messages=chat(OK), max_pixels=-1), "max_pixels", "positive"),
+    "token id": (dict(prompt=[1, 1 << 20]), "prompt", "out of the vocabulary"),
+    "empty prompt": (dict(prompt=""), "prompt", "empty"),
+    "pad in prompt": (dict(prompt=[1534]), "prompt", "1 image placeholders for 0 images"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_bad_input_is_a_400_that_leaks_nothing(
+    make_worker: Callable[..., TokenizerWorker], case: str
+):
+    worker = make_worker(limit_mm_per_prompt=3)
+    fields, param, message = BAD_REQUESTS[case]
+    out = worker.handle(request(**fields))
+    assert isinstance(out, RequestError), out
+    assert (out.request_id, out.status, out.param) == ("r1", 400, param)
+    assert message in out.message
+    assert worker.arena.num_pinned == 0
+    assert worker.arena.usage_bytes == worker.arena.cached_bytes  # at most valid cached images
+    if case != "truncated":
+        assert worker.arena.usage_bytes == 0
+
+
+def test_arena_full_is_a_503_until_released(make_worker: Callable[..., TokenizerWorker]):
+    worker = make_worker(arena_bytes=2 * MiB)
+    one = worker.handle(request(chat(image_part(data_url(make_image(300, 200, seed=1))))))
+    assert isinstance(one, EngineRequest)  # ~1.4 MiB pinned
+    two = request(chat(image_part(data_url(make_image(300, 200, seed=2)))), rid="r2")
+    busy = worker.handle(two)
+    assert isinstance(busy, RequestError) and (busy.status, busy.type) == (503, "server_busy")
+    release_all(worker, one)
+    done = worker.handle(two)
+    assert isinstance(done, EngineRequest)
+    release_all(worker, done)
+    both = chat(*(image_part(data_url(make_image(300, 200, seed=s))) for s in (3, 4)))
+    alone = worker.handle(request(both, rid="r3"))  # needs more than the arena by itself
+    assert isinstance(alone, RequestError) and alone.status == 400
+    assert "need more than the 2097152-byte image arena" in alone.message
+
+
+def test_unexpected_errors_are_500s_and_release_pins(worker: TokenizerWorker, monkeypatch):
+    def broken(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(worker.builder, "num_image_tokens", broken)
+    out = worker.handle(request(chat(OK)))
+    assert isinstance(out, RequestError)
+    assert (out.status, out.type, out.param) == (500, "server_error", None)
+    assert "RuntimeError: boom" in out.message
+    assert worker.arena.num_pinned == 0
+
+
+def test_abort_release_and_batches(worker: TokenizerWorker):
+    assert worker.handle(AbortRequest("r9")) == AbortEngineRequest("r9")
+    out = worker.handle(request(chat(OK)))
+    assert isinstance(out, EngineRequest)
+    release_all(worker, out)
+    release_all(worker, out)  # a double release is logged and ignored
+    assert worker.arena.num_pinned == 0
+    a, b = request(prompt="a", rid="a"), request(prompt="b", rid="b")
+    batch = [a, b, AbortRequest("a"), AbortRequest("z")]
+    assert drop_aborted(batch) == [b, AbortRequest("a"), AbortRequest("z")]
+
+
+# --- the process ------------------------------------------------------------------------
+
+
+def receive(socket: PullSocket, kind: type, timeout: float = 30.0) -> Any:
+    """The next message of `kind` (skipping gauges), or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        message = socket.recv(left)
+        if isinstance(message, kind):
+            return message
+    raise AssertionError(f"no {kind.__name__} within {timeout} s")
+
+
+def test_worker_process(qwen2_vl_tiny: Path, instance: str):
+    run_dir = new_run_dir()
+    config = WorkerConfig(0, str(qwen2_vl_tiny), str(run_dir), instance, arena_bytes=8 * MiB)
+    context = mp.get_context("spawn")
+    ready = context.Queue()
+    process = context.Process(target=run_worker, args=(config, ready), name="tokenizer-0")
+    scheduler = PullSocket(TOKENIZER_TO_SCHEDULER, ipc_address(run_dir, "scheduler"))
+    server = PullSocket(TO_SERVER, ipc_address(run_dir, "server"))
+    requests = PushSocket(SERVER_TO_TOKENIZER, ipc_address(run_dir, "tokenizer-0"))
+    releases = PushSocket(SCHEDULER_TO_TOKENIZER, ipc_address(run_dir, "release-0"))
+    process.start()
+    try:
+        assert ready.get(timeout=60) == ("tokenizer-0", True, None)
+        requests.send(request(chat(OK)))
+        out = receive(scheduler, EngineRequest)
+        assert out.request_id == "r1" and len(out.images) == 1
+        with ShmReader() as reader:
+            assert reader.view(out.images[0].pixels).shape[1] == 1176
+        releases.send(ReleaseImages([out.images[0].pixels.handle]))
+        requests.send(request(chat(image_part("data:image/png;base64,!!")), rid="bad"))
+        error = receive(server, RequestError)
+        assert (error.request_id, error.status, error.param) == ("bad", 400, "messages")
+        requests.send(AbortRequest("r1"))
+        assert receive(scheduler, AbortEngineRequest) == AbortEngineRequest("r1")
+        stats = receive(server, WorkerStats)
+        while stats.arena_pinned_entries or stats.requests_processed < 2:
+            stats = receive(server, WorkerStats)
+        assert stats.arena_used_bytes > 0  # the image stays cached, unpinned
+    finally:
+        process.terminate()
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+        for socket in (scheduler, server, requests, releases):
+            socket.close(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert process.exitcode == 0  # SIGTERM is a clean exit
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(instance_prefix(instance))]
+
+
+def test_worker_process_start_up_failure_is_reported_and_cleaned_up(
+    qwen2_vl_tiny: Path, instance: str, tmp_path: Path
+):
+    missing = tmp_path / "no-such-run-dir"  # binding its sockets fails after the arena exists
+    config = WorkerConfig(1, str(qwen2_vl_tiny), str(missing), instance, arena_bytes=MiB)
+    context = mp.get_context("spawn")
+    ready = context.Queue()
+    process = context.Process(target=run_worker, args=(config, ready))
+    process.start()
+    try:
+        name, ok, reason = ready.get(timeout=60)
+        process.join(30)
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+    assert (name, ok, process.exitcode) == ("tokenizer-1", False, 1)
+    assert "ZMQError" in reason
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(instance_prefix(instance))]

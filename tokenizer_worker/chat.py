@@ -1,0 +1,83 @@
+"""OpenAI chat messages → the chat template's messages and the image URLs, in order.
+
+The server has checked the JSON's basic shape; this checks what the template and the
+worker rely on. Roles: system, developer (rendered as system), user, assistant. Content:
+a string, or a list of parts `{"type": "text", "text": ...}`,
+`{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (or the URL as a plain
+string) and `{"type": "image", "image": url}`. Each image part becomes the template's
+`{"type": "image"}` placeholder; `detail` is accepted and ignored (the processor's
+min/max pixels decide the resolution).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ChatError(ValueError):
+    """The messages cannot be rendered; the request fails with `status`."""
+
+    status = 400
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Chat:
+    messages: list[dict[str, Any]]  # in the chat template's form
+    image_urls: list[str]  # one per image placeholder, in prompt order
+
+
+def parse_messages(messages: object) -> Chat:
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("messages must be a non-empty list")
+    rendered: list[dict[str, Any]] = []
+    urls: list[str] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ChatError(f"{where} must be an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ChatError(
+                f"{where}: unsupported role {role!r} (system, developer, user or assistant)"
+            )
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            rendered.append({"role": ROLES[role], "content": content})
+        elif isinstance(content, list):
+            parts = [_part(part, f"{where}.content[{j}]", urls) for j, part in enumerate(content)]
+            rendered.append({"role": ROLES[role], "content": parts})
+        else:
+            raise ChatError(f"{where}.content must be a string or a list of content parts")
+    return Chat(rendered, urls)
+
+
+def _part(part: object, where: str, urls: list[str]) -> dict[str, Any]:
+    if not isinstance(part, dict):
+        raise ChatError(f"{where} must be an object")
+    kind = part.get("type")
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ChatError(f"{where}.text must be a string")
+        return {"type": "text", "text": text}
+    if kind == "image_url":
+        spec = part.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+    elif kind == "image":
+        url = part.get("image")
+    else:
+        raise ChatError(f"{where}: unsupported content part type {kind!r} (text or image_url)")
+    if not isinstance(url, str) or not url:
+        raise ChatError(f"{where}: the image URL must be a non-empty string")
+    urls.append(url)
+    return {"type": "image"}

@@ -1,0 +1,36 @@
+"""`WorkerConfig`: everything a tokenizer worker process is started with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One tokenizer worker. Socket addresses and the arena name derive from these.
+
+    `run_dir` holds the instance's ipc sockets; the arena is
+    `ipc.shm_arena.segment_name(instance_id, worker_id)`. Media limits: local files only
+    under `allowed_local_media_path` (disabled when None), http(s) hosts only from
+    `allowed_media_domains` when set (exact host names), `media_timeout_s` per fetch,
+    `max_image_bytes` per encoded image and `max_image_pixels` per decoded image (checked
+    on the header, before decoding: the decompression-bomb limit).
+    """
+
+    worker_id: int
+    model_path: str
+    run_dir: str
+    instance_id: str
+    arena_bytes: int = 1 << 30
+    limit_mm_per_prompt: int = 16
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
+    media_timeout_s: float = 10.0
+    max_image_bytes: int = 32 << 20
+    max_image_pixels: int = 8192 * 8192
+    log_level: str = "INFO"
+
+    @property
+    def name(self) -> str:
+        """The process name, also the name of its request socket."""
+        return f"tokenizer-{self.worker_id}"

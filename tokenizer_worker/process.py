@@ -1,0 +1,205 @@
+"""The tokenizer worker process: sockets around `TokenizerWorker`, and its lifetime.
+
+Sockets, all `ipc_address(run_dir, name)`:
+
+    PULL bind     tokenizer-<id>   TokenizeRequest / AbortRequest from the server
+    PULL bind     release-<id>     ReleaseImages from the scheduler
+    PUSH connect  scheduler        EngineRequest / AbortEngineRequest
+    PUSH connect  server           RequestError, WorkerStats
+
+The loop reads prose: wait (bounded) for either socket, apply releases first (they free
+arena room), then handle the queued requests one by one, applying releases between them,
+and report the gauges when they changed. SIGTERM/SIGINT end it after the current
+request (or when the launcher died); the arena is removed on the way out. No request
+can kill the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ipc.messages import (
+    SCHEDULER_TO_TOKENIZER,
+    SERVER_TO_TOKENIZER,
+    TO_SERVER,
+    TOKENIZER_TO_SCHEDULER,
+    EngineRequest,
+    MessageError,
+    RequestError,
+    TokenizeRequest,
+)
+from ipc.sockets import PullSocket, PushSocket, ipc_address
+from tokenizer_worker.config import WorkerConfig
+from tokenizer_worker.worker import Reply, TokenizerWorker, drop_aborted
+
+logger = logging.getLogger("iris.tokenizer")
+
+POLL_SECONDS = 0.1
+MAX_BATCH = 32  # requests read ahead (to skip the ones aborted meanwhile)
+STATS_INTERVAL_SECONDS = 0.2
+
+
+def run_worker(config: WorkerConfig, ready: Any) -> None:
+    """Entry point of a spawned worker process; reports `(name, ok, info)` on `ready`."""
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {config.name} %(name)s: %(message)s",
+    )
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop.set)
+    signal.signal(signal.SIGINT, stop.set)
+    worker: TokenizerWorker | None = None
+    loop: _Loop | None = None
+    try:
+        worker = TokenizerWorker.open(config)
+        loop = _Loop(config, worker, stop)
+    except Exception as e:
+        logger.exception("start-up failed")
+        if worker is not None:
+            worker.close()
+        ready.put((config.name, False, f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    ready.put((config.name, True, None))
+    logger.info("ready: arena %s of %d bytes", worker.arena.name, worker.arena.capacity_bytes)
+    try:
+        loop.run()
+    finally:
+        loop.close()
+        worker.close()
+        logger.info("stopped")
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """Leave without the interpreter's teardown: everything we own is closed, and a
+    final garbage collection over transformers' objects can take seconds on a busy
+    machine, past the launcher's grace period."""
+    logging.shutdown()
+    os._exit(0)
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.requested = False
+
+    def set(self, *_: object) -> None:
+        self.requested = True
+
+
+class _Loop:
+    def __init__(self, config: WorkerConfig, worker: TokenizerWorker, stop: _Stop) -> None:
+        self.worker, self.stop = worker, stop
+        run_dir = Path(config.run_dir)
+        self.ctx = zmq.Context()
+        self.sockets: list[Any] = []
+        try:
+            self.requests = self._open(PullSocket, SERVER_TO_TOKENIZER, run_dir, config.name)
+            self.releases = self._open(
+                PullSocket, SCHEDULER_TO_TOKENIZER, run_dir, f"release-{config.worker_id}"
+            )
+            self.to_scheduler = self._open(PushSocket, TOKENIZER_TO_SCHEDULER, run_dir, "scheduler")
+            self.to_server = self._open(PushSocket, TO_SERVER, run_dir, "server")
+        except BaseException:
+            self.close()
+            raise
+        self._last_stats: Any = None
+        self._last_stats_time = 0.0
+
+    def _open(self, cls: type, codec: Any, run_dir: Path, name: str) -> Any:
+        socket = cls(codec, ipc_address(run_dir, name), ctx=self.ctx)
+        self.sockets.append(socket)
+        return socket
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.requests.socket, zmq.POLLIN)
+        poller.register(self.releases.socket, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        while not self.stop.requested:
+            ready = dict(poller.poll(round(POLL_SECONDS * 1000)))
+            if not ready and parent is not None and not parent.is_alive():
+                logger.error("the launcher died; stopping")
+                break
+            self._apply_releases()
+            if self.requests.socket in ready:
+                for message in drop_aborted(self._receive(self.requests, MAX_BATCH)):
+                    if self.stop.requested:
+                        break
+                    self._apply_releases()
+                    self._serve(message)
+            self._send_stats(idle=not ready)
+
+    def close(self) -> None:
+        for socket in self.sockets:
+            socket.close()  # lingers up to a second for unsent replies
+        self.ctx.destroy(linger=0)  # also closes a socket whose bind failed
+
+    def _apply_releases(self) -> None:
+        for message in self._receive(self.releases, None):
+            self.worker.release(message)
+
+    def _receive(self, socket: PullSocket, limit: int | None) -> list[Any]:
+        messages: list[Any] = []
+        while limit is None or len(messages) < limit:
+            try:
+                message = socket.recv(0)
+            except MessageError as e:
+                logger.error("dropped a message: %s", e)
+                continue
+            if message is None:
+                break
+            messages.append(message)
+        return messages
+
+    def _serve(self, message: Any) -> None:
+        try:
+            self._send(self.worker.handle(message))
+        except Exception as e:  # a bug; `handle` already turns request errors into replies
+            logger.exception("failed to serve %r", message.request_id)
+            if isinstance(message, TokenizeRequest):
+                error = f"internal error in a tokenizer worker: {type(e).__name__}: {e}"
+                self._to_server(RequestError(message.request_id, 500, error, type="server_error"))
+
+    def _send(self, reply: Reply) -> None:
+        if isinstance(reply, RequestError):
+            self._to_server(reply)
+            return
+        try:
+            self.to_scheduler.send(reply)
+        except TimeoutError as e:
+            logger.error("%s", e)
+            if isinstance(reply, EngineRequest):
+                self.worker.unpin(reply)
+                self._to_server(
+                    RequestError(
+                        reply.request_id,
+                        503,
+                        "the scheduler is not taking requests",
+                        type="server_busy",
+                    )
+                )
+
+    def _to_server(self, message: Any) -> None:
+        try:
+            self.to_server.send(message)
+        except TimeoutError as e:
+            logger.error("%s", e)
+
+    def _send_stats(self, idle: bool) -> None:
+        """Gauges when they change: at most every 0.2 s while busy, and once idle."""
+        now = time.monotonic()
+        if not idle and now - self._last_stats_time < STATS_INTERVAL_SECONDS:
+            return
+        stats = self.worker.stats()
+        if stats != self._last_stats:
+            self._to_server(stats)
+            self._last_stats, self._last_stats_time = stats, now

@@ -1,0 +1,286 @@
+"""The tokenizer worker's logic, free of processes and sockets (tested in-process).
+
+    TokenizeRequest → EngineRequest (token ids + one pinned arena pointer per image)
+                      or RequestError (400 for the client's mistakes, 503 arena full, 500)
+    AbortRequest    → AbortEngineRequest (always; the scheduler ignores unknown ids)
+    ReleaseImages   → unpin
+
+Per image: fetch the encoded bytes, key them with the processor settings (invariant 2),
+and on an arena hit reuse the pixels without decoding; on a miss decode (size checked on
+the header), process and store them under the key. Whatever fails, the pins this request
+took are dropped, so an error leaks no arena byte (entries stay cached, unpinned).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+
+from ipc.messages import (
+    AbortEngineRequest,
+    AbortRequest,
+    EngineRequest,
+    ImageRef,
+    ReleaseImages,
+    RequestError,
+    ServerToTokenizer,
+    ShmPointer,
+    TokenizeRequest,
+    WorkerStats,
+    pack_token_ids,
+)
+from ipc.shm_arena import SHM_DIR, ArenaFull, EntryTooLarge, ShmArena, StaleHandle, segment_name
+from tokenizer_worker.chat import ChatError, parse_messages
+from tokenizer_worker.config import WorkerConfig
+from tokenizer_worker.image_key import image_key
+from tokenizer_worker.media import MediaError, MediaFetcher, decode_image
+from tokenizer_worker.prompt import Grid, ImageSize, PromptBuilder
+
+logger = logging.getLogger("iris.tokenizer")
+
+Reply = EngineRequest | AbortEngineRequest | RequestError
+
+
+class BadRequest(ValueError):
+    status = 400
+
+    def __init__(self, message: str, param: str | None = "messages") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class _Image:
+    key: bytes
+    pointer: ShmPointer  # pinned once for the request being built
+    grid: Grid
+
+
+class TokenizerWorker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        builder: PromptBuilder,
+        arena: ShmArena,
+        fetcher: MediaFetcher | None = None,
+    ) -> None:
+        self.config = config
+        self.builder = builder
+        self.arena = arena
+        self.fetcher = fetcher or MediaFetcher.from_config(config)
+        self.requests_processed = 0
+        self.images_processed = 0  # decoded and processed (arena misses)
+        self.image_hits = 0
+
+    @classmethod
+    def open(cls, config: WorkerConfig) -> TokenizerWorker:
+        """Load the tokenizer and processor and create the arena (replacing a stale one
+        of the same name, left by a killed predecessor)."""
+        builder = PromptBuilder(config.model_path)
+        fetcher = MediaFetcher.from_config(config)
+        name = segment_name(config.instance_id, config.worker_id)
+        (SHM_DIR / name).unlink(missing_ok=True)
+        arena = ShmArena(name, config.arena_bytes, worker_id=config.worker_id)
+        return cls(config, builder, arena, fetcher)
+
+    def close(self) -> None:
+        """Stop fetching and remove the arena (its segment is unlinked)."""
+        self.fetcher.close()
+        self.arena.close()
+        self.arena.unlink()
+
+    # --- messages in -------------------------------------------------------------
+
+    def handle(self, message: ServerToTokenizer) -> Reply:
+        if isinstance(message, AbortRequest):
+            return AbortEngineRequest(message.request_id)
+        return self.tokenize(message)
+
+    def tokenize(self, request: TokenizeRequest) -> EngineRequest | RequestError:
+        rid = request.request_id
+        self.requests_processed += 1
+        try:
+            return self._tokenize(request)
+        except (BadRequest, ChatError, MediaError) as e:
+            return RequestError(rid, e.status, e.message, param=e.param)
+        except EntryTooLarge as e:
+            return RequestError(rid, 400, f"an image is too large for the arena: {e}")
+        except ArenaFull as e:
+            if self.arena.num_pinned == 0:  # only this request's own images were in the way
+                return RequestError(
+                    rid,
+                    400,
+                    f"the images of this prompt need more than the {self.arena.capacity_bytes}"
+                    "-byte image arena of a tokenizer worker: send fewer or smaller images, "
+                    "or lower max_pixels",
+                )
+            logger.warning("request %s: %s", rid, e)
+            return RequestError(
+                rid, 503, "the image arena is full, retry later", type="server_busy"
+            )
+        except Exception as e:
+            logger.exception("request %s failed", rid)
+            return RequestError(
+                rid,
+                500,
+                f"internal error in tokenizer worker {self.config.worker_id}: "
+                f"{type(e).__name__}: {e}",
+                type="server_error",
+                param=None,
+            )
+
+    def release(self, message: ReleaseImages) -> None:
+        for handle in message.handles:
+            try:
+                self.arena.release(handle)
+            except StaleHandle as e:
+                logger.warning("ignored a release: %s", e)
+
+    def unpin(self, request: EngineRequest) -> None:
+        """Drop the pins of a request that never reached the scheduler."""
+        for image in request.images:
+            if image.pixels is not None:
+                self.arena.release(image.pixels)
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            worker_id=self.config.worker_id,
+            arena_used_bytes=self.arena.usage_bytes,
+            arena_capacity_bytes=self.arena.capacity_bytes,
+            arena_pinned_entries=self.arena.num_pinned,
+            requests_processed=self.requests_processed,
+            images_processed=self.images_processed,
+        )
+
+    # --- one request -------------------------------------------------------------
+
+    def _tokenize(self, request: TokenizeRequest) -> EngineRequest:
+        size = self._image_size(request)
+        if request.messages is not None:
+            chat = parse_messages(request.messages)
+            limit = self.config.limit_mm_per_prompt
+            if len(chat.image_urls) > limit:
+                raise BadRequest(f"at most {limit} images per prompt, got {len(chat.image_urls)}")
+            try:
+                text = self.builder.render_chat(chat.messages)
+            except TemplateError as e:
+                raise BadRequest(f"the chat template rejected the messages: {e}") from None
+            ids = self.builder.encode(text)
+            self._check_placeholders(ids, len(chat.image_urls), "messages")
+            encoded = self.fetcher.fetch_all(chat.image_urls)
+        else:
+            assert request.prompt is not None
+            ids = self._prompt_ids(request.prompt)
+            encoded = []
+        images = self._images(encoded, size)
+        try:
+            lengths = [self.builder.num_image_tokens(image.grid) for image in images]
+            token_ids, offsets = self.builder.expand(ids, lengths)
+            refs = [
+                ImageRef(image.key, offset, length, image.grid, image.pointer)
+                for image, offset, length in zip(images, offsets, lengths, strict=True)
+            ]
+            return EngineRequest(
+                request.request_id, pack_token_ids(token_ids), request.sampling, refs
+            )
+        except BaseException:
+            self._unpin(images)
+            raise
+
+    def _image_size(self, request: TokenizeRequest) -> ImageSize:
+        for name in ("min_pixels", "max_pixels"):
+            value = getattr(request, name)
+            if value is not None and value <= 0:
+                raise BadRequest(f"{name} must be positive, got {value}", name)
+        try:
+            return self.builder.image_size(request.min_pixels, request.max_pixels)
+        except ValueError as e:
+            raise BadRequest(str(e), "min_pixels") from None
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.builder.encode(prompt, add_special_tokens=True)
+        else:
+            vocab = self.builder.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise BadRequest(f"token id {bad} is out of the vocabulary [0, {vocab})", "prompt")
+            ids = list(prompt)
+        if not ids:
+            raise BadRequest("the prompt is empty", "prompt")
+        self._check_placeholders(ids, 0, "prompt")
+        return ids
+
+    def _check_placeholders(self, ids: Sequence[int], num_images: int, param: str) -> None:
+        builder = self.builder
+        if builder.video_token_id is not None and builder.video_token_id in ids:
+            raise BadRequest(
+                "the prompt holds a video placeholder; videos are not supported", param
+            )
+        count = ids.count(builder.image_token_id)
+        if count != num_images:
+            pad = builder.tokenizer.convert_ids_to_tokens(builder.image_token_id)
+            raise BadRequest(
+                f"the prompt has {count} image placeholders for {num_images} images: "
+                f"the text must not contain {pad}",
+                param,
+            )
+
+    # --- images ------------------------------------------------------------------
+
+    def _images(self, encoded: list[bytes], size: ImageSize) -> list[_Image]:
+        settings = self.builder.image_settings(size)
+        images: list[_Image] = []
+        try:
+            for index, data in enumerate(encoded):
+                images.append(self._image(data, size, settings, index))
+        except BaseException:
+            self._unpin(images)
+            raise
+        return images
+
+    def _image(self, data: bytes, size: ImageSize, settings: tuple, index: int) -> _Image:
+        """One image's pixels in the arena, pinned once: a cached entry or a new one."""
+        key = image_key(data, settings)
+        hit = self.arena.get(key)
+        if hit is not None:
+            grid: Grid = hit.meta
+            if hit.pointer.shape[0] != grid[0] * grid[1] * grid[2]:
+                self.arena.release(hit.pointer)
+                raise RuntimeError(f"arena entry {key.hex()} does not match its grid {grid}")
+            self.image_hits += 1
+            return _Image(key, hit.pointer, grid)
+        try:
+            image = decode_image(data, self.config.max_image_pixels)
+            try:
+                patches = self.builder.num_patches(image.width, image.height, size)
+            except ValueError as e:  # e.g. an aspect ratio over 200
+                raise MediaError(str(e)) from None
+            nbytes = patches * self.builder.patch_dim * 4
+            if nbytes > self.arena.capacity_bytes:
+                raise MediaError(
+                    f"its {patches} patches need {nbytes} bytes, more than the "
+                    f"{self.arena.capacity_bytes}-byte image arena; lower max_pixels"
+                )
+        except MediaError as e:
+            raise MediaError(f"image {index + 1}: {e.message}", e.param) from None
+        pixels, grid = self.builder.process_image(image, size)
+        self.images_processed += 1
+        return _Image(key, self.arena.put(key, pixels, meta=grid), grid)
+
+    def _unpin(self, images: list[_Image]) -> None:
+        for image in images:
+            self.arena.release(image.pointer)
+
+
+def drop_aborted(messages: list[ServerToTokenizer]) -> list[ServerToTokenizer]:
+    """Skip the TokenizeRequests that an AbortRequest later in the same batch cancels.
+
+    The AbortRequests stay: they are forwarded whether or not the request was.
+    """
+    aborted = {m.request_id for m in messages if isinstance(m, AbortRequest)}
+    return [m for m in messages if isinstance(m, AbortRequest) or m.request_id not in aborted]
