@@ -1,0 +1,169 @@
+"""The HTTP server: an OpenAI-compatible FastAPI app over an `EngineClient`.
+
+    app = create_app(AppSettings(model_path, ("my-model",), max_model_len=4096), client)
+    uvicorn.run(app, host=..., port=...)
+
+The app owns HTTP only (DESIGN.md): parsing and validation (`server.protocol`), request
+ids, streaming, detokenization and stop strings (`server.serving`), usage, client
+disconnects, and /metrics from the gauges the other processes send. Images stay URLs;
+the tokenizer worker fetches and decodes them. When the client has `start()`/`close()`
+(`ZmqEngineClient`; both idempotent), the app's lifespan calls them on the server's own
+event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+from transformers import AutoTokenizer
+
+from server.engine_client import EngineClient
+from server.errors import APIError, error_response, install_error_handlers
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    ModelCard,
+    ModelList,
+    TokenizeBody,
+)
+from server.serving import OpenAIServing
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    model_path: str
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    api_key: str | None = None
+    version: str = "0.1.0"
+
+
+def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
+    if not settings.served_model_names:
+        raise ValueError("served_model_names is empty")
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+    serving = OpenAIServing(client, tokenizer, settings.served_model_names, settings.max_model_len)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        start, close = getattr(client, "start", None), getattr(client, "close", None)
+        if start is not None:
+            await start()
+        try:
+            yield
+        finally:
+            if close is not None:
+                await close()
+
+    # strict_content_type=False: a JSON body without a Content-Type header is still JSON.
+    app = FastAPI(
+        title="Iris", version=settings.version, lifespan=lifespan, strict_content_type=False
+    )
+    install_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        board = getattr(client, "metrics", None)  # a `MetricsBoard` (ZmqEngineClient has one)
+        text = board.render() if board is not None else ""
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": settings.version}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=name,
+                    created=created,
+                    root=settings.model_path,
+                    max_model_len=settings.max_model_len,
+                )
+                for name in settings.served_model_names
+            ]
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await serving.chat(body, raw)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await serving.completion(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+        serving.check_model(body.model)
+        if body.messages is None:
+            assert body.prompt is not None
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            if any(message.has_images for message in body.messages):
+                raise APIError(
+                    400,
+                    "/tokenize takes text-only messages: image tokens are counted by the "
+                    "tokenizer workers",
+                    param="messages",
+                )
+            try:
+                text = tokenizer.apply_chat_template(
+                    [message.wire() for message in body.messages],
+                    tokenize=False,
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            except Exception as e:  # jinja's TemplateError and friends
+                raise APIError(400, f"chat template failed: {e}", param="messages") from e
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": settings.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict[str, str]:
+        serving.check_model(body.model)
+        if body.tokens and max(body.tokens) >= serving.vocab_size:
+            raise APIError(
+                400, f"token id {max(body.tokens)} is out of the vocabulary", param="tokens"
+            )
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    return app
+
+
+class BearerAuth:
+    """401 on /v1/* unless `Authorization: Bearer <api_key>`; other paths stay open.
+
+    A plain ASGI middleware (not `BaseHTTPMiddleware`), so streaming responses and
+    disconnect detection pass through untouched, and it answers before the body is read.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self._expected):
+                response: JSONResponse = error_response(
+                    401, "Incorrect or missing API key (Authorization: Bearer <key>)."
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,266 @@
+"""The OpenAI-compatible request and response bodies (pydantic).
+
+Requests ignore fields they do not know (clients send extras); every field they do
+know is type-checked, and a bad value becomes a 400 naming that field
+(`server.errors`). Content parts are checked for shape only: images stay URLs here and
+are fetched and decoded by a tokenizer worker, never by the server.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_INT64 = 2**63
+Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
+TokenId = Annotated[int, Field(ge=0)]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# --- chat messages -------------------------------------------------------------------
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Body):
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    """One message; fields other than role and content (name, ...) pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The message as the tokenizer worker takes it (plain dicts, no None content)."""
+        message = self.model_dump(exclude_none=True)
+        message.setdefault("content", "")
+        return message
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            isinstance(part, ImageURLPart) for part in self.content
+        )
+
+
+# --- requests ------------------------------------------------------------------------
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class MMProcessorKwargs(_Body):
+    max_pixels: Annotated[int, Field(gt=0)] | None = None
+    min_pixels: Annotated[int, Field(gt=0)] | None = None
+
+
+class _Generate(_Body):
+    """Fields shared by chat completions and completions (OpenAI, plus vLLM's extras)."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: Seed | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return tuple(s for s in stop if s)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_Generate):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    mm_processor_kwargs: MMProcessorKwargs | None = None
+
+    @property
+    def max_output_tokens(self) -> tuple[int | None, str]:
+        """The requested limit and the field it came from (the newer name wins)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class CompletionRequest(_Generate):
+    prompt: str | list[TokenId]  # a batch of one ("prompt": ["text"] or [[ids]]) is unwrapped
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError(f"send one prompt per request, got a batch of {len(prompt)}")
+            return prompt[0]
+        return prompt
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: str | list[int]) -> str | list[int]:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+
+    @property
+    def max_output_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+
+class TokenizeBody(_Body):
+    """vLLM's /tokenize: a prompt, or text-only messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        return self
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# --- responses -----------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+def _omitted_when_none() -> Any:
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role", "content"} first, {"content"} next, {} at the finish
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = _omitted_when_none()
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class Completion(BaseModel):
+    """A completion, and (with `usage` unset) one streamed chunk of one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = _omitted_when_none()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "iris"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,320 @@
+"""Chat completions and completions: from a validated body to a response or an SSE stream.
+
+One request's life: build the `TokenizeRequest` (sampling defaults like vLLM's),
+`generate` it, turn each engine output into text (`TextStream`), and end it in one of
+three ways — the engine finishes it, a stop string cuts it (then the engine is told to
+abort), or the client leaves (then too). Nothing is sent before the engine's first
+output, so an error found while tokenizing (an unreadable image, a prompt over the
+limit) is a plain HTTP error even for `stream=true`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from ipc.messages import RequestOutput, Sampling, TokenizeRequest
+from server.detokenizer import TextStream
+from server.engine_client import EngineClient, EngineRequestError
+from server.errors import APIError, ClientDisconnected
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Usage,
+)
+
+T = TypeVar("T")
+_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class Delta:
+    """New text of one request; `finish_reason` set on the last one."""
+
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" on the last one
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class _Meta:
+    id: str
+    created: int
+    model: str
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event, framed exactly as OpenAI clients split them."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        served_model_names: tuple[str, ...],
+        max_model_len: int,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.served_model_names = served_model_names
+        self.max_model_len = max_model_len
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- routes -------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        meta = self._meta("chatcmpl", body.model)
+        kwargs = body.mm_processor_kwargs
+        request = TokenizeRequest(
+            request_id=meta.id,
+            sampling=self._sampling(body),
+            messages=[message.wire() for message in body.messages],
+            max_pixels=kwargs.max_pixels if kwargs else None,
+            min_pixels=kwargs.min_pixels if kwargs else None,
+        )
+        deltas = self._deltas(request, body)
+        if body.stream:
+            first = await _unless_disconnected(raw, anext(deltas))
+            chunks = self._chat_chunks(meta, first, deltas, body.include_usage)
+            return _event_stream(chunks)
+        text, last = await _unless_disconnected(raw, _collect(deltas))
+        return ChatCompletion(
+            id=meta.id,
+            created=meta.created,
+            model=meta.model,
+            choices=[
+                ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)
+            ],
+            usage=last.usage,
+        )
+
+    async def completion(self, body: CompletionRequest, raw: Request) -> Any:
+        meta = self._meta("cmpl", body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and max(prompt) >= self.vocab_size:
+            raise APIError(400, f"token id {max(prompt)} is out of the vocabulary", param="prompt")
+        request = TokenizeRequest(meta.id, self._sampling(body), prompt=prompt)
+        deltas = self._deltas(request, body)
+        if body.stream:
+            first = await _unless_disconnected(raw, anext(deltas))
+            chunks = self._completion_chunks(meta, first, deltas, body.include_usage)
+            return _event_stream(chunks)
+        text, last = await _unless_disconnected(raw, _collect(deltas))
+        return Completion(
+            id=meta.id,
+            created=meta.created,
+            model=meta.model,
+            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+            usage=last.usage,
+        )
+
+    def check_model(self, model: str | None) -> str:
+        """The served name a request asked for (the first one when it names none)."""
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise APIError(400, f"The model `{model}` does not exist.", param="model")
+        return model
+
+    # -- request building ---------------------------------------------------------------
+
+    def _meta(self, prefix: str, model: str | None) -> _Meta:
+        return _Meta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.check_model(model))
+
+    def _sampling(self, body: ChatCompletionRequest | CompletionRequest) -> Sampling:
+        max_tokens, field = body.max_output_tokens
+        if max_tokens is not None and max_tokens >= self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"{field}={max_tokens} leaves no room for the prompt.",
+                param=field,
+            )
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise APIError(
+                400,
+                f"min_tokens={body.min_tokens} exceeds {field}={max_tokens}",
+                param="min_tokens",
+            )
+        return Sampling(
+            max_tokens=max_tokens or 0,  # 0: as many as the context allows
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),  # -1 and 0 both mean "off"
+            seed=body.seed,
+            min_tokens=body.min_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        )
+
+    # -- the engine side ----------------------------------------------------------------
+
+    async def _deltas(
+        self, request: TokenizeRequest, body: ChatCompletionRequest | CompletionRequest
+    ) -> AsyncIterator[Delta]:
+        """The request's text as it comes; aborts it in the engine unless it finished there."""
+        text = TextStream(
+            self.tokenizer, stop=body.stop_strings, skip_special_tokens=body.skip_special_tokens
+        )
+        request_id = request.request_id
+        settled = False  # nothing of this request runs in the engine any more
+        usage = Usage()
+        try:
+            async with _closing(self.client.generate(request)) as outputs:
+                async for output in outputs:
+                    usage = _usage(output)
+                    reason = output.finish_reason if output.finished else None
+                    piece = text.update(output.new_token_ids, finish_reason=reason)
+                    if text.stopped:
+                        if not output.finished:
+                            await self.client.abort(request_id)
+                        settled, reason = True, "stop"
+                    settled = settled or output.finished
+                    yield Delta(piece, reason, usage)
+                    if reason is not None:
+                        return
+                settled = True  # the engine ended it without a last output
+                yield Delta(text.update([], finish_reason="abort"), "abort", usage)
+        except EngineRequestError:
+            settled = True  # the engine (or a worker) ended it with an error
+            raise
+        finally:
+            if not settled:
+                self._abort_soon(request_id)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Abort from a cancelled task: a new task, so a pending cancel cannot stop it."""
+        task = asyncio.ensure_future(self.client.abort(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- streaming ----------------------------------------------------------------------
+
+    async def _chat_chunks(
+        self, meta: _Meta, first: Delta, deltas: AsyncIterator[Delta], include_usage: bool
+    ) -> AsyncIterator[str]:
+        def chunk(delta: dict[str, str], finish_reason: Any = None) -> str:
+            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+            return sse(ChatCompletionChunk(**_fields(meta), choices=[choice]))
+
+        async with _closing(deltas):
+            # The first chunk goes out with the first token, text or not (clients time
+            # TTFT by it); every later content chunk carries new text.
+            yield chunk({"role": "assistant", "content": first.text})
+            last = first
+            try:
+                while last.finish_reason is None:
+                    last = await anext(deltas)
+                    if last.text:
+                        yield chunk({"content": last.text})
+            except EngineRequestError as e:
+                yield sse(e.body())
+                yield _DONE
+                return
+            yield chunk({}, last.finish_reason)
+            if include_usage:
+                yield sse(ChatCompletionChunk(**_fields(meta), choices=[], usage=last.usage))
+            yield _DONE
+
+    async def _completion_chunks(
+        self, meta: _Meta, first: Delta, deltas: AsyncIterator[Delta], include_usage: bool
+    ) -> AsyncIterator[str]:
+        def chunk(text: str, finish_reason: Any = None) -> str:
+            choice = CompletionChoice(text=text, finish_reason=finish_reason)
+            return sse(Completion(**_fields(meta), choices=[choice]))
+
+        async with _closing(deltas):
+            yield chunk(first.text)
+            last = first
+            try:
+                while last.finish_reason is None:
+                    last = await anext(deltas)
+                    if last.text:
+                        yield chunk(last.text)
+            except EngineRequestError as e:
+                yield sse(e.body())
+                yield _DONE
+                return
+            yield chunk("", last.finish_reason)
+            if include_usage:
+                yield sse(Completion(**_fields(meta), choices=[], usage=last.usage))
+            yield _DONE
+
+
+def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+    # no-cache and X-Accel-Buffering: proxies (nginx) pass each event on at once.
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+
+
+def _fields(meta: _Meta) -> dict[str, Any]:
+    return {"id": meta.id, "created": meta.created, "model": meta.model}
+
+
+def _usage(output: RequestOutput) -> Usage:
+    return Usage.of(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
+
+
+@asynccontextmanager
+async def _closing(iterator: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
+    """Closes an async generator on exit (plain async iterators have nothing to close)."""
+    try:
+        yield iterator
+    finally:
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
+    async with _closing(deltas):
+        parts = []
+        async for delta in deltas:
+            parts.append(delta.text)
+            if delta.finish_reason is not None:
+                return "".join(parts), delta
+    raise RuntimeError("the request ended without a finish reason")  # _deltas always sets one
+
+
+async def _unless_disconnected(raw: Request, awaitable: Awaitable[T]) -> T:
+    """Awaits `awaitable`, unless the client disconnects first (then cancels it)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_wait_for_disconnect(raw.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # its generator's `finally` aborts the request in the engine
+    if not work.done():
+        await asyncio.wait({work})
+        raise ClientDisconnected
+    return work.result()
+
+
+async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    # The body was read already, so the next message is the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass

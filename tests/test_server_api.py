@@ -1,0 +1,315 @@
+"""The HTTP server's API shapes against a scripted engine (`tests.fake_engine`) and the
+tiny checkpoint's real tokenizer, through Starlette's TestClient."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
+
+from ipc.messages import Sampling
+from server.app import create_app
+from tests.fake_engine import (
+    MAX_MODEL_LEN,
+    MODEL,
+    TEXT,
+    USER,
+    FakeEngine,
+    Script,
+    chat,
+    one_token_each,
+    settings,
+    sse_events,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen2_vl_tiny: Path):
+    return AutoTokenizer.from_pretrained(qwen2_vl_tiny)
+
+
+@pytest.fixture(scope="module")
+def _app(qwen2_vl_tiny: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
+    engine = FakeEngine()
+    with TestClient(create_app(settings(qwen2_vl_tiny), engine)) as client:
+        yield client, engine
+
+
+@pytest.fixture
+def engine(_app, tokenizer) -> FakeEngine:
+    _app[1].reset(one_token_each(tokenizer))
+    return _app[1]
+
+
+@pytest.fixture
+def client(_app, engine) -> TestClient:
+    return _app[0]
+
+
+# --- chat completions ---------------------------------------------------------------
+
+
+def test_chat_completion(client, engine, tokenizer):
+    response = chat(client)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["model"] == MODEL and isinstance(body["created"], int)
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": TEXT}
+    assert choice["finish_reason"] == "length"
+    n = len(tokenizer.encode(TEXT))
+    assert body["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": n,
+        "total_tokens": 11 + n,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    [request] = engine.requests
+    assert request.request_id == body["id"] and request.messages == USER
+    # No max_tokens: 0 lets the scheduler fill the context; vLLM's sampling defaults.
+    assert request.sampling == Sampling(max_tokens=0, temperature=1.0, top_p=1.0)
+    assert engine.aborted == []
+
+
+def test_chat_stream_with_usage(client, engine, tokenizer):
+    response = chat(client, stream=True, stream_options={"include_usage": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["cache-control"] == "no-cache"
+    events = sse_events(response.text)
+    first, *contents, finish, usage = events
+    assert {e["id"] for e in events} == {engine.requests[0].request_id}
+    assert all(e["object"] == "chat.completion.chunk" and e["model"] == MODEL for e in events)
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["choices"][0]["delta"]["content"] for c in contents)
+    assert all(c["choices"][0]["finish_reason"] is None for c in [first, *contents])
+    text = first["choices"][0]["delta"]["content"]
+    text += "".join(c["choices"][0]["delta"]["content"] for c in contents)
+    assert text == TEXT
+    assert finish["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    ]
+    assert usage["choices"] == []
+    n = len(tokenizer.encode(TEXT))
+    assert usage["usage"]["completion_tokens"] == n and usage["usage"]["prompt_tokens"] == 11
+    assert all("usage" not in e for e in events[:-1])
+
+
+def test_chat_stream_without_usage_and_a_one_token_answer(client, engine, tokenizer):
+    engine.reset(lambda _: Script([tokenizer.encode("Hi")], finish_reason="stop"))
+    events = sse_events(chat(client, stream=True).text)
+    assert [e["choices"][0]["delta"] for e in events] == [
+        {"role": "assistant", "content": "H"},  # "Hi" minus the stop token ("i" here)
+        {},
+    ]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_utf8_split_over_tokens_streams_whole_characters(client, engine, tokenizer):
+    text = "Hi 😀 世界! 👩‍👩‍👧"
+    engine.reset(lambda _: Script([[i] for i in tokenizer.encode(text)]))
+    events = sse_events(chat(client, stream=True).text)
+    pieces = [e["choices"][0]["delta"].get("content", "") for e in events]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert chat(client).json()["choices"][0]["message"]["content"] == text
+
+
+# --- stop strings -------------------------------------------------------------------
+
+
+def test_stop_string_across_tokens_cuts_and_aborts(client, engine):
+    body = chat(client, stop="lo w").json()  # "Hello world" is H|el|lo| wor|ld
+    assert body["choices"][0]["message"]["content"] == "Hel"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert engine.aborted == [body["id"]]
+
+
+def test_stop_string_in_a_stream_never_leaks_past_it(client, engine):
+    events = sse_events(chat(client, stream=True, stop=["xyz", ", how"]).text)
+    pieces = [e["choices"][0]["delta"].get("content", "") for e in events]
+    assert "".join(pieces) == "Hello world"
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert engine.aborted == [events[0]["id"]]
+
+
+def test_stop_string_in_the_last_output_needs_no_abort(client, engine):
+    body = chat(client, stop=["you?"]).json()
+    assert body["choices"][0]["message"]["content"] == "Hello world, how are "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert engine.aborted == []  # the engine had finished it already
+
+
+# --- completions --------------------------------------------------------------------
+
+
+def test_completion_and_its_stream(client, engine, tokenizer):
+    response = client.post("/v1/completions", json={"model": "alias", "prompt": "Once"})
+    body = response.json()
+    assert response.status_code == 200 and body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-") and body["model"] == "alias"
+    assert body["choices"] == [
+        {"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "length"}
+    ]
+    assert body["usage"]["total_tokens"] == 11 + len(tokenizer.encode(TEXT))
+    assert engine.requests[0].prompt == "Once" and engine.requests[0].messages is None
+
+    response = client.post(
+        "/v1/completions",
+        json={"prompt": [[5, 6, 7]], "stream": True, "stream_options": {"include_usage": True}},
+    )
+    *chunks, finish, usage = sse_events(response.text)
+    assert engine.requests[1].prompt == [5, 6, 7]
+    assert all(c["object"] == "text_completion" for c in [*chunks, finish, usage])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == TEXT
+    assert all(c["choices"][0]["text"] for c in chunks)
+    assert finish["choices"][0]["text"] == "" and finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 11
+    assert finish["model"] == MODEL  # no model named: the first served name
+
+
+# --- request fields -----------------------------------------------------------------
+
+
+def test_sampling_fields_reach_the_engine(client, engine):
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]},
+    ]
+    response = chat(
+        client,
+        messages=messages,
+        max_tokens=99,
+        max_completion_tokens=20,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=-1,
+        seed=42,
+        min_tokens=2,
+        stop_token_ids=[7, 8],
+        ignore_eos=True,
+        mm_processor_kwargs={"max_pixels": 50176, "min_pixels": 3136},
+    )
+    assert response.status_code == 200
+    [request] = engine.requests
+    assert request.sampling == Sampling(
+        max_tokens=20,  # max_completion_tokens wins over the older max_tokens
+        temperature=0.5,
+        top_p=0.9,
+        top_k=0,
+        seed=42,
+        min_tokens=2,
+        stop_token_ids=(7, 8),
+        ignore_eos=True,
+    )
+    assert request.messages == messages  # images pass through as URLs
+    assert (request.max_pixels, request.min_pixels) == (50176, 3136)
+
+
+def test_unknown_fields_are_ignored(client, engine):
+    response = chat(
+        client,
+        frequency_penalty=0.0,
+        logit_bias={},
+        user="me",
+        some_future_field={"x": 1},
+        messages=[{"role": "user", "content": "hi", "name": "bob"}],
+    )
+    assert response.status_code == 200
+    assert engine.requests[0].messages == [{"role": "user", "content": "hi", "name": "bob"}]
+
+
+def test_a_request_shaped_like_vllm_bench_random_mm(client, engine, tokenizer):
+    """The body `vllm bench serve --backend openai-chat --dataset-name random-mm` posts,
+    parsed the way its client parses the stream (split on blank lines, `data: ` prefix,
+    text from choices[0].delta.content, counts from the usage-only chunk)."""
+    jpeg = "data:image/jpeg;base64," + base64.b64encode(b"\xff\xd8\xff\xe0fake").decode()
+    content = [
+        {"type": "text", "text": "random words " * 8},
+        {"type": "image_url", "image_url": {"url": jpeg}},
+    ]
+    ids = tokenizer.encode("tokens " * 20)[:16]
+    engine.reset(lambda _: Script([[i] for i in ids], prompt_tokens=1234))
+    payload = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0.0,
+        "max_completion_tokens": 16,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    response = client.post(
+        "/v1/chat/completions", json=payload, headers={"x-request-id": "bench-0"}
+    )
+    assert response.status_code == 200
+    generated, chunks_with_choices, output_tokens, prompt_len, buffer = "", 0, None, None, ""
+    for piece in response.iter_bytes(chunk_size=7):  # arbitrary network splits
+        buffer += piece.decode()
+        while "\n\n" in buffer:
+            message, buffer = buffer.split("\n\n", 1)
+            chunk = message.strip().removeprefix("data: ")
+            if chunk == "[DONE]":
+                continue
+            data = json.loads(chunk)
+            if choices := data.get("choices"):
+                chunks_with_choices += 1
+                generated += choices[0]["delta"].get("content") or ""
+            elif usage := data.get("usage"):
+                output_tokens = usage.get("completion_tokens")
+                prompt_len = usage.get("prompt_tokens")
+    assert buffer == ""
+    assert generated == tokenizer.decode(ids)
+    assert (output_tokens, prompt_len) == (16, 1234)  # prompt_tokens count image tokens
+    assert chunks_with_choices >= 2
+    [request] = engine.requests
+    assert request.messages == payload["messages"]
+    assert request.sampling == Sampling(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+# --- the small endpoints --------------------------------------------------------------
+
+
+def test_models_health_version(client, qwen2_vl_tiny):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL, "alias"]
+    for card in models["data"]:
+        assert card["object"] == "model" and card["owned_by"] == "iris"
+        assert card["root"] == str(qwen2_vl_tiny) and card["max_model_len"] == MAX_MODEL_LEN
+        assert isinstance(card["created"], int)
+    health = client.get("/health")
+    assert health.status_code == 200 and health.content == b""
+    assert client.get("/version").json() == {"version": "0.1.0"}
+    metrics = client.get("/metrics")  # the fake engine has no gauges: an empty page
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+
+
+def test_tokenize_and_detokenize(client, tokenizer):
+    body = client.post("/tokenize", json={"model": MODEL, "prompt": TEXT}).json()
+    assert body == {
+        "tokens": tokenizer.encode(TEXT),
+        "count": len(tokenizer.encode(TEXT)),
+        "max_model_len": MAX_MODEL_LEN,
+    }
+    body = client.post("/tokenize", json={"messages": USER}).json()
+    templated = tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    assert body["tokens"] == tokenizer.encode(templated) and body["count"] == len(body["tokens"])
+
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    response = client.post("/tokenize", json={"messages": [{"role": "user", "content": [image]}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert client.post("/tokenize", json={}).status_code == 400
+    assert client.post("/tokenize", json={"prompt": "x", "model": "nope"}).status_code == 400
+
+    tokens = tokenizer.encode("Hi 😀 世界")
+    assert client.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": "Hi 😀 世界"}
+    response = client.post("/detokenize", json={"tokens": [1, 10**6]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"

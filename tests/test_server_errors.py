@@ -1,0 +1,168 @@
+"""Every way a request can fail: status, error.type and error.param, OpenAI-style."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
+
+from server.app import create_app
+from server.engine_client import EngineRequestError
+from tests.fake_engine import (
+    MAX_MODEL_LEN,
+    USER,
+    FakeEngine,
+    Script,
+    chat,
+    one_token_each,
+    settings,
+    sse_events,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen2_vl_tiny: Path):
+    return AutoTokenizer.from_pretrained(qwen2_vl_tiny)
+
+
+@pytest.fixture(scope="module")
+def _app(qwen2_vl_tiny: Path) -> Iterator[tuple[TestClient, FakeEngine]]:
+    engine = FakeEngine()
+    with TestClient(create_app(settings(qwen2_vl_tiny), engine)) as client:
+        yield client, engine
+
+
+@pytest.fixture
+def engine(_app, tokenizer) -> FakeEngine:
+    _app[1].reset(one_token_each(tokenizer))
+    return _app[1]
+
+
+@pytest.fixture
+def client(_app, engine) -> TestClient:
+    return _app[0]
+
+
+# --- errors ---------------------------------------------------------------------------
+
+_CHAT_ERRORS = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"model": "gpt-5"}, "model"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"seed": 2**64}, "seed"),
+    ({"stop": 3}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stream": "maybe"}, "stream"),
+    ({"stream_options": {"include_usage": []}}, "stream_options"),
+    ({"mm_processor_kwargs": {"max_pixels": -5}}, "mm_processor_kwargs"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), _CHAT_ERRORS)
+def test_chat_request_errors(client, engine, fields, param):
+    response = chat(client, **fields)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"] and error["code"] == 400
+    assert engine.requests == []  # refused before reaching the engine
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": [[1], [2]]}, "prompt"),
+        ({"prompt": [1, 99999]}, "prompt"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "n": 3}, "n"),
+    ],
+)
+def test_completion_request_errors(client, engine, body, param):
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize(
+    "raw", [b'{"model": "tiny-vl", "messages": [', b"[1, 2]", b"null", b"not json"]
+)
+def test_malformed_bodies_are_400s(client, raw):
+    response = client.post(
+        "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_engine_errors_keep_their_status_even_when_streaming(client, engine, tokenizer):
+    too_long = EngineRequestError(400, "prompt is 300 tokens; limit 256", param="messages")
+    engine.reset(lambda _: Script([], error=too_long))
+    for stream in (False, True):
+        response = chat(client, stream=stream)
+        assert engine.aborted == []  # the engine ended it already
+        assert response.status_code == 400
+        assert response.json()["error"] == {
+            "message": "prompt is 300 tokens; limit 256",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": 400,
+        }
+    crashed = EngineRequestError(500, "engine died", "server_error")
+    engine.reset(lambda _: Script([], error=crashed))
+    response = client.post("/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+
+    # An error after the stream started ends it with an error event, then [DONE].
+    engine.reset(lambda _: Script([tokenizer.encode("Hi")], error=crashed))
+    events = sse_events(chat(client, stream=True).text)
+    assert events[0]["choices"][0]["delta"]["content"] == "Hi"
+    assert events[-1] == {
+        "error": {"message": "engine died", "type": "server_error", "param": None, "code": 500}
+    }
+    # ... and the server goes on serving.
+    engine.reset(lambda _: Script([tokenizer.encode("ok")]))
+    assert chat(client).json()["choices"][0]["message"]["content"] == "ok"
+
+
+def test_unknown_route_and_method(client):
+    response = client.get("/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["code"] == 404
+    assert client.get("/v1/chat/completions").status_code == 405
+
+
+def test_api_key(qwen2_vl_tiny, tokenizer):
+    engine = FakeEngine(lambda _: Script([tokenizer.encode("ok")]))
+    with TestClient(create_app(settings(qwen2_vl_tiny, api_key="sekret"), engine)) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            for path, method in [("/v1/models", "GET"), ("/v1/chat/completions", "POST")]:
+                response = c.request(method, path, headers=headers, json={"messages": USER})
+                assert response.status_code == 401
+                assert response.json()["error"]["type"] == "authentication_error"
+        assert engine.requests == []
+        ok = {"Authorization": "Bearer sekret"}
+        assert (
+            c.post("/v1/chat/completions", headers=ok, json={"messages": USER}).status_code == 200
+        )
+        assert c.get("/v1/models", headers=ok).status_code == 200
+        assert c.get("/health").status_code == 200  # open without a key
+        assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200
