@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "tiny-model": "write a small random-weight checkpoint in the Hugging Face layout",
         "generate": "run the in-process engine on one prompt (no server)",
+        "serve": "start the OpenAI-compatible server (tokenizer workers + scheduler)",
     }
     if not argv or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="iris", description="Iris VLM inference server")
@@ -28,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         from scheduler.tiny_checkpoint import main_tiny_model
 
         return main_tiny_model(rest)
+    if command == "serve":
+        from server.args import parse_serve_args
+        from server.launcher import serve
+
+        return serve(parse_serve_args(rest))
     from server.generate_cli import main_generate
 
     return main_generate(rest)

@@ -1,0 +1,253 @@
+"""`iris serve`: start the tokenizer workers and the scheduler, then serve HTTP.
+
+The launcher owns every process it starts. It waits until all children report ready,
+runs uvicorn in this process, and watches the children: if one dies, it logs which and
+how and exits non-zero. On SIGINT/SIGTERM or a child's death it stops every child and
+sweeps this instance's shared-memory segments and socket folder, so nothing is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import shutil
+import signal
+import time
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from ipc.shm_arena import instance_prefix, new_instance_id, sweep, sweep_orphans
+from ipc.sockets import new_run_dir
+from scheduler.config import EngineConfig
+from scheduler.process import SchedulerProcessConfig, run_scheduler
+from server.args import ServeArgs
+from tokenizer_worker.config import WorkerConfig
+from tokenizer_worker.process import run_worker
+
+logger = logging.getLogger("iris.launcher")
+WATCH_INTERVAL_SECONDS = 0.5
+STOP_GRACE_SECONDS = 5.0
+
+
+def serve(args: ServeArgs) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    model_path = resolve_model_path(args.model)
+    for name in sweep_orphans():
+        logger.info("removed %s, left by a crashed Iris", name)
+    instance = new_instance_id()
+    run_dir = new_run_dir()
+    context = mp.get_context("spawn")
+    ready = ReadyChannel(context)
+    children = _children(args, model_path, instance, run_dir, context, ready)
+    # Our handlers (not the default ones) must be in place when uvicorn re-raises the
+    # signal it captured, so that shutdown reaches the cleanup below.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    try:
+        for child in children:
+            child.start()
+            logger.info("started %s (pid %d)", child.name, child.pid)
+        info = _wait_until_ready(children, ready, args.startup_timeout)
+        if info is None:
+            return 1
+        return asyncio.run(_serve_http(args, model_path, run_dir, info, children))
+    finally:
+        _stop(children)
+        ready.close()
+        for name in sweep(instance_prefix(instance)):
+            logger.info("removed shared memory %s", name)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A local folder as is; None → the built-in tiny checkpoint; else a hub id."""
+    if model is None:
+        from scheduler.tiny_checkpoint import builtin_checkpoint
+
+        return builtin_checkpoint()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+    return Path(snapshot_download(model, allow_patterns=patterns))
+
+
+def _children(
+    args: ServeArgs, model_path: Path, instance: str, run_dir: Path, context: Any, ready: Any
+) -> list[BaseProcess]:
+    workers = [
+        context.Process(
+            target=run_worker,
+            name=f"tokenizer-{i}",
+            args=(
+                WorkerConfig(
+                    worker_id=i,
+                    model_path=str(model_path),
+                    run_dir=str(run_dir),
+                    instance_id=instance,
+                    arena_bytes=args.mm_shm_arena_bytes,
+                    limit_mm_per_prompt=args.limit_mm_per_prompt,
+                    allowed_local_media_path=args.allowed_local_media_path,
+                    allowed_media_domains=tuple(args.allowed_media_domains)
+                    if args.allowed_media_domains
+                    else None,
+                    media_timeout_s=args.media_timeout,
+                ),
+                ready,
+            ),
+        )
+        for i in range(args.tokenizer_workers)
+    ]
+    engine = EngineConfig(
+        model=str(model_path),
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+    )
+    scheduler = context.Process(
+        target=run_scheduler,
+        name="scheduler",
+        args=(SchedulerProcessConfig(engine, str(run_dir), args.tokenizer_workers), ready),
+    )
+    return [*workers, scheduler]
+
+
+class ReadyChannel:
+    """Children report `(name, ok, info)` once started; a pipe, so that nothing (unlike a
+    `multiprocessing.Queue`'s named semaphores) can be left in /dev/shm by a crash."""
+
+    def __init__(self, context: Any) -> None:
+        self._reader, self._writer = context.Pipe(duplex=False)
+
+    def put(self, item: tuple[str, bool, Any]) -> None:  # called in the child
+        self._writer.send(item)
+
+    def get(self, timeout: float) -> tuple[str, bool, Any] | None:
+        return self._reader.recv() if self._reader.poll(timeout) else None
+
+    def close(self) -> None:
+        self._reader.close()
+        self._writer.close()
+
+
+def _wait_until_ready(
+    children: list[BaseProcess], ready: ReadyChannel, timeout: float
+) -> dict[str, Any] | None:
+    """Each child's ready info by name, or None (logged) if one failed or died."""
+    deadline = time.monotonic() + timeout
+    infos: dict[str, Any] = {}
+    while len(infos) < len(children):
+        if time.monotonic() > deadline:
+            missing = sorted({c.name for c in children} - set(infos))
+            logger.error("not ready after %.0f s: %s", timeout, ", ".join(missing))
+            return None
+        message = ready.get(timeout=WATCH_INTERVAL_SECONDS)
+        if message is None:
+            dead = _dead(children)
+            if dead:
+                logger.error("%s before it was ready", dead)
+                return None
+            continue
+        name, ok, info = message
+        if not ok:
+            logger.error("%s failed to start: %s", name, info)
+            return None
+        infos[name] = info
+    return infos
+
+
+async def _serve_http(
+    args: ServeArgs,
+    model_path: Path,
+    run_dir: Path,
+    info: dict[str, Any],
+    children: list[BaseProcess],
+) -> int:
+    import uvicorn
+
+    from server.app import AppSettings, create_app
+    from server.engine_client import ZmqEngineClient
+
+    client = ZmqEngineClient(run_dir, args.tokenizer_workers)
+    await client.start()
+    settings = AppSettings(
+        model_path=str(model_path),
+        served_model_names=tuple(args.served_model_name or [args.model or model_path.name]),
+        max_model_len=info["scheduler"]["max_model_len"],
+        api_key=args.api_key,
+    )
+    config = uvicorn.Config(
+        create_app(settings, client),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    failure: list[str] = []
+    watchdog = asyncio.create_task(_watch(children, server, failure))
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()
+        await client.close()
+    if failure:
+        logger.error("shutting down: %s", failure[0])
+        return 1
+    return 0
+
+
+async def _watch(children: list[BaseProcess], server: Any, failure: list[str]) -> None:
+    while not server.should_exit:
+        dead = _dead(children)
+        if dead:
+            logger.error("%s; stopping the server", dead)
+            failure.append(dead)
+            server.should_exit = True
+            return
+        await asyncio.sleep(WATCH_INTERVAL_SECONDS)
+
+
+def _dead(children: list[BaseProcess]) -> str | None:
+    for child in children:
+        if child.exitcode is not None:
+            code = child.exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            return f"{child.name} (pid {child.pid}) died: {how}"
+    return None
+
+
+def _stop(children: list[BaseProcess]) -> None:
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for child in children:
+        if child.pid is None:
+            continue
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            logger.warning("%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_SECONDS)
+            child.kill()
+            child.join()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """SIGINT/SIGTERM outside uvicorn (or re-raised by it after its graceful shutdown):
+    leave through `serve`'s cleanup with status 0; further signals are ignored so that
+    the cleanup itself is not interrupted."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logger.info("received %s, shutting down", signal.Signals(signum).name)
+    raise SystemExit(0)

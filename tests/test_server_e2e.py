@@ -1,0 +1,320 @@
+"""End to end: the real `iris serve` processes on a tiny checkpoint, over HTTP.
+
+One server is shared by the module; tests that stop or break a server start their own.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.reference import hf_generate, make_image
+from tests.server_harness import iris_server, stop, wait_until_gone
+from tokenizer_worker.prompt import PromptBuilder
+
+MAX_TOKENS = 12
+IDLE = {"iris_kv_cache_used_pages": 0.0, "iris_scheduler_pinned_images": 0.0,
+        "iris_shm_arena_pinned_entries": 0.0, "iris_num_requests_running": 0.0}  # fmt: skip
+
+
+def png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("media")
+    make_image(77, 55, seed=21).save(folder / "local.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(qwen2_5_vl_tiny, media_dir, tmp_path_factory):
+    with iris_server(
+        qwen2_5_vl_tiny,
+        "--served-model-name", "tiny",
+        "--max-model-len", "1024",
+        "--limit-mm-per-prompt", "4",
+        "--allowed-local-media-path", str(media_dir),
+        tmp_path=tmp_path_factory.mktemp("server"),
+    ) as running:  # fmt: skip
+        yield running
+
+
+@pytest.fixture(scope="module")
+def builder(qwen2_5_vl_tiny) -> PromptBuilder:
+    return PromptBuilder(qwen2_5_vl_tiny)
+
+
+def chat_body(text: str, images: list[bytes], **extra) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in images]
+    content.append({"type": "text", "text": text})
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
+    return {"max_tokens": MAX_TOKENS, "temperature": 0.0, **body, **extra}
+
+
+def reference_text(model_dir, builder: PromptBuilder, text: str, images: list[bytes]):
+    """transformers `generate` on the same conversation: (text, prompt len, output len)."""
+    from PIL import Image
+
+    pil = [Image.open(io.BytesIO(b)) for b in images]
+    content = [{"type": "image"} for _ in pil] + [{"type": "text", "text": text}]
+    prompt = builder.build(builder.render_chat([{"role": "user", "content": content}]), pil)
+    ids = hf_generate(model_dir, prompt, MAX_TOKENS)
+    return builder.tokenizer.decode(ids, skip_special_tokens=True), len(prompt.token_ids), len(ids)
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 3])
+def test_greedy_output_over_http_equals_transformers(server, builder, qwen2_5_vl_tiny, num_images):
+    sizes = [(96, 64), (333, 517), (50, 120)][:num_images]
+    images = [png_bytes(make_image(w, h, seed=i)) for i, (w, h) in enumerate(sizes)]
+    response = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json=chat_body("Describe.", images),
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    text, prompt_len, output_len = reference_text(qwen2_5_vl_tiny, builder, "Describe.", images)
+    assert body["choices"][0]["message"]["content"] == text
+    assert body["usage"]["prompt_tokens"] == prompt_len  # image tokens included
+    assert body["usage"]["completion_tokens"] == output_len
+
+
+def test_openai_client_streaming_and_not_with_an_image(server, builder, qwen2_5_vl_tiny, media_dir):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=120)
+    image = png_bytes(make_image(64, 64, seed=5))
+    messages = chat_body("What is it?", [image])["messages"]
+    expected, _, _ = reference_text(qwen2_5_vl_tiny, builder, "What is it?", [image])
+
+    completion = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert completion.choices[0].message.content == expected
+
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == expected
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+    local = {"type": "image_url", "image_url": {"url": f"file://{media_dir / 'local.png'}"}}
+    with_file = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": [local, {"type": "text", "text": "hi"}]}],
+        max_tokens=4,
+    )
+    assert with_file.usage.prompt_tokens > 10
+
+
+def test_sixteen_concurrent_requests_all_finish_correctly(server, builder, qwen2_5_vl_tiny):
+    cases = [
+        (
+            f"Question {i}: " + "why " * i,
+            [png_bytes(make_image(40 + 8 * i, 48, seed=i))] if i % 2 else [],
+        )
+        for i in range(16)
+    ]
+    results: dict[int, httpx.Response] = {}
+
+    def send(i: int) -> None:
+        text, images = cases[i]
+        results[i] = httpx.post(
+            f"{server.base_url}/v1/chat/completions", json=chat_body(text, images), timeout=300
+        )
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 16, "some requests never returned"
+    for i, (text, images) in enumerate(cases):
+        assert results[i].status_code == 200, results[i].text
+        expected, _, _ = reference_text(qwen2_5_vl_tiny, builder, text, images)
+        assert results[i].json()["choices"][0]["message"]["content"] == expected, f"request {i}"
+    server.wait_for_metrics(IDLE)
+
+
+def _truncated_png() -> str:
+    data = png_bytes(make_image(64, 64, seed=9))
+    return data_url(data[: len(data) // 2])
+
+
+def _bomb_png() -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(buffer, format="PNG")  # tiny file, 400 Mpx
+    return data_url(buffer.getvalue())
+
+
+BAD_IMAGES = {
+    "invalid base64": "data:image/png;base64,!!!not-base64!!!",
+    "not an image": data_url(b"hello, I am text", "image/png"),
+    "truncated": _truncated_png(),
+    "decompression bomb": _bomb_png(),
+    "unsupported scheme": "ftp://example.com/a.png",
+    "outside allowed folder": "file:///etc/passwd",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_IMAGES))
+def test_bad_images_get_a_400_and_the_server_stays_healthy(server, case):
+    content = [{"type": "image_url", "image_url": {"url": BAD_IMAGES[case]}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    good = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json=chat_body("ok", []), timeout=60
+    )
+    assert good.status_code == 200
+    server.wait_for_metrics(IDLE)
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"messages_images": 5}, "messages"),
+        ({"model": "no-such-model"}, "model"),
+        ({"n": 2}, "n"),
+    ],
+)
+def test_limits_get_a_400(server, change, param):
+    images = [
+        png_bytes(make_image(30, 30, seed=i)) for i in range(change.pop("messages_images", 0))
+    ]
+    body = {**chat_body("limits", images), **change}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    server.wait_for_metrics(IDLE)
+
+
+def test_a_client_disconnect_mid_stream_frees_pages_and_pins(server):
+    server.wait_for_metrics(IDLE)
+    generated_before = server.metrics()["iris_generation_tokens_total"]
+    image = png_bytes(make_image(120, 90, seed=3))
+    body = chat_body("Tell a long story.", [image], max_tokens=900, ignore_eos=True, stream=True)
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6), strict=False) if line]
+        assert received  # the stream was flowing when we hung up
+    server.wait_for_metrics(IDLE)
+    generated = server.metrics()["iris_generation_tokens_total"] - generated_before
+    assert generated < 900, "the request ran to the end: the disconnect did not abort it"
+
+
+def test_request_shaped_like_vllm_bench_serve_random_mm(server):
+    """Exactly the body `vllm bench serve --backend openai-chat --dataset-name random-mm`
+    posts, and the parts of the stream that client reads."""
+    image = png_bytes(make_image(128, 72, seed=11))
+    body = {
+        "model": "tiny",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "random words " * 10},
+                    {"type": "image_url", "image_url": {"url": data_url(image, "image/jpeg")}},
+                ],
+            }
+        ],
+        "temperature": 0.0,
+        "max_completion_tokens": 10,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=120
+    ) as response:
+        raw = b"".join(response.iter_bytes()).decode()
+    assert response.status_code == 200
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+    finish = chunks[-2]
+    assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] == "length"
+    deltas = [c["choices"][0]["delta"].get("content") for c in chunks[:-2]]
+    assert all(d for d in deltas[1:]), "every content delta after the first carries text"
+
+
+def test_api_key_is_enforced(qwen2_vl_tiny, tmp_path):
+    with iris_server(qwen2_vl_tiny, "--api-key", "sesame", "--tokenizer-workers", "1",
+                     tmp_path=tmp_path) as running:  # fmt: skip
+        url = f"{running.base_url}/v1/chat/completions"
+        body = {**chat_body("hi", []), "model": running_model_name(running)}
+        assert httpx.post(url, json=body, timeout=60).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert httpx.post(url, json=body, headers=wrong, timeout=60).status_code == 401
+        right = {"Authorization": "Bearer sesame"}
+        assert httpx.post(url, json=body, headers=right, timeout=60).status_code == 200
+        assert httpx.get(f"{running.base_url}/health", timeout=10).status_code == 200
+
+
+def running_model_name(running) -> str:
+    models = httpx.get(
+        f"{running.base_url}/v1/models", headers={"Authorization": "Bearer sesame"}, timeout=10
+    ).json()
+    entry = models["data"][0]
+    assert {"id", "object", "created", "owned_by", "root"} <= set(entry)
+    return entry["id"]
+
+
+def test_clean_shutdown_leaves_no_process_and_no_shared_memory(qwen2_vl_tiny, tmp_path):
+    with iris_server(qwen2_vl_tiny, "--served-model-name", "tiny", tmp_path=tmp_path) as running:
+        image = png_bytes(make_image(64, 64, seed=1))
+        response = httpx.post(
+            f"{running.base_url}/v1/chat/completions", json=chat_body("x", [image]), timeout=60
+        )
+        assert response.status_code == 200
+        assert len(running.children_pids()) >= 3  # 2 tokenizer workers + scheduler
+        assert stop(running) == 0
+        wait_until_gone(running)
+
+
+@pytest.mark.parametrize("victim", ["scheduler", "tokenizer-1"])
+def test_a_child_killed_with_sigkill_stops_everything_cleanly(qwen2_vl_tiny, tmp_path, victim):
+    with iris_server(qwen2_vl_tiny, tmp_path=tmp_path) as running:
+        match = re.search(rf"started {victim} \(pid (\d+)\)", running.log)
+        assert match, running.log
+        os.kill(int(match.group(1)), signal.SIGKILL)
+        status = running.process.wait(timeout=60)
+        assert status != 0
+        assert f"{victim} (pid {match.group(1)}) died: killed by SIGKILL" in running.log
+        wait_until_gone(running)
