@@ -44,6 +44,15 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _invocation() -> list[str]:
+    """How the running script was started: `-m package.module` or its path."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return ["-m", spec.name]
+    return [sys.argv[0]]
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     def cell(value: object) -> str:
         return f"{value:.3g}" if isinstance(value, float) else str(value)
@@ -57,7 +66,7 @@ def write_result(name: str, title: str, body: str, results_dir: Path | None = No
     """Prints `body` and saves it as `<results_dir>/<name>.md` with its provenance."""
     results_dir = results_dir or RESULTS_DIR
     results_dir.mkdir(parents=True, exist_ok=True)
-    command = " ".join([Path(sys.executable).name, *sys.argv])
+    command = " ".join(["python", *_invocation(), *sys.argv[1:]])
     text = (
         f"# {title}\n\n"
         f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n"
