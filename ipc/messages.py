@@ -246,6 +246,12 @@ class EngineStats(_Message, tag=_ENGINE_STATS):
     images_encoded: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    mm_embedding_cache_hits: int = 0
+    mm_embedding_cache_misses: int = 0
+    mm_embedding_cache_usage_bytes: int = 0
+    # vision-tower call durations observed since the previous EngineStats (a histogram feed)
+    encoder_seconds: list[float] = []
 
 
 class WorkerStats(_Message, tag=_WORKER_STATS):
@@ -257,6 +263,8 @@ class WorkerStats(_Message, tag=_WORKER_STATS):
     arena_pinned_entries: int
     requests_processed: int = 0
     images_processed: int = 0
+    processor_cache_hits: int = 0
+    processor_cache_misses: int = 0
 
 
 ToServer: TypeAlias = TokenBatch | RequestError | EngineStats | WorkerStats
