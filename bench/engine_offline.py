@@ -105,6 +105,7 @@ def bench_size(size: str, quick: bool) -> list[list[object]]:
     )
     pixels = [image.pixel_values.to(iris.device, iris.dtype) for image in prompt.images]
     grids = [torch.tensor([image.grid_thw], device=iris.device) for image in prompt.images]
+
     def batched() -> None:
         iris.model.encode_images(torch.cat(pixels), torch.cat(grids))
 
