@@ -9,6 +9,10 @@ Running requests go first, oldest first; waiting requests join while budget, seq
 slots and pages last. When a running request needs a page and none is free, the newest
 running request is preempted: its pages go back to the pool and it is recomputed later
 from its prompt and the tokens it already produced, so nothing it returned changes.
+
+With a prefix cache, a request being admitted (first time or after preemption) starts
+from the longest chain of cached full pages over its tokens, shared by reference; the
+pages a request fills are registered as it computes them and when it leaves.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.kv_cache import PagePool
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request, RequestStatus
 
 
@@ -50,9 +55,15 @@ class BatchPlanner:
     """Owns the waiting queue, the running set and every request's pages."""
 
     def __init__(
-        self, pool: PagePool, page_size: int, max_num_batched_tokens: int, max_num_seqs: int
+        self,
+        pool: PagePool,
+        page_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.pool = pool
+        self.prefix_cache = prefix_cache
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -70,6 +81,9 @@ class BatchPlanner:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
+        if self.prefix_cache is not None:
+            for request in self.running:  # pages the last step filled
+                self.prefix_cache.register(request)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -89,9 +103,9 @@ class BatchPlanner:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            num_tokens = min(request.num_uncomputed_tokens, budget)
-            if not self._reserve_pages(request, num_tokens):
+            if not self._admit(request, budget):
                 break
+            num_tokens = min(request.num_uncomputed_tokens, budget)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -107,6 +121,26 @@ class BatchPlanner:
             self.waiting.remove(request)
         self._release(request)
         request.status = RequestStatus.FINISHED
+
+    def _admit(self, request: Request, budget: int) -> bool:
+        """Gives a waiting request (it holds no pages) its cached prefix and the pages
+        for its first chunk; False, with nothing taken, when the pages do not fit."""
+        cached = self.prefix_cache.match(request) if self.prefix_cache is not None else []
+        num_cached_tokens = len(cached) * self.page_size
+        num_tokens = min(request.num_tokens - num_cached_tokens, budget)
+        missing = -(-(num_cached_tokens + num_tokens) // self.page_size) - len(cached)
+        revived = sum(1 for page in cached if self.pool.refcount(page) == 0)
+        if missing > self.pool.num_free - revived:
+            return False
+        self.pool.share(cached)  # before allocating, so no allocation evicts them
+        request.pages = cached + self.pool.allocate(missing)
+        request.num_computed_tokens = num_cached_tokens
+        request.num_registered_pages = len(cached)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.hit_tokens += num_cached_tokens
+        return True
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:
         total_pages = -(-(request.num_computed_tokens + num_tokens) // self.page_size)
@@ -135,6 +169,9 @@ class BatchPlanner:
                 return True
 
     def _release(self, request: Request) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(request)  # what it computed outlives it
         self.pool.free(request.pages)
         request.pages = []
+        request.num_registered_pages = 0
         request.image_embeddings.clear()

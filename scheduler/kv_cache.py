@@ -2,13 +2,15 @@
 
 A page holds `page_size` consecutive tokens of one sequence for every layer. A token's
 *slot* is `page * page_size + offset`; the attention code writes and gathers K/V by slot.
-`PagePool` owns the free list; requests own the page ids they were given and hand them
-back when they finish, are aborted or preempted.
+`PagePool` owns the page ids: reference counts, the free list and the full pages kept
+as a prefix cache (their content keys, LRU eviction). Requests hold references on the
+pages they were given or found cached and drop them when they finish, are aborted or
+preempted; a page another request still holds is never freed.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -38,29 +40,113 @@ class OutOfPages(RuntimeError):
 
 
 class PagePool:
-    """Free list of page ids. O(1) allocate and free; never hands out a page twice."""
+    """Page ids with reference counts; full pages may outlive their requests as a cache.
+
+    Every page is in exactly one of three states:
+
+    - *held*: referenced by one or more running requests (`refcount > 0`); a cached
+      page can be held by several requests at once (a shared prefix);
+    - *evictable*: unreferenced but cached under a content key (the prefix cache), kept
+      in least-recently-released order until an allocation needs the space;
+    - *free*: unreferenced and holding nothing worth keeping.
+
+    `allocate` takes free pages first, then evicts the least recently used evictable
+    page (dropping its key). `num_free` counts both, i.e. what `allocate` can hand out,
+    so `num_free == num_pages` still means "no request holds a page".
+    """
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 1:
             raise ValueError("the KV cache needs at least one page; raise its memory budget")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
+        self._refcounts = [0] * num_pages
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest release first
+        self._page_of_key: dict[bytes, int] = {}
+        self._content: dict[int, tuple[bytes, bytes]] = {}  # page -> (key, token bytes)
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages `allocate` can hand out: free plus evictable cached pages."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages registered under a content key, held or not."""
+        return len(self._page_of_key)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_pages
 
+    def refcount(self, page: int) -> int:
+        return self._refcounts[page]
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._content
+
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfPages(f"asked for {count} pages, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(count)]
+        """`count` pages, each with one reference; free pages first, then LRU evictions."""
+        if count > self.num_free:
+            raise OutOfPages(f"asked for {count} pages, {self.num_free} free")
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                key, _ = self._content.pop(page)
+                del self._page_of_key[key]
+                self.num_evictions += 1
+            self._refcounts[page] = 1
+            pages.append(page)
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """Take one more reference on each of `pages` (cached pages found by a lookup)."""
+        for page in pages:
+            if self._refcounts[page] == 0:
+                if page not in self._evictable:
+                    raise ValueError(f"page {page} is neither held nor cached")
+                del self._evictable[page]
+            self._refcounts[page] += 1
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        """Drop one reference on each of `pages`; a page nobody holds becomes free or,
+        if cached, evictable. Released tail-first, so a chain's tail is evicted first."""
+        for page in reversed(pages):
+            if self._refcounts[page] <= 0:
+                raise ValueError(f"page {page} freed more often than it was allocated")
+            self._refcounts[page] -= 1
+            if self._refcounts[page] == 0:
+                if page in self._content:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    def cache(self, page: int, key: bytes, token_bytes: bytes) -> bool:
+        """Register a held, full page's content under `key`. False (and nothing changes)
+        when another page already holds that content or `page` is already registered."""
+        if self._refcounts[page] <= 0:
+            raise ValueError(f"page {page} is not held; only a held page can be cached")
+        if key in self._page_of_key or page in self._content:
+            return False
+        self._page_of_key[key] = page
+        self._content[page] = (key, token_bytes)
+        return True
+
+    def lookup(self, key: bytes, token_bytes: bytes) -> int | None:
+        """The cached page with content `key`, if its stored tokens are `token_bytes` too
+        (a 128-bit collision would have to agree on the tokens to be served)."""
+        page = self._page_of_key.get(key)
+        if page is None or self._content[page][1] != token_bytes:
+            return None
+        return page
 
 
 class KVCache:
