@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -29,6 +30,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step: chunked-prefill size
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True  # reuse full KV pages keyed by tokens + image keys
+    # Per-image vision-tower outputs shared by all requests, LRU-bounded in bytes; pinned
+    # entries (images of running requests) are never evicted, so it may exceed the bound.
+    enable_mm_embedding_cache: bool = True  # off: an embedding lives only for its request
+    mm_embedding_cache_bytes: int = 1 << 30
+    # "request": one key over all of a request's images (a new image invalidates them all).
+    mm_cache_granularity: Literal["image", "request"] = "image"
+    chunked_mm_encoding: bool = True  # off: every image of a request in its first chunk
+    max_num_encoder_tokens: int = 4096  # image tokens (after merging) per vision-tower call
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -37,6 +47,12 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
+        if self.mm_embedding_cache_bytes < 0:
+            raise ValueError("mm_embedding_cache_bytes must not be negative")
+        if self.mm_cache_granularity not in ("image", "request"):
+            raise ValueError("mm_cache_granularity must be 'image' or 'request'")
+        if self.max_num_encoder_tokens < 1:
+            raise ValueError("max_num_encoder_tokens must be positive")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

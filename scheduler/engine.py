@@ -10,18 +10,21 @@ import itertools
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from scheduler.batch_planner import BatchPlanner, StepPlan
 from scheduler.config import EngineConfig
+from scheduler.embedding_cache import EmbeddingCache
+from scheduler.image_encoder import ImageEncoder, request_scoped_keys
 from scheduler.kv_cache import KVCache, KVLayout
 from scheduler.model_runner import ModelRunner
 from scheduler.models.mrope import mrope_positions
 from scheduler.models.registry import load_model
-from scheduler.request import EnginePrompt, FinishReason, Request
+from scheduler.prefix_cache import PrefixCache
+from scheduler.request import EnginePrompt, FinishReason, ImageInput, Request
 from scheduler.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class Engine:
@@ -70,10 +74,33 @@ class Engine:
                 self.max_model_len,
                 capacity,
             )
-        self.planner = BatchPlanner(
-            self.kv_cache.pool, config.page_size, config.max_num_batched_tokens, config.max_num_seqs
+        self.prefix_cache = (
+            PrefixCache(self.kv_cache.pool, config.page_size)
+            if config.enable_prefix_caching
+            else None
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.dtype)
+        self.planner = BatchPlanner(
+            self.kv_cache.pool,
+            config.page_size,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.prefix_cache,
+        )
+        self.embedding_cache = EmbeddingCache(
+            config.mm_embedding_cache_bytes if config.enable_mm_embedding_cache else 0
+        )
+        self.image_encoder = ImageEncoder(
+            self.model,
+            self.embedding_cache,
+            self.device,
+            self.dtype,
+            config.max_num_encoder_tokens,
+            chunked=config.chunked_mm_encoding,
+            shared=config.enable_mm_embedding_cache,
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.device, self.dtype, self.image_encoder
+        )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -107,7 +134,7 @@ class Engine:
             request_id=request_id,
             prompt_token_ids=list(prompt.token_ids),
             sampling=sampling,
-            images=list(prompt.images),
+            images=self._own_images(prompt.images),
             eos_token_ids=self.eos_token_ids,
             arrival_order=next(self._arrivals),
             prompt_positions=positions,
@@ -123,6 +150,45 @@ class Engine:
         if request is not None:
             self.planner.finish(request)
             request.finish_reason = FinishReason.ABORT
+            self.embedding_cache.release(request_id)
+            self.image_encoder.forget(request_id)  # the caller releases all its pins now
+
+    @property
+    def prefix_cache_hit_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache, summed over requests."""
+        return self.prefix_cache.hit_tokens if self.prefix_cache is not None else 0
+
+    # -- images: shared-memory pins and metrics -----------------------------------------
+
+    def pop_pixels_done(self) -> list[tuple[str, int]]:
+        """(request id, image index) of images whose pixels no step will read again: the
+        request holds their embeddings until it ends. The owner of the shared-memory pins
+        pops this after every step and releases those pins at once; each image is reported
+        at most once (never for an image the request never needed, e.g. a prefix-cache hit,
+        nor after an abort: those pins go with the request)."""
+        return self.image_encoder.pop_pixels_done()
+
+    def drain_encoder_seconds(self) -> list[float]:
+        """Durations of the vision-tower calls since the previous drain."""
+        return self.image_encoder.drain_seconds()
+
+    @property
+    def mm_embedding_cache_hits(self) -> int:
+        """Images a request got without running the vision tower for them."""
+        return self.embedding_cache.hits
+
+    @property
+    def mm_embedding_cache_misses(self) -> int:
+        return self.embedding_cache.misses
+
+    @property
+    def mm_embedding_cache_usage_bytes(self) -> int:
+        return self.embedding_cache.usage_bytes
+
+    @property
+    def images_encoded(self) -> int:
+        """Images run through the vision tower."""
+        return self.image_encoder.images_encoded
 
     def has_unfinished_requests(self) -> bool:
         return self.planner.has_work()
@@ -145,6 +211,7 @@ class Engine:
         outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
         for output in self.run_until_idle():
             outputs[output.request_id].extend(output.new_token_ids)
+        self.pop_pixels_done()  # in process, nobody holds shared-memory pins
         return [outputs[request_id] for request_id in ids]
 
     def run_until_idle(self) -> Iterable[RequestOutput]:
@@ -167,6 +234,7 @@ class Engine:
             if reason is not None:
                 request.finish_reason = reason
                 self.planner.finish(request)
+                self.embedding_cache.release(request.request_id)
                 del self.requests[request.request_id]
             outputs.append(
                 RequestOutput(
@@ -176,6 +244,7 @@ class Engine:
                     finish_reason=reason,
                     num_prompt_tokens=request.prompt_len,
                     num_output_tokens=len(request.output_token_ids),
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return outputs
@@ -192,6 +261,14 @@ class Engine:
         if request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _own_images(self, images: Sequence[ImageInput]) -> list[ImageInput]:
+        """The request's own copies (it drops their pixels), re-keyed per request when
+        the cache granularity is "request"."""
+        if self.config.mm_cache_granularity == "request":
+            keys = request_scoped_keys([image.key for image in images])
+            return [replace(image, key=key) for image, key in zip(images, keys, strict=True)]
+        return [replace(image) for image in images]
 
     def _kv_budget_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -6,21 +6,31 @@ import torch
 
 from scheduler.attention import PagedAttention, SequenceChunk
 from scheduler.batch_planner import ScheduledChunk, StepPlan
+from scheduler.image_encoder import ImageEncoder
 from scheduler.kv_cache import KVCache
-from scheduler.request import Request
 from scheduler.sampling import Sampler, SamplingRow
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device, dtype: torch.dtype
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: torch.device,
+        dtype: torch.dtype,
+        image_encoder: ImageEncoder,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler()
-        self.images_encoded = 0
+        self.image_encoder = image_encoder
+
+    @property
+    def images_encoded(self) -> int:
+        """Images run through the vision tower so far."""
+        return self.image_encoder.images_encoded
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int]:
@@ -31,7 +41,7 @@ class ModelRunner:
         positions = torch.cat([c.request.positions(c.start, c.end) for c in chunks], dim=1)
 
         embeddings = self.model.embed_tokens(input_ids)
-        self._encode_images(chunks)
+        self.image_encoder.prepare(chunks)
         self._splice_images(embeddings, chunks)
 
         attention = PagedAttention(
@@ -54,27 +64,6 @@ class ModelRunner:
             for c in sampling_chunks
         ]
         return self.sampler(logits, rows).tolist()
-
-    def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
-        """Encodes, in one vision-tower call, every image a chunk overlaps and lacks."""
-        pending: list[tuple[Request, int]] = []
-        for chunk in chunks:
-            request = chunk.request
-            for index, image in enumerate(request.images):
-                if index not in request.image_embeddings and image.overlaps(chunk.start, chunk.end):
-                    pending.append((request, index))
-        if not pending:
-            return
-        images = [request.images[index] for request, index in pending]
-        pixel_values = torch.cat([image.pixel_values for image in images])
-        pixel_values = pixel_values.to(self.device, self.dtype)
-        grid_thw = torch.tensor([image.grid_thw for image in images], device=self.device)
-        embeddings = self.model.encode_images(pixel_values, grid_thw)
-        for (request, index), part in zip(
-            pending, embeddings.split([image.length for image in images]), strict=True
-        ):
-            request.image_embeddings[index] = part
-        self.images_encoded += len(images)
 
     @staticmethod
     def _splice_images(embeddings: torch.Tensor, chunks: list[ScheduledChunk]) -> None:

@@ -4,8 +4,10 @@
 
 Every tokenizer worker pushes `EngineRequest`s and `AbortEngineRequest`s into one PULL
 socket; a worker forwards an abort after the request it aborts, so the two never race.
-Pixels are zero-copy views of the owning worker's arena; their pins are released when
-the request finishes or is aborted (`ReleaseImages` to that worker).
+Pixels are zero-copy views of the owning worker's arena. An image's pin is released
+(`ReleaseImages` to that worker) as soon as the request holds the image's embedding
+(`Engine.pop_pixels_done` after every step); whatever is left goes when the request
+finishes or is aborted.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
@@ -63,11 +68,13 @@ class SchedulerLoop:
             for i in range(num_workers)
         ]
         self.reader = ShmReader()
-        self.pins: dict[str, list[tuple[int, ShmHandle]]] = {}
+        # request id -> image index -> (worker id, handle) of the pins not yet released
+        self.pins: dict[str, dict[int, tuple[int, ShmHandle]]] = {}
         self.stopping = False
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self._last_stats: EngineStats | None = None
+        self._encoder_seconds: list[float] = []
         self._last_stats_time = 0.0
 
     def run(self) -> None:
@@ -79,7 +86,9 @@ class SchedulerLoop:
                 self._handle(message)
                 message = self.inbox.recv(0)
             if self.engine.has_unfinished_requests():
-                self._send_outputs(self.engine.step())
+                outputs = self.engine.step()
+                self._release_images(self.engine.pop_pixels_done())
+                self._send_outputs(outputs)
             self._send_stats()
 
     def close(self) -> None:
@@ -96,11 +105,11 @@ class SchedulerLoop:
             self.engine.abort(message.request_id)
             self._release(message.request_id)
             return
-        self.pins[message.request_id] = [
-            (image.pixels.worker_id, image.pixels.handle)
-            for image in message.images
+        self.pins[message.request_id] = {
+            index: (image.pixels.worker_id, image.pixels.handle)
+            for index, image in enumerate(message.images)
             if image.pixels is not None
-        ]
+        }
         try:
             prompt, sampling = self._admission(message)
             self.engine.add_request(message.request_id, prompt, sampling)
@@ -154,7 +163,7 @@ class SchedulerLoop:
                     finished=output.finished,
                     finish_reason=output.finish_reason.value if output.finish_reason else None,
                     prompt_tokens=output.num_prompt_tokens,
-                    cached_tokens=0,
+                    cached_tokens=output.num_cached_tokens,
                     completion_tokens=output.num_output_tokens,
                 )
             )
@@ -164,8 +173,12 @@ class SchedulerLoop:
 
     def _send_stats(self) -> None:
         """Gauges for /metrics: sent when they change, at most every 0.2 s while busy,
-        and always once the engine is idle (so a test sees the settled values)."""
+        and always once the engine is idle (so a test sees the settled values).
+
+        Encoder timings are buffered until a message actually goes out, so none is lost
+        to the rate limit; they are left out of the change check."""
         engine = self.engine
+        self._encoder_seconds.extend(engine.drain_encoder_seconds())
         pool = engine.kv_cache.pool
         stats = EngineStats(
             num_running=len(engine.planner.running),
@@ -174,18 +187,22 @@ class SchedulerLoop:
             kv_pages_total=pool.num_pages,
             pinned_images=sum(len(pins) for pins in self.pins.values()),
             num_preemptions=engine.planner.num_preemptions,
-            images_encoded=engine.runner.images_encoded,
+            images_encoded=engine.images_encoded,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            prefix_cache_hit_tokens=engine.prefix_cache_hit_tokens,
+            mm_embedding_cache_hits=engine.mm_embedding_cache_hits,
+            mm_embedding_cache_misses=engine.mm_embedding_cache_misses,
+            mm_embedding_cache_usage_bytes=engine.mm_embedding_cache_usage_bytes,
         )
         now = time.monotonic()
         idle = not engine.has_unfinished_requests()
-        if stats == self._last_stats or (
-            not idle and now - self._last_stats_time < STATS_INTERVAL_SECONDS
-        ):
+        changed = stats != self._last_stats or self._encoder_seconds
+        if not changed or (not idle and now - self._last_stats_time < STATS_INTERVAL_SECONDS):
             return
         self._last_stats, self._last_stats_time = stats, now
-        self._send(stats)
+        self._send(msgspec.structs.replace(stats, encoder_seconds=self._encoder_seconds))
+        self._encoder_seconds = []
 
     def _send(self, message: ToServer) -> None:
         try:
@@ -194,8 +211,19 @@ class SchedulerLoop:
             logger.error("the server took no message for 5 s; dropping %s", type(message).__name__)
 
     def _release(self, request_id: str) -> None:
+        self._send_releases(self.pins.pop(request_id, {}).values())
+
+    def _release_images(self, done: list[tuple[str, int]]) -> None:
+        """Releases the pins of images whose pixels the engine no longer reads."""
+        self._send_releases(
+            pin
+            for request_id, index in done
+            if (pin := self.pins.get(request_id, {}).pop(index, None)) is not None
+        )
+
+    def _send_releases(self, pins: Iterable[tuple[int, ShmHandle]]) -> None:
         by_worker: dict[int, list[ShmHandle]] = {}
-        for worker_id, handle in self.pins.pop(request_id, []):
+        for worker_id, handle in pins:
             by_worker.setdefault(worker_id, []).append(handle)
         for worker_id, handles in by_worker.items():
             try:

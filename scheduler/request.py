@@ -17,14 +17,15 @@ class ImageInput:
     `key` is the 128-bit content hash computed by the tokenizer worker (the scheduler
     never hashes). `pixel_values` are the image processor's patches,
     `[t*h*w, channels * temporal_patch * patch * patch]`; the scheduler reads them only
-    when a prefill chunk overlaps `[offset, offset + length)`.
+    when a prefill chunk overlaps `[offset, offset + length)`, and sets them to None once
+    the request holds the image's embedding (its shared-memory pin is released then).
     """
 
     key: bytes
     offset: int
     length: int
     grid_thw: tuple[int, int, int]
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None
 
     @property
     def end(self) -> int:
@@ -77,7 +78,14 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
 
-    # Image embeddings computed for this request and still needed by a later chunk.
+    # Prefix cache: tokens found cached at the first admission (usage's cached_tokens),
+    # the key chain of the full pages known so far, how many of `pages` are registered.
+    num_cached_tokens: int = 0
+    page_keys: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0
+
+    # Embeddings of this request's images still needed by a later chunk: references to
+    # embedding-cache entries the request pins until it finishes (see image_encoder.py).
     image_embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property

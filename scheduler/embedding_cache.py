@@ -1,0 +1,168 @@
+"""Per-image vision-tower outputs, shared by every request, LRU-bounded in bytes.
+
+Two parts, as with KV pages (STYLE lesson 4): the bookkeeping — which requests use an
+entry, which entries nobody uses (the LRU), how many bytes — and the `dict[key, Tensor]`
+it describes. The bookkeeping knows an entry before its tensor exists: `lookup` of an
+absent key creates a *pending* entry that the caller fills with `put` in the same step,
+so a second request asking for the key in that step is a hit and the image is encoded
+once (dedupe).
+
+Lifetime. A request pins an entry at its first `lookup` and keeps the pin until
+`release(request_id)` (the request finished or was aborted), preemption included, so a
+recomputed request never needs the image's pixels again. An entry nobody pins joins the
+tail of the LRU; eviction takes unpinned entries from its head whenever the bytes exceed
+the capacity, and never touches a pinned entry: **when every entry is pinned the cache
+goes over capacity rather than evict one**, and shrinks back as pins are released.
+Capacity 0 therefore keeps an entry exactly as long as some request uses it.
+
+Why pins do not drop once the prefill has passed the image: a preempted request would
+then have to re-encode, so its pixels would have to stay pinned in shared memory until
+it ends — two resources held instead of one, and the pixels are the larger (per image
+token: 4 patches of 3·2·14·14 values against one hidden vector). One rule, "pinned
+from first use to finish/abort", lets the pixels go at first use.
+
+A hit is checked against the token count the caller expects (the image's span length):
+a mismatch means a key collision or a bug upstream, never a valid hit. It is logged and
+treated as a miss — the stale entry is replaced when nobody uses it, otherwise the caller
+gets `Lookup.UNCACHEABLE` and encodes the image for its request alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CacheKey = Hashable  # an image's 16-byte key, or a request-scoped key when sharing is off
+
+
+class Lookup(enum.Enum):
+    HIT = "hit"  # present or being encoded this step; now pinned by the request
+    MISS = "miss"  # a new pending entry pinned by the request: encode, then `put`
+    UNCACHEABLE = "uncacheable"  # token-count mismatch with an entry in use: encode privately
+
+
+@dataclass
+class _Entry:
+    num_tokens: int
+    users: set[str] = field(default_factory=set)
+    nbytes: int = 0  # 0 while pending
+
+
+class EmbeddingCache:
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError("the embedding cache capacity must not be negative")
+        self.capacity_bytes = capacity_bytes
+        self.usage_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: dict[CacheKey, _Entry] = {}
+        self._unused: OrderedDict[CacheKey, None] = OrderedDict()  # no users, LRU first
+        self._keys_of: dict[str, dict[CacheKey, None]] = {}  # request id -> keys, in order
+        self._tensors: dict[CacheKey, torch.Tensor] = {}
+
+    # -- queries --------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return key in self._entries
+
+    @property
+    def num_pinned(self) -> int:
+        """Entries some request uses."""
+        return len(self._entries) - len(self._unused)
+
+    def keys(self) -> list[CacheKey]:
+        return list(self._entries)
+
+    def users(self, key: CacheKey) -> frozenset[str]:
+        entry = self._entries.get(key)
+        return frozenset(entry.users) if entry else frozenset()
+
+    def pending_keys(self) -> list[CacheKey]:
+        return [key for key in self._entries if key not in self._tensors]
+
+    def get(self, key: CacheKey) -> torch.Tensor | None:
+        """The embedding of a filled entry; None while pending or absent."""
+        return self._tensors.get(key)
+
+    # -- pins -----------------------------------------------------------------------------
+
+    def lookup(self, key: CacheKey, num_tokens: int, request_id: str) -> Lookup:
+        """Pins `key` for `request_id`; a request's second lookup of a key counts nothing."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.num_tokens != num_tokens:
+            logger.error(
+                "embedding cache entry %s has %d tokens but the image spans %d: treated as a miss",
+                key.hex() if isinstance(key, bytes) else key,
+                entry.num_tokens,
+                num_tokens,
+            )
+            if entry.users:
+                self.misses += 1
+                return Lookup.UNCACHEABLE
+            self._drop(key)
+            entry = None
+        if entry is None:
+            self._entries[key] = _Entry(num_tokens, {request_id})
+            self._keys_of.setdefault(request_id, {})[key] = None
+            self.misses += 1
+            return Lookup.MISS
+        if request_id not in entry.users:
+            self.hits += 1
+            if not entry.users:
+                del self._unused[key]
+            entry.users.add(request_id)
+            self._keys_of.setdefault(request_id, {})[key] = None
+        return Lookup.HIT
+
+    def put(self, key: CacheKey, embedding: torch.Tensor) -> None:
+        """Fills a pending entry with the vision tower's `[num_tokens, hidden]` output."""
+        entry = self._entries[key]
+        if key in self._tensors:
+            raise ValueError(f"embedding cache entry {key!r} is already filled")
+        if embedding.shape[0] != entry.num_tokens:
+            raise ValueError(
+                f"an embedding of {embedding.shape[0]} tokens for an entry of {entry.num_tokens}"
+            )
+        self._tensors[key] = embedding
+        entry.nbytes = embedding.numel() * embedding.element_size()
+        self.usage_bytes += entry.nbytes
+        self._evict()
+
+    def release(self, request_id: str) -> None:
+        """Unpins every entry of a finished or aborted request; safe to call twice.
+
+        Entries nobody uses any more join the LRU in the order the request took them."""
+        for key in self._keys_of.pop(request_id, ()):
+            entry = self._entries[key]
+            entry.users.discard(request_id)
+            if entry.users:
+                continue
+            if key in self._tensors:
+                self._unused[key] = None
+            else:
+                self._drop(key)  # pending and abandoned (its encode never happened)
+        self._evict()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _evict(self) -> None:
+        while self.usage_bytes > self.capacity_bytes and self._unused:
+            key, _ = self._unused.popitem(last=False)
+            self._drop(key)
+
+    def _drop(self, key: CacheKey) -> None:
+        entry = self._entries.pop(key)
+        self._unused.pop(key, None)
+        self._tensors.pop(key, None)
+        self.usage_bytes -= entry.nbytes

@@ -1,0 +1,315 @@
+"""Invariants 3 and 4 at the engine: per-image embedding cache, lazy chunk-aware encoding.
+
+What the vision tower ran is read from `engine.image_encoder.call_log` (the cache keys of
+each call) and the counters; every answer is checked against transformers `generate`.
+The prefix cache, when the tree has one, is switched off wherever it would hide the
+embedding cache's work (its hits skip images altogether).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from PIL import Image
+
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.process import SchedulerLoop
+from scheduler.request import EnginePrompt, ImageInput
+from scheduler.sampling import SamplingParams
+from tests.reference import hf_generate, make_image
+from tokenizer_worker.image_key import image_key
+from tokenizer_worker.prompt import PromptBuilder
+
+torch.set_num_threads(2)
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+HAS_PREFIX_CACHE = "enable_prefix_caching" in EngineConfig.__dataclass_fields__
+NO_PREFIX = {"enable_prefix_caching": False} if HAS_PREFIX_CACHE else {}
+PREFIX_SETTINGS = [False, True] if HAS_PREFIX_CACHE else [False]
+
+
+@pytest.fixture(scope="module")
+def model_dir(qwen2_5_vl_tiny) -> str:
+    return str(qwen2_5_vl_tiny)
+
+
+@pytest.fixture(scope="module")
+def builder(model_dir) -> PromptBuilder:
+    return PromptBuilder(model_dir)
+
+
+def engine(model_dir: str, **overrides) -> Engine:
+    overrides.setdefault("kv_cache_memory", 16 << 20)  # 32k tokens of the tiny model
+    iris = Engine(EngineConfig(model=model_dir, device="cpu", dtype="float32", **overrides))
+    iris.image_encoder.call_log = []
+    return iris
+
+
+def prompt(builder: PromptBuilder, *parts: str | Image.Image) -> EnginePrompt:
+    """One user turn: text and images in the order given."""
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
+    ]
+    images = [p for p in parts if not isinstance(p, str)]
+    return builder.build(builder.render_chat([{"role": "user", "content": content}]), images)
+
+
+_HF_OUTPUTS: dict[tuple, list[int]] = {}
+
+
+def assert_parity(
+    model_dir: str, prompts: list[EnginePrompt], outputs: list[list[int]], max_new: int = MAX_NEW
+) -> None:
+    for i, (p, got) in enumerate(zip(prompts, outputs, strict=True)):
+        key = (model_dir, tuple(p.token_ids), tuple(image.key for image in p.images), max_new)
+        if key not in _HF_OUTPUTS:  # several scenarios ask about the same prompt
+            _HF_OUTPUTS[key] = hf_generate(model_dir, p, max_new)
+        expected = _HF_OUTPUTS[key]
+        assert got == expected, f"prompt {i}: Iris {got} != transformers {expected}"
+
+
+def encoded(iris: Engine) -> list:
+    assert iris.image_encoder.call_log is not None
+    return [key for call in iris.image_encoder.call_log for key in call]
+
+
+FILLER = " ".join(f"word{i}" for i in range(40))
+A, B, C = (make_image(150, 100, seed=s) for s in (1, 2, 3))  # 20 tokens each
+
+
+def test_a_chunk_encodes_only_the_images_it_overlaps(model_dir, builder):
+    p = prompt(builder, "First:", A, FILLER, B, FILLER, C, "Compare them.")
+    iris = engine(model_dir, max_num_batched_tokens=16, **NO_PREFIX)
+    iris.add_request("r", p, GREEDY)
+    request = iris.requests["r"]
+    tokens: list[int] = []
+    steps_that_encoded = 0
+    while iris.has_unfinished_requests():
+        start, logged = request.num_computed_tokens, len(encoded(iris))
+        tokens += [t for out in iris.step() for t in out.new_token_ids]
+        end = request.num_computed_tokens
+        new = encoded(iris)[logged:]
+        first_overlap = [
+            image.key for image in p.images if image.overlaps(start, end) and image.offset >= start
+        ]
+        straddling = [image.key for image in p.images if image.offset < start < image.end]
+        assert new == first_overlap and not set(straddling) & set(new), (start, end)
+        steps_that_encoded += bool(new)
+    assert steps_that_encoded == 3 and encoded(iris) == [image.key for image in p.images]
+    assert iris.images_encoded == 3 and iris.mm_embedding_cache_misses == 3
+    assert_parity(model_dir, [p], [tokens])
+
+
+@pytest.mark.parametrize(("budget", "calls"), [(24, [[0, 1], [2], [3]]), (5, [[0], [1], [2], [3]])])
+def test_vision_calls_respect_the_encoder_budget(model_dir, builder, budget, calls):
+    images = [A, make_image(64, 48, seed=4), make_image(80, 60, seed=5), B]  # 20, 4, 6, 20
+    p = prompt(builder, *images, "All four?")
+    assert [image.length for image in p.images] == [20, 4, 6, 20]
+    iris = engine(model_dir, max_num_encoder_tokens=budget)
+    [out] = iris.generate([p], GREEDY)
+    keys = [image.key for image in p.images]
+    assert iris.image_encoder.call_log == [[keys[i] for i in call] for call in calls]
+    seconds = iris.drain_encoder_seconds()
+    assert len(seconds) == len(calls) and all(s > 0 for s in seconds)
+    assert iris.drain_encoder_seconds() == []
+    assert_parity(model_dir, [p], [out])
+
+
+@pytest.mark.parametrize("prefix_caching", PREFIX_SETTINGS)
+def test_eight_concurrent_requests_with_one_new_image_encode_it_once(
+    model_dir, builder, prefix_caching
+):
+    prompts = [prompt(builder, C, f"Question {i}: what is shown?") for i in range(8)]
+    overrides = {"enable_prefix_caching": prefix_caching} if HAS_PREFIX_CACHE else {}
+    iris = engine(model_dir, **overrides)
+    outputs = iris.generate(prompts, GREEDY)
+    assert iris.image_encoder.call_log == [[prompts[0].images[0].key]]
+    assert iris.images_encoded == 1
+    assert (iris.mm_embedding_cache_misses, iris.mm_embedding_cache_hits) == (1, 7)
+    assert iris.mm_embedding_cache_usage_bytes == 20 * iris.model.config.hidden_size * 4
+    assert_parity(model_dir, prompts[:2], outputs[:2])
+
+
+def conversation(builder: PromptBuilder, rounds: int) -> EnginePrompt:
+    messages = []
+    for k in range(rounds):
+        image = {"type": "image"}
+        messages.append({"role": "user", "content": [image, {"type": "text", "text": f"And {k}?"}]})
+        if k < rounds - 1:
+            messages.append({"role": "assistant", "content": f"Picture {k} shows colours."})
+    images = [make_image(64 + 8 * k, 48, seed=20 + k) for k in range(rounds)]
+    return builder.build(builder.render_chat(messages), images)
+
+
+@pytest.mark.parametrize("prefix_caching", PREFIX_SETTINGS)
+@pytest.mark.parametrize("granularity", ["image", "request"])
+def test_a_conversation_adding_one_image_per_round(model_dir, builder, granularity, prefix_caching):
+    overrides = {"enable_prefix_caching": prefix_caching} if HAS_PREFIX_CACHE else {}
+    iris = engine(model_dir, mm_cache_granularity=granularity, **overrides)
+    short = SamplingParams(temperature=0.0, max_tokens=2)
+    for rounds in range(1, 9):
+        before = iris.images_encoded
+        p = conversation(builder, rounds)
+        [out] = iris.generate([p], GREEDY if rounds == 8 else short)
+        new = iris.images_encoded - before
+        assert new == (1 if granularity == "image" else rounds), f"round {rounds}"
+    assert_parity(model_dir, [p], [out])
+
+
+def test_a_cache_too_small_for_one_image_evicts_after_every_request(model_dir, builder):
+    iris = engine(model_dir, mm_embedding_cache_bytes=1, **NO_PREFIX)
+    together = [prompt(builder, A, "One?"), prompt(builder, A, B, "Two?")]
+    later = [prompt(builder, B, A, "Again?")]
+    outputs = iris.generate(together, GREEDY)
+    assert iris.images_encoded == 2  # pinned while both run: shared although over capacity
+    assert len(iris.embedding_cache) == 0 and iris.mm_embedding_cache_usage_bytes == 0
+    outputs += iris.generate(later, GREEDY)
+    assert iris.images_encoded == 4 and len(iris.embedding_cache) == 0
+    assert_parity(model_dir, together + later, outputs)
+
+
+@pytest.mark.parametrize(
+    "switch", [{"enable_mm_embedding_cache": False}, {"chunked_mm_encoding": False}]
+)
+def test_the_baseline_switches_change_the_work_not_the_answers(model_dir, builder, switch):
+    prompts = [prompt(builder, A, FILLER, B, "Both?"), prompt(builder, A, "Just one.")]
+    a, b = prompts[0].images[0].key, prompts[0].images[1].key
+    iris = engine(model_dir, max_num_batched_tokens=16, **switch, **NO_PREFIX)
+    outputs = iris.generate(prompts, GREEDY)
+    if "chunked_mm_encoding" in switch:  # the first chunk of the first request does both
+        assert iris.image_encoder.call_log == [[a, b]]
+    else:  # per-request entries: the second request encodes A again, nothing is kept
+        assert iris.images_encoded == 3 and len(iris.embedding_cache) == 0
+        assert sorted(key for _, key in encoded(iris)) == sorted([a, b, a])
+    assert_parity(model_dir, prompts, outputs)
+
+
+def sized_prompt(builder: PromptBuilder, image: Image.Image, max_pixels: int) -> EnginePrompt:
+    """`PromptBuilder.build` with a request's max_pixels (as the tokenizer worker does)."""
+    size = builder.image_size(max_pixels=max_pixels)
+    content = [{"type": "image"}, {"type": "text", "text": "Describe it."}]
+    ids = builder.encode(builder.render_chat([{"role": "user", "content": content}]))
+    pixels, grid = builder.process_image(image, size)
+    length = builder.num_image_tokens(grid)
+    token_ids, [offset] = builder.expand(ids, [length])
+    key = image_key(image.tobytes(), builder.image_settings(size))
+    return EnginePrompt(
+        token_ids, [ImageInput(key, offset, length, grid, torch.from_numpy(pixels))]
+    )
+
+
+def test_one_image_at_two_max_pixels_settings_is_two_entries(model_dir, builder):
+    small, large = sized_prompt(builder, A, 28 * 28 * 4), sized_prompt(builder, A, 28 * 28 * 80)
+    (few,), (many,) = small.images, large.images
+    assert few.key != many.key and few.grid_thw != many.grid_thw and few.length < many.length
+    iris = engine(model_dir, **NO_PREFIX)
+    outputs = iris.generate([small, large], GREEDY)
+    assert len(iris.embedding_cache) == 2 and iris.images_encoded == 2
+    assert iris.generate([large, small], GREEDY) == outputs[::-1]
+    assert iris.images_encoded == 2 and iris.mm_embedding_cache_hits == 2
+    assert_parity(model_dir, [small, large], outputs)
+
+
+def test_preemption_recomputes_without_encoding_or_pixels(model_dir, builder):
+    prompts = [
+        prompt(
+            builder,
+            make_image(80, 60, seed=30 + i),
+            f"Story number {i}: " + "once upon a time " * (3 + i),
+        )
+        for i in range(4)
+    ]
+    longer = SamplingParams(temperature=0.0, max_tokens=24)
+    longest = max(len(p.token_ids) for p in prompts) + longer.max_tokens
+    iris = engine(model_dir, page_size=8, num_kv_pages=-(-longest // 8) + 2, **NO_PREFIX)
+    outputs = iris.generate(prompts, longer)
+    assert iris.planner.num_preemptions > 0, "the pool was meant to force preemption"
+    # each image went through the vision tower once; a recompute read no pixels (they
+    # were dropped at the first use, so reading them would have failed)
+    assert sorted(encoded(iris)) == sorted(p.images[0].key for p in prompts)
+    assert_parity(model_dir, prompts, outputs, longer.max_tokens)
+    assert iris.embedding_cache.num_pinned == 0
+
+
+def test_pixels_are_reported_done_once_each_and_nothing_stays_pinned(model_dir, builder):
+    prompts = {
+        "twice": prompt(builder, A, FILLER, A, "Same picture twice?"),  # one entry, 2 pins
+        "shared": prompt(builder, B, FILLER, A, "And these?"),
+        "late": prompt(builder, FILLER, C, "Last one."),
+    }
+    iris = engine(model_dir, max_num_batched_tokens=24, **NO_PREFIX)
+    for request_id, p in prompts.items():
+        iris.add_request(request_id, p, GREEDY)
+    requests = dict(iris.requests)
+    reported: list[tuple[str, int]] = []
+    while iris.has_unfinished_requests():
+        iris.step()
+        done = iris.pop_pixels_done()
+        for request_id, index in done:
+            request = requests[request_id]
+            assert request.images[index].pixel_values is None
+            image = request.images[index]
+            first = request.images[[i.key for i in request.images].index(image.key)]
+            assert request.num_computed_tokens > first.offset  # not before it was needed
+        reported += done
+    expected = [(rid, i) for rid, p in prompts.items() for i in range(len(p.images))]
+    assert sorted(reported) == sorted(expected) and len(set(reported)) == len(reported)
+    assert all(image.pixel_values is not None for p in prompts.values() for image in p.images)
+    assert iris.embedding_cache.num_pinned == 0 and iris.embedding_cache.pending_keys() == []
+    assert iris.images_encoded == 3
+
+
+def test_an_abort_unpins_and_reports_nothing_more(model_dir, builder):
+    iris = engine(model_dir, max_num_batched_tokens=16, **NO_PREFIX)
+    iris.add_request("gone", prompt(builder, A, FILLER, B, "?"), GREEDY)
+    while iris.images_encoded == 0:
+        iris.step()
+    assert iris.embedding_cache.num_pinned == 1
+    iris.abort("gone")
+    assert iris.pop_pixels_done() == [] and iris.embedding_cache.num_pinned == 0
+    assert len(iris.embedding_cache) == 1  # kept for whoever sends A next
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, message) -> None:
+        self.sent.append(message.handles)
+
+
+def test_the_scheduler_process_releases_each_pin_once():
+    loop = object.__new__(SchedulerLoop)
+    loop.to_workers = [_Recorder(), _Recorder()]
+    loop.pins = {"r": {0: (0, "h0"), 1: (1, "h1"), 2: (0, "h2")}, "s": {0: (1, "k0")}}
+    loop._release_images([("r", 1), ("s", 0), ("r", 1), ("gone", 0)])
+    assert loop.to_workers[1].sent == [["h1", "k0"]] and loop.to_workers[0].sent == []
+    loop._release("r")
+    loop._release("r")
+    loop._release("s")
+    assert loop.to_workers[0].sent == [["h0", "h2"]] and loop.to_workers[1].sent == [["h1", "k0"]]
+    assert loop.pins == {}
+
+
+def test_a_key_whose_entry_has_another_token_count_is_never_a_hit(model_dir, builder, caplog):
+    large = sized_prompt(builder, A, 28 * 28 * 80)
+    small = sized_prompt(builder, A, 28 * 28 * 4)
+    forged = EnginePrompt(small.token_ids, [replace(small.images[0], key=large.images[0].key)])
+    iris = engine(model_dir, **NO_PREFIX)
+    iris.add_request("large", large, GREEDY)
+    iris.add_request("forged", forged, GREEDY)  # same step: the entry is in use, encode apart
+    outputs: dict[str, list[int]] = {"large": [], "forged": []}
+    done = []
+    while iris.has_unfinished_requests():
+        for out in iris.step():
+            outputs[out.request_id] += out.new_token_ids
+        done += iris.pop_pixels_done()
+    assert iris.images_encoded == 2 and done == [("large", 0)]  # the private one keeps pixels
+    wrong = f"has {large.images[0].length} tokens but the image spans {small.images[0].length}"
+    assert wrong in caplog.text
+    [again] = iris.generate([forged], GREEDY)  # unused now: replaced by the right one
+    assert iris.images_encoded == 3 and iris.embedding_cache.hits == 0
+    assert_parity(model_dir, [large, forged, forged], [outputs["large"], outputs["forged"], again])
