@@ -5,10 +5,11 @@
 
 The app owns HTTP only (DESIGN.md): parsing and validation (`server.protocol`), request
 ids, streaming, detokenization and stop strings (`server.serving`), usage, client
-disconnects, and /metrics from the gauges the other processes send. Images stay URLs;
-the tokenizer worker fetches and decodes them. When the client has `start()`/`close()`
-(`ZmqEngineClient`; both idempotent), the app's lifespan calls them on the server's own
-event loop.
+disconnects, and /metrics (`server.metrics`: the client's `MetricsBoard` when it has one,
+fed with the other processes' stats; else a board of the server's own histograms only).
+Images stay URLs; the tokenizer worker fetches and decodes them. When the client has
+`start()`/`close()` (`ZmqEngineClient`; both idempotent), the app's lifespan calls them on
+the server's own event loop.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import AutoTokenizer
 
 from server.engine_client import EngineClient
 from server.errors import APIError, error_response, install_error_handlers
+from server.metrics import CONTENT_TYPE, MetricsBoard
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,7 +53,12 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
     if not settings.served_model_names:
         raise ValueError("served_model_names is empty")
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
-    serving = OpenAIServing(client, tokenizer, settings.served_model_names, settings.max_model_len)
+    board = getattr(client, "metrics", None)  # ZmqEngineClient feeds one
+    if board is None:
+        board = MetricsBoard()
+    serving = OpenAIServing(
+        client, tokenizer, settings.served_model_names, settings.max_model_len, metrics=board
+    )
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -78,10 +85,8 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        board = getattr(client, "metrics", None)  # a `MetricsBoard` (ZmqEngineClient has one)
-        text = board.render() if board is not None else ""
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(board.render(), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

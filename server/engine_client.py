@@ -6,9 +6,14 @@
 
 The server binds one PULL socket (`server`) that the scheduler and every worker
 connect to, and connects one PUSH per worker (`tokenizer-{i}`, bound by the worker).
-A request goes to the worker with the fewest requests in flight (ties go round-robin)
-and its abort goes to the same worker, after it on the same socket, so a worker never
-sees an abort before its request. One background task reads the PULL socket and hands
+
+Routing is cache-affine: each worker has its own processor cache, so a request with
+images goes to the worker picked by a cheap hash of its first image URL
+(`affinity_hash`), and every turn of a conversation — whose first image stays the same —
+lands on the worker that already holds its earlier images. A text-only request goes to
+the worker with the fewest requests in flight (ties go round-robin). A request's abort
+goes to the same worker, after it on the same socket, so a worker never sees an abort
+before its request. One background task reads the PULL socket and hands
 each output to its request's queue; outputs for requests no longer in flight (finished
 or aborted) are dropped. The gauges the processes send (`EngineStats`, `WorkerStats`)
 land in `metrics`, which the app renders at /metrics.
@@ -24,8 +29,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+import xxhash
 import zmq
 import zmq.asyncio
 
@@ -45,6 +51,8 @@ from server.errors import APIError
 from server.metrics import MetricsBoard
 
 logger = logging.getLogger(__name__)
+
+AFFINITY_EDGE_CHARS = 4096  # a long URL (data:) is hashed on its two ends and its length
 
 
 class EngineRequestError(APIError):
@@ -154,7 +162,7 @@ class ZmqEngineClient:
         request_id = request.request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        flight = _InFlight(self._pick_worker())
+        flight = _InFlight(self._pick_worker(request))
         self._requests[request_id] = flight
         self._load[flight.worker] += 1
         try:
@@ -186,7 +194,10 @@ class ZmqEngineClient:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _pick_worker(self) -> int:
+    def _pick_worker(self, request: TokenizeRequest) -> int:
+        url = first_image_url(request.messages) if request.messages is not None else None
+        if url is not None:
+            return affinity_hash(url) % self.num_workers
         least = min(self._load)
         return next(i for i in self._turn if self._load[i] == least)
 
@@ -233,3 +244,42 @@ class ZmqEngineClient:
             if output.finished:
                 self._finish(output.request_id)
             flight.put(output)
+
+
+def first_image_url(messages: list[dict[str, Any]]) -> str | None:
+    """The URL of the first image part of chat messages, as the worker will read it
+    (`tokenizer_worker.chat`); None when there is none. Malformed parts are skipped here:
+    the worker rejects them."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            if kind == "image_url":
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+            elif kind == "image":
+                url = part.get("image")
+            else:
+                continue
+            if isinstance(url, str) and url:
+                return url
+    return None
+
+
+def affinity_hash(url: str) -> int:
+    """A 64-bit hash of an image URL that costs microseconds on the event loop: a long
+    URL (a data: URL of megabytes) is hashed on its first and last
+    `AFFINITY_EDGE_CHARS` characters and its length. Two images that differ only in the
+    middle may share a worker; that costs balance, never correctness."""
+    hasher = xxhash.xxh3_64()
+    if len(url) <= 2 * AFFINITY_EDGE_CHARS:
+        hasher.update(url.encode("utf-8", "surrogatepass"))
+    else:
+        hasher.update(url[:AFFINITY_EDGE_CHARS].encode("utf-8", "surrogatepass"))
+        hasher.update(url[-AFFINITY_EDGE_CHARS:].encode("utf-8", "surrogatepass"))
+        hasher.update(len(url).to_bytes(8, "little"))
+    return hasher.intdigest()

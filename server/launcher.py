@@ -85,26 +85,51 @@ def _children(
         context.Process(
             target=run_worker,
             name=f"tokenizer-{i}",
-            args=(
-                WorkerConfig(
-                    worker_id=i,
-                    model_path=str(model_path),
-                    run_dir=str(run_dir),
-                    instance_id=instance,
-                    arena_bytes=args.mm_shm_arena_bytes,
-                    limit_mm_per_prompt=args.limit_mm_per_prompt,
-                    allowed_local_media_path=args.allowed_local_media_path,
-                    allowed_media_domains=tuple(args.allowed_media_domains)
-                    if args.allowed_media_domains
-                    else None,
-                    media_timeout_s=args.media_timeout,
-                ),
-                ready,
-            ),
+            args=(worker_config(args, i, model_path, instance, run_dir), ready),
         )
         for i in range(args.tokenizer_workers)
     ]
-    engine = EngineConfig(
+    engine = engine_config(args, model_path)
+    scheduler = context.Process(
+        target=run_scheduler,
+        name="scheduler",
+        args=(SchedulerProcessConfig(engine, str(run_dir), args.tokenizer_workers), ready),
+    )
+    return [*workers, scheduler]
+
+
+def worker_config(
+    args: ServeArgs, worker_id: int, model_path: Path, instance: str, run_dir: Path
+) -> WorkerConfig:
+    return WorkerConfig(
+        worker_id=worker_id,
+        model_path=str(model_path),
+        run_dir=str(run_dir),
+        instance_id=instance,
+        arena_bytes=args.mm_processor_cache_bytes,  # the arena bounds the processor cache
+        enable_processor_cache=not args.disable_mm_processor_cache,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(args.allowed_media_domains)
+        if args.allowed_media_domains
+        else None,
+        media_timeout_s=args.media_timeout,
+        log_level=args.log_level,
+    )
+
+
+def engine_config(args: ServeArgs, model_path: Path) -> EngineConfig:
+    """The scheduler's settings. A cache flag that was not given is left out, so that it
+    keeps `EngineConfig`'s default (the dataclass owns the defaults)."""
+    caches = {
+        "mm_embedding_cache_bytes": args.mm_embedding_cache_bytes,
+        "enable_mm_embedding_cache": False if args.disable_mm_embedding_cache else None,
+        "max_num_encoder_tokens": args.max_num_encoder_tokens,
+        "mm_cache_granularity": args.mm_cache_granularity,
+        "chunked_mm_encoding": False if args.disable_chunked_mm_encoding else None,
+        "enable_prefix_caching": False if args.disable_prefix_caching else None,
+    }
+    return EngineConfig(
         model=str(model_path),
         device=args.device,
         dtype=args.dtype,
@@ -114,13 +139,8 @@ def _children(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        **{name: value for name, value in caches.items() if value is not None},
     )
-    scheduler = context.Process(
-        target=run_scheduler,
-        name="scheduler",
-        args=(SchedulerProcessConfig(engine, str(run_dir), args.tokenizer_workers), ready),
-    )
-    return [*workers, scheduler]
 
 
 class ReadyChannel:

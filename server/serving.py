@@ -5,7 +5,8 @@ One request's life: build the `TokenizeRequest` (sampling defaults like vLLM's),
 three ways — the engine finishes it, a stop string cuts it (then the engine is told to
 abort), or the client leaves (then too). Nothing is sent before the engine's first
 output, so an error found while tokenizing (an unreadable image, a prompt over the
-limit) is a plain HTTP error even for `stream=true`.
+limit) is a plain HTTP error even for `stream=true`. The time from the handler's start to
+the first output that carries a token is observed as the request's time to first token.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ipc.messages import RequestOutput, Sampling, TokenizeRequest
 from server.detokenizer import TextStream
 from server.engine_client import EngineClient, EngineRequestError
 from server.errors import APIError, ClientDisconnected
+from server.metrics import MetricsBoard
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -74,8 +76,10 @@ class OpenAIServing:
         tokenizer: Any,
         served_model_names: tuple[str, ...],
         max_model_len: int,
+        metrics: MetricsBoard | None = None,
     ) -> None:
         self.client = client
+        self.metrics = metrics if metrics is not None else MetricsBoard()
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.served_model_names = served_model_names
@@ -85,6 +89,7 @@ class OpenAIServing:
     # -- routes -------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        arrival = time.perf_counter()
         meta = self._meta("chatcmpl", body.model)
         kwargs = body.mm_processor_kwargs
         request = TokenizeRequest(
@@ -94,7 +99,7 @@ class OpenAIServing:
             max_pixels=kwargs.max_pixels if kwargs else None,
             min_pixels=kwargs.min_pixels if kwargs else None,
         )
-        deltas = self._deltas(request, body)
+        deltas = self._deltas(request, body, arrival)
         if body.stream:
             first = await _unless_disconnected(raw, anext(deltas))
             chunks = self._chat_chunks(meta, first, deltas, body.include_usage)
@@ -111,12 +116,13 @@ class OpenAIServing:
         )
 
     async def completion(self, body: CompletionRequest, raw: Request) -> Any:
+        arrival = time.perf_counter()
         meta = self._meta("cmpl", body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and max(prompt) >= self.vocab_size:
             raise APIError(400, f"token id {max(prompt)} is out of the vocabulary", param="prompt")
         request = TokenizeRequest(meta.id, self._sampling(body), prompt=prompt)
-        deltas = self._deltas(request, body)
+        deltas = self._deltas(request, body, arrival)
         if body.stream:
             first = await _unless_disconnected(raw, anext(deltas))
             chunks = self._completion_chunks(meta, first, deltas, body.include_usage)
@@ -172,7 +178,10 @@ class OpenAIServing:
     # -- the engine side ----------------------------------------------------------------
 
     async def _deltas(
-        self, request: TokenizeRequest, body: ChatCompletionRequest | CompletionRequest
+        self,
+        request: TokenizeRequest,
+        body: ChatCompletionRequest | CompletionRequest,
+        arrival: float,
     ) -> AsyncIterator[Delta]:
         """The request's text as it comes; aborts it in the engine unless it finished there."""
         text = TextStream(
@@ -181,9 +190,13 @@ class OpenAIServing:
         request_id = request.request_id
         settled = False  # nothing of this request runs in the engine any more
         usage = Usage()
+        first_token = True
         try:
             async with _closing(self.client.generate(request)) as outputs:
                 async for output in outputs:
+                    if first_token and output.new_token_ids:
+                        first_token = False
+                        self.metrics.observe_first_token(time.perf_counter() - arrival)
                     usage = _usage(output)
                     reason = output.finish_reason if output.finished else None
                     piece = text.update(output.new_token_ids, finish_reason=reason)

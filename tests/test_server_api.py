@@ -288,7 +288,7 @@ def test_models_health_version(client, qwen2_vl_tiny):
     health = client.get("/health")
     assert health.status_code == 200 and health.content == b""
     assert client.get("/version").json() == {"version": "0.1.0"}
-    metrics = client.get("/metrics")  # the fake engine has no gauges: an empty page
+    metrics = client.get("/metrics")  # the fake engine sends no stats: zeros, histograms
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
 
 

@@ -274,6 +274,27 @@ def test_request_shaped_like_vllm_bench_serve_random_mm(server):
     assert all(d for d in deltas[1:]), "every content delta after the first carries text"
 
 
+def test_a_later_turn_finds_its_images_in_the_processor_cache(server):
+    """Two tokenizer workers: the second turn of a conversation goes to the worker that
+    cached its first image, so only the new image is decoded; /metrics counts it."""
+    server.wait_for_metrics(IDLE)
+    before = server.metrics()
+    first, second = (png_bytes(make_image(96, 64, seed=s)) for s in (31, 32))
+    turn = chat_body("What is this?", [first], max_tokens=2)
+    assert httpx.post(f"{server.base_url}/v1/chat/completions", json=turn, timeout=120).is_success
+    later = chat_body("And this?", [second], max_tokens=2)
+    later["messages"] = [*turn["messages"], {"role": "assistant", "content": "A picture."},
+                         *later["messages"]]  # fmt: skip
+    assert httpx.post(f"{server.base_url}/v1/chat/completions", json=later, timeout=120).is_success
+    counted = {
+        "iris_mm_processor_cache_hits_total": 1,
+        "iris_mm_processor_cache_misses_total": 2,
+        "iris_tokenizer_images_total": 2,
+        "iris_time_to_first_token_seconds_count": 2,
+    }
+    server.wait_for_metrics({name: before[name] + n for name, n in counted.items()} | IDLE)
+
+
 def test_api_key_is_enforced(qwen2_vl_tiny, tmp_path):
     with iris_server(qwen2_vl_tiny, "--api-key", "sesame", "--tokenizer-workers", "1",
                      tmp_path=tmp_path) as running:  # fmt: skip

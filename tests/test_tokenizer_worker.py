@@ -284,7 +284,7 @@ def test_unexpected_errors_are_500s_and_release_pins(worker: TokenizerWorker, mo
     def broken(*args: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(worker.builder, "num_image_tokens", broken)
+    monkeypatch.setattr(worker.builder, "expand", broken)  # after the images are pinned
     out = worker.handle(request(chat(OK)))
     assert isinstance(out, RequestError)
     assert (out.status, out.type, out.param) == (500, "server_error", None)

@@ -15,6 +15,12 @@ class WorkerConfig:
     `allowed_media_domains` when set (exact host names), `media_timeout_s` per fetch,
     `max_image_bytes` per encoded image and `max_image_pixels` per decoded image (checked
     on the header, before decoding: the decompression-bomb limit).
+
+    `arena_bytes` is the size of the worker's shared-memory arena, which holds the pixels
+    of the images in flight and, in the rest, the processor cache (LRU, evicted only when
+    room is needed; `processor_cache`): it bounds the cache in bytes. With
+    `enable_processor_cache=False` nothing is kept: every image is decoded and processed,
+    and its entry is freed when the scheduler releases it.
     """
 
     worker_id: int
@@ -22,6 +28,7 @@ class WorkerConfig:
     run_dir: str
     instance_id: str
     arena_bytes: int = 1 << 30
+    enable_processor_cache: bool = True
     limit_mm_per_prompt: int = 16
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] | None = None

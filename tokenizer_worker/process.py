@@ -69,7 +69,12 @@ def run_worker(config: WorkerConfig, ready: Any) -> None:
         ready.put((config.name, False, f"{type(e).__name__}: {e}"))
         sys.exit(1)
     ready.put((config.name, True, None))
-    logger.info("ready: arena %s of %d bytes", worker.arena.name, worker.arena.capacity_bytes)
+    logger.info(
+        "ready: arena %s of %d bytes, processor cache %s",
+        worker.arena.name,
+        worker.arena.capacity_bytes,
+        "on" if config.enable_processor_cache else "off",
+    )
     try:
         loop.run()
     finally:

@@ -6,9 +6,10 @@
     ReleaseImages   → unpin
 
 Per image: fetch the encoded bytes, key them with the processor settings (invariant 2),
-and on an arena hit reuse the pixels without decoding; on a miss decode (size checked on
-the header), process and store them under the key. Whatever fails, the pins this request
-took are dropped, so an error leaks no arena byte (entries stay cached, unpinned).
+and on a processor-cache hit reuse the pixels without decoding, resizing or normalising;
+on a miss decode (size checked on the header), process and store them under the key
+(`processor_cache`). Whatever fails, the pins this request took are dropped, so an error
+leaks no arena byte (entries stay cached, unpinned).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tokenizer_worker.chat import ChatError, parse_messages
 from tokenizer_worker.config import WorkerConfig
 from tokenizer_worker.image_key import image_key
 from tokenizer_worker.media import MediaError, MediaFetcher, decode_image
+from tokenizer_worker.processor_cache import CachedImage, ProcessorCache
 from tokenizer_worker.prompt import Grid, ImageSize, PromptBuilder
 
 logger = logging.getLogger("iris.tokenizer")
@@ -58,6 +60,7 @@ class _Image:
     key: bytes
     pointer: ShmPointer  # pinned once for the request being built
     grid: Grid
+    num_tokens: int
 
 
 class TokenizerWorker:
@@ -71,10 +74,12 @@ class TokenizerWorker:
         self.config = config
         self.builder = builder
         self.arena = arena
+        self.cache = ProcessorCache(
+            arena, builder.num_image_tokens, enabled=config.enable_processor_cache
+        )
         self.fetcher = fetcher or MediaFetcher.from_config(config)
         self.requests_processed = 0
-        self.images_processed = 0  # decoded and processed (arena misses)
-        self.image_hits = 0
+        self.images_processed = 0  # decoded and processed (cache misses, or all if disabled)
 
     @classmethod
     def open(cls, config: WorkerConfig) -> TokenizerWorker:
@@ -154,6 +159,8 @@ class TokenizerWorker:
             arena_pinned_entries=self.arena.num_pinned,
             requests_processed=self.requests_processed,
             images_processed=self.images_processed,
+            processor_cache_hits=self.cache.hits,
+            processor_cache_misses=self.cache.misses,
         )
 
     # --- one request -------------------------------------------------------------
@@ -178,11 +185,10 @@ class TokenizerWorker:
             encoded = []
         images = self._images(encoded, size)
         try:
-            lengths = [self.builder.num_image_tokens(image.grid) for image in images]
-            token_ids, offsets = self.builder.expand(ids, lengths)
+            token_ids, offsets = self.builder.expand(ids, [i.num_tokens for i in images])
             refs = [
-                ImageRef(image.key, offset, length, image.grid, image.pointer)
-                for image, offset, length in zip(images, offsets, lengths, strict=True)
+                ImageRef(image.key, offset, image.num_tokens, image.grid, image.pointer)
+                for image, offset in zip(images, offsets, strict=True)
             ]
             return EngineRequest(
                 request.request_id, pack_token_ids(token_ids), request.sampling, refs
@@ -246,14 +252,13 @@ class TokenizerWorker:
     def _image(self, data: bytes, size: ImageSize, settings: tuple, index: int) -> _Image:
         """One image's pixels in the arena, pinned once: a cached entry or a new one."""
         key = image_key(data, settings)
-        hit = self.arena.get(key)
-        if hit is not None:
-            grid: Grid = hit.meta
-            if hit.pointer.shape[0] != grid[0] * grid[1] * grid[2]:
-                self.arena.release(hit.pointer)
-                raise RuntimeError(f"arena entry {key.hex()} does not match its grid {grid}")
-            self.image_hits += 1
-            return _Image(key, hit.pointer, grid)
+        cached = self.cache.lookup(key)
+        if cached is None:
+            cached = self._process(key, data, size, index)
+        return _Image(key, cached.pointer, cached.grid, cached.num_tokens)
+
+    def _process(self, key: bytes, data: bytes, size: ImageSize, index: int) -> CachedImage:
+        """Decode, resize and normalise one image into the cache (a miss)."""
         try:
             image = decode_image(data, self.config.max_image_pixels)
             try:
@@ -270,7 +275,7 @@ class TokenizerWorker:
             raise MediaError(f"image {index + 1}: {e.message}", e.param) from None
         pixels, grid = self.builder.process_image(image, size)
         self.images_processed += 1
-        return _Image(key, self.arena.put(key, pixels, meta=grid), grid)
+        return self.cache.store(key, pixels, grid)
 
     def _unpin(self, images: list[_Image]) -> None:
         for image in images:

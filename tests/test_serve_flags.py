@@ -1,0 +1,90 @@
+"""`iris serve` cache flags → `WorkerConfig` and `EngineConfig` (no process is started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scheduler.config import EngineConfig
+from server import launcher
+from server.args import GiB, build_parser, parse_serve_args
+from server.launcher import engine_config, worker_config
+
+MiB = 1 << 20
+MODEL = Path("/models/tiny")
+CACHE_FLAGS = [
+    "--mm-embedding-cache-gb", "0.25",
+    "--disable-mm-embedding-cache",
+    "--max-num-encoder-tokens", "4096",
+    "--mm-cache-granularity", "request",
+    "--disable-chunked-mm-encoding",
+    "--disable-prefix-caching",
+]  # fmt: skip
+CACHE_FIELDS = {
+    "mm_embedding_cache_bytes": GiB // 4,
+    "enable_mm_embedding_cache": False,
+    "max_num_encoder_tokens": 4096,
+    "mm_cache_granularity": "request",
+    "chunked_mm_encoding": False,
+    "enable_prefix_caching": False,
+}
+
+
+def worker(argv: list[str]) -> Any:
+    return worker_config(parse_serve_args(argv), 1, MODEL, "inst", Path("/tmp/run"))
+
+
+def test_processor_cache_flags_size_the_worker_arena():
+    default = worker([])
+    assert (default.arena_bytes, default.enable_processor_cache) == (GiB, True)
+    assert worker(["--mm-processor-cache-gb", "0.5"]).arena_bytes == 512 * MiB
+    assert worker(["--mm-shm-arena-bytes", "128MiB"]).arena_bytes == 128 * MiB
+    both = ["--mm-shm-arena-bytes", "128MiB", "--mm-processor-cache-gb", "2"]
+    assert worker(both).arena_bytes == 2 * GiB  # the later flag wins
+    disabled = worker(["--disable-mm-processor-cache"])
+    assert (disabled.arena_bytes, disabled.enable_processor_cache) == (GiB, False)
+    assert worker(["--log-level", "debug"]).log_level == "debug"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mm-processor-cache-gb", "0"],
+        ["--mm-processor-cache-gb", "-1"],
+        ["--mm-shm-arena-bytes", "0"],
+        ["--mm-embedding-cache-gb", "nan"],
+        ["--max-num-encoder-tokens", "0"],
+        ["--mm-cache-granularity", "page"],
+    ],
+)
+def test_bad_cache_flags_are_refused(argv: list[str], capsys):
+    with pytest.raises(SystemExit):
+        parse_serve_args(argv)
+    assert "error" in capsys.readouterr().err
+
+
+def test_help_tells_the_arena_story():
+    text = " ".join(build_parser().format_help().split())
+    flags = [flag for flag in CACHE_FLAGS if flag.startswith("--")]
+    for flag in ("--mm-processor-cache-gb", "--disable-mm-processor-cache", *flags):
+        assert flag in text
+    assert "images in flight" in text and "/dev/shm must hold tokenizer-workers x" in text
+
+
+def test_unset_cache_flags_keep_the_engine_defaults():
+    config = engine_config(parse_serve_args(["--block-size", "32"]), MODEL)
+    assert config == EngineConfig(model=str(MODEL), page_size=32)
+
+
+def test_cache_flags_map_to_these_engine_config_fields(monkeypatch):
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(launcher, "EngineConfig", lambda **kwargs: seen.update(kwargs))
+    engine_config(parse_serve_args(CACHE_FLAGS), MODEL)
+    assert {name: seen[name] for name in CACHE_FIELDS} == CACHE_FIELDS
+
+
+def test_cache_flags_build_a_real_engine_config():
+    config = engine_config(parse_serve_args(CACHE_FLAGS), MODEL)
+    assert {name: getattr(config, name) for name in CACHE_FIELDS} == CACHE_FIELDS

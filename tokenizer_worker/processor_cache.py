@@ -1,0 +1,80 @@
+"""The processor cache: a processed image's pixels in the worker's arena, by image key.
+
+The arena is both the cache's storage and its bound. One segment of
+`WorkerConfig.arena_bytes` per worker (`iris serve --mm-processor-cache-gb`) holds the
+pixels of the images in flight, pinned until the scheduler releases them, and in the
+rest the processed images kept for the next request that sends the same bytes under
+the same settings. Room is made by evicting the least recently used unpinned entry, so
+cached + pinned bytes never exceed the arena and an entry pinned by a request in flight
+is never evicted (`ipc.shm_arena`).
+
+A value is the arena entry, the image grid and the token count. Every hit is checked
+against both (DESIGN lessons: a collision or a bug must fail the request loudly, never
+hand out another image's pixels or a wrong number of placeholder tokens).
+
+Disabled (`--disable-mm-processor-cache`): no lookup; every image is decoded and
+processed into an anonymous entry, freed at its last release. The counters then stay
+at zero (there are no lookups); the key is still sent along, for the scheduler's caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from math import prod
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ipc.messages import ShmPointer
+from ipc.shm_arena import ShmArena
+from tokenizer_worker.prompt import Grid
+
+
+class CachedImage(NamedTuple):
+    pointer: ShmPointer  # pinned once for the caller
+    grid: Grid
+    num_tokens: int
+
+
+class CorruptEntry(RuntimeError):
+    """A hit whose entry does not match its own grid or token count (never expected)."""
+
+
+class ProcessorCache:
+    def __init__(
+        self, arena: ShmArena, num_tokens: Callable[[Grid], int], *, enabled: bool = True
+    ) -> None:
+        self.arena = arena
+        self.enabled = enabled
+        self._num_tokens = num_tokens
+        self.hits = 0
+        self.misses = 0
+
+    def lookup(self, key: bytes) -> CachedImage | None:
+        """The cached image for `key`, pinned for the caller; None on a miss (or disabled)."""
+        if not self.enabled:
+            return None
+        hit = self.arena.get(key)
+        if hit is None:
+            self.misses += 1
+            return None
+        grid, num_tokens = hit.meta
+        rows = hit.pointer.shape[0]
+        if rows != prod(grid) or num_tokens != self._num_tokens(grid):
+            self.arena.release(hit.pointer)
+            raise CorruptEntry(
+                f"processor cache entry {key.hex()} holds {rows} patch rows and "
+                f"{num_tokens} tokens, which do not match its grid {grid}"
+            )
+        self.hits += 1
+        return CachedImage(hit.pointer, grid, num_tokens)
+
+    def store(self, key: bytes, pixels: np.ndarray | torch.Tensor, grid: Grid) -> CachedImage:
+        """Copy a processed image in, pinned once; kept under `key` when enabled.
+
+        Raises `ipc.shm_arena.ArenaFull` when pinned entries leave no room.
+        """
+        num_tokens = self._num_tokens(grid)
+        pointer = self.arena.put(key if self.enabled else None, pixels, meta=(grid, num_tokens))
+        return CachedImage(pointer, grid, num_tokens)
