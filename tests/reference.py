@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
 from scheduler.request import EnginePrompt
 
 
@@ -51,3 +53,36 @@ def make_image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Ima
     if mode == "P":
         return rgb.quantize(colors=32)
     return rgb.convert(mode)
+
+
+def cpu_engine(model_dir: str | Path, **overrides) -> Engine:
+    """An fp32 CPU engine; 16 MiB of KV (32k tiny-model tokens) unless told otherwise,
+    since zero-filling the default 1 GiB per engine dominates a test's time."""
+    overrides.setdefault("kv_cache_memory", 16 << 20)
+    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **overrides))
+
+
+def chat_prompt(builder, text: str, images=()) -> EnginePrompt:
+    """One user turn: the images first, then the text, through the chat template."""
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    return builder.build(builder.render_chat([{"role": "user", "content": content}]), images)
+
+
+_HF_OUTPUTS: dict[tuple, list[int]] = {}
+
+
+def assert_parity(
+    model_dir: str | Path, prompts: list[EnginePrompt], outputs: list[list[int]], max_new: int
+) -> None:
+    """Each output equals transformers' greedy `generate` on the same prompt."""
+    for i, (prompt, got) in enumerate(zip(prompts, outputs, strict=True)):
+        key = (
+            str(model_dir),
+            tuple(prompt.token_ids),
+            tuple(im.key for im in prompt.images),
+            max_new,
+        )
+        if key not in _HF_OUTPUTS:  # several scenarios ask about the same prompt
+            _HF_OUTPUTS[key] = hf_generate(model_dir, prompt, max_new)
+        expected = _HF_OUTPUTS[key]
+        assert got == expected, f"prompt {i}: Iris {got} != transformers {expected}"

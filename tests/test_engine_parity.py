@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
 from scheduler.request import EnginePrompt
 from scheduler.sampling import SamplingParams
-from tests.reference import hf_generate, make_image
+from tests.reference import assert_parity as assert_parity_with
+from tests.reference import chat_prompt as chat
+from tests.reference import cpu_engine as engine
+from tests.reference import make_image
 from tokenizer_worker.prompt import PromptBuilder
 
 torch.set_num_threads(2)
@@ -33,19 +34,8 @@ def builder(model_dir):
     return PromptBuilder(model_dir)
 
 
-def chat(builder: PromptBuilder, text: str, images=()) -> EnginePrompt:
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-    return builder.build(builder.render_chat([{"role": "user", "content": content}]), images)
-
-
-def engine(model_dir: str, **overrides) -> Engine:
-    return Engine(EngineConfig(model=model_dir, device="cpu", dtype="float32", **overrides))
-
-
 def assert_parity(model_dir: str, prompts: list[EnginePrompt], outputs: list[list[int]]) -> None:
-    for i, (prompt, got) in enumerate(zip(prompts, outputs, strict=True)):
-        expected = hf_generate(model_dir, prompt, MAX_NEW)
-        assert got == expected, f"prompt {i}: Iris {got} != transformers {expected}"
+    assert_parity_with(model_dir, prompts, outputs, MAX_NEW)
 
 
 def test_text_one_image_and_three_mixed_images(model_dir, builder):

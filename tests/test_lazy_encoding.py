@@ -14,21 +14,20 @@ import pytest
 import torch
 from PIL import Image
 
-from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.process import SchedulerLoop
 from scheduler.request import EnginePrompt, ImageInput
 from scheduler.sampling import SamplingParams
-from tests.reference import hf_generate, make_image
+from tests.reference import assert_parity as assert_parity_with
+from tests.reference import cpu_engine, make_image
 from tokenizer_worker.image_key import image_key
 from tokenizer_worker.prompt import PromptBuilder
 
 torch.set_num_threads(2)
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-HAS_PREFIX_CACHE = "enable_prefix_caching" in EngineConfig.__dataclass_fields__
-NO_PREFIX = {"enable_prefix_caching": False} if HAS_PREFIX_CACHE else {}
-PREFIX_SETTINGS = [False, True] if HAS_PREFIX_CACHE else [False]
+NO_PREFIX = {"enable_prefix_caching": False}
+PREFIX_SETTINGS = [False, True]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +41,8 @@ def builder(model_dir) -> PromptBuilder:
 
 
 def engine(model_dir: str, **overrides) -> Engine:
-    overrides.setdefault("kv_cache_memory", 16 << 20)  # 32k tokens of the tiny model
-    iris = Engine(EngineConfig(model=model_dir, device="cpu", dtype="float32", **overrides))
-    iris.image_encoder.call_log = []
+    iris = cpu_engine(model_dir, **overrides)
+    iris.image_encoder.call_log = []  # record which image keys each ViT call encodes
     return iris
 
 
@@ -57,18 +55,10 @@ def prompt(builder: PromptBuilder, *parts: str | Image.Image) -> EnginePrompt:
     return builder.build(builder.render_chat([{"role": "user", "content": content}]), images)
 
 
-_HF_OUTPUTS: dict[tuple, list[int]] = {}
-
-
 def assert_parity(
     model_dir: str, prompts: list[EnginePrompt], outputs: list[list[int]], max_new: int = MAX_NEW
 ) -> None:
-    for i, (p, got) in enumerate(zip(prompts, outputs, strict=True)):
-        key = (model_dir, tuple(p.token_ids), tuple(image.key for image in p.images), max_new)
-        if key not in _HF_OUTPUTS:  # several scenarios ask about the same prompt
-            _HF_OUTPUTS[key] = hf_generate(model_dir, p, max_new)
-        expected = _HF_OUTPUTS[key]
-        assert got == expected, f"prompt {i}: Iris {got} != transformers {expected}"
+    assert_parity_with(model_dir, prompts, outputs, max_new)
 
 
 def encoded(iris: Engine) -> list:
@@ -123,7 +113,7 @@ def test_eight_concurrent_requests_with_one_new_image_encode_it_once(
     model_dir, builder, prefix_caching
 ):
     prompts = [prompt(builder, C, f"Question {i}: what is shown?") for i in range(8)]
-    overrides = {"enable_prefix_caching": prefix_caching} if HAS_PREFIX_CACHE else {}
+    overrides = {"enable_prefix_caching": prefix_caching}
     iris = engine(model_dir, **overrides)
     outputs = iris.generate(prompts, GREEDY)
     assert iris.image_encoder.call_log == [[prompts[0].images[0].key]]
@@ -147,7 +137,7 @@ def conversation(builder: PromptBuilder, rounds: int) -> EnginePrompt:
 @pytest.mark.parametrize("prefix_caching", PREFIX_SETTINGS)
 @pytest.mark.parametrize("granularity", ["image", "request"])
 def test_a_conversation_adding_one_image_per_round(model_dir, builder, granularity, prefix_caching):
-    overrides = {"enable_prefix_caching": prefix_caching} if HAS_PREFIX_CACHE else {}
+    overrides = {"enable_prefix_caching": prefix_caching}
     iris = engine(model_dir, mm_cache_granularity=granularity, **overrides)
     short = SamplingParams(temperature=0.0, max_tokens=2)
     for rounds in range(1, 9):

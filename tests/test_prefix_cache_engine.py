@@ -13,10 +13,11 @@ import dataclasses
 import pytest
 import torch
 
-from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import EnginePrompt
 from scheduler.sampling import SamplingParams
+from tests.reference import chat_prompt as chat
+from tests.reference import cpu_engine as engine
 from tests.reference import hf_generate, make_image
 from tokenizer_worker.prompt import PromptBuilder
 
@@ -34,15 +35,6 @@ def model_dir(request, qwen2_vl_tiny, qwen2_5_vl_tiny):
 @pytest.fixture(scope="module")
 def builder(model_dir):
     return PromptBuilder(model_dir)
-
-
-def engine(model_dir: str, **overrides) -> Engine:
-    return Engine(EngineConfig(model=model_dir, device="cpu", dtype="float32", **overrides))
-
-
-def chat(builder: PromptBuilder, text: str, images=()) -> EnginePrompt:
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-    return builder.build(builder.render_chat([{"role": "user", "content": content}]), images)
 
 
 def next_turn(
