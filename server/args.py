@@ -103,6 +103,7 @@ class ServeArgs:
     port: int
     served_model_name: list[str] | None
     tokenizer_workers: int
+    scheduler_threads: int | None
     device: str
     dtype: str
     max_model_len: int | None
@@ -140,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--tokenizer-workers", type=int, default=2)
+    p.add_argument(
+        "--scheduler-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of the scheduler (default: all cores but one)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), ...")
     p.add_argument("--max-model-len", type=int, default=None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import time
@@ -93,7 +94,12 @@ def _children(
     scheduler = context.Process(
         target=run_scheduler,
         name="scheduler",
-        args=(SchedulerProcessConfig(engine, str(run_dir), args.tokenizer_workers), ready),
+        args=(
+            SchedulerProcessConfig(
+                engine, str(run_dir), args.tokenizer_workers, scheduler_threads(args)
+            ),
+            ready,
+        ),
     )
     return [*workers, scheduler]
 
@@ -159,6 +165,13 @@ class ReadyChannel:
     def close(self) -> None:
         self._reader.close()
         self._writer.close()
+
+
+def scheduler_threads(args: ServeArgs) -> int:
+    """`--scheduler-threads`, or every core but one (left to the server and workers)."""
+    if args.scheduler_threads:
+        return args.scheduler_threads
+    return max(1, (os.cpu_count() or 2) - 1)
 
 
 def _wait_until_ready(

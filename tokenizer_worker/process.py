@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 
 from ipc.messages import (
@@ -54,6 +55,7 @@ def run_worker(config: WorkerConfig, ready: Any) -> None:
         level=config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s {config.name} %(name)s: %(message)s",
     )
+    torch.set_num_threads(1)  # workers scale by process; a torch thread pool would only contend
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop.set)
     signal.signal(signal.SIGINT, stop.set)
