@@ -1,0 +1,146 @@
+"""What the HTTP scenario benchmarks (`multiturn_image`, `agent_repeat`) share: the
+cache-off flags, the smoke-test flags, the request body, the warm-up, the command line
+and where the results go."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.images import image_part
+from bench.results_io import RESULTS_DIR
+from bench.server_process import IrisServer, run_each, run_interleaved, stream_chat
+from scheduler.tiny_checkpoint import builtin_checkpoint
+
+CACHES_OFF = [
+    "--disable-mm-processor-cache",
+    "--disable-mm-embedding-cache",
+    "--disable-prefix-caching",
+]
+# --quick: the fewest processes and the smallest reservations a server can start with.
+QUICK_FLAGS = [
+    "--tokenizer-workers", "1", "--kv-cache-memory", "64MiB", "--mm-processor-cache-gb", "0.125",
+]  # fmt: skip
+WARM_UP = [  # small images the workloads never send, each its own first image
+    [{"role": "user", "content": [image_part(96, 64, seed=9000 + seed)]}] for seed in range(4)
+]
+
+
+def chat_body(
+    model: str, messages: list[dict[str, Any]], max_tokens: int, max_pixels: int | None
+) -> dict[str, Any]:
+    """A greedy chat request whose answer has exactly `max_tokens` tokens."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    if max_pixels is not None:
+        body["mm_processor_kwargs"] = {"max_pixels": max_pixels}
+    return body
+
+
+def warm_up(client: httpx.Client, server: IrisServer, body: dict[str, Any]) -> None:
+    """First-call costs out of the measurement: `body` with each of `WARM_UP`'s messages
+    (different first images, so every tokenizer worker gets some). Returns once their
+    counts are in /metrics, so none lands in the first measured request's deltas."""
+    before = server.metrics()
+    generated = 0
+    for messages in WARM_UP:
+        generated += stream_chat(
+            client, server.base_url, {**body, "messages": messages}
+        ).completion_tokens
+    server.metrics_after(before, requests=len(WARM_UP), generated_tokens=generated)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    parser.add_argument("--quick", action="store_true", help="minimal setting (smoke test)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a Qwen2(.5)-VL checkpoint folder to serve instead of the generated one of "
+        "--size (the result is then named after the folder)",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every variant's server at once and take their requests in turns (fair "
+        "on a shared machine); default: one server after another",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="results folder")
+
+
+@dataclass(frozen=True)
+class Target:
+    model_dir: Path
+    label: str  # in file names and titles
+    description: str  # in the result's first sentence
+    out_dir: Path
+    name: str  # of the result file, without its extension
+
+    @property
+    def png(self) -> str:
+        return f"{self.name}.png"
+
+
+def target(benchmark: str, args: argparse.Namespace) -> Target:
+    """The checkpoint to serve and where the result goes, from `add_arguments`' flags."""
+    if args.model is not None:
+        model_dir, label = args.model.resolve(), args.model.name
+        description = f"checkpoint `{model_dir}`"
+    else:
+        model_dir, label = builtin_checkpoint(arch="qwen2_5_vl", size=args.size), args.size
+        description = f"generated Qwen2.5-VL `{args.size}` checkpoint"
+    out_dir = args.out or RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"{benchmark}_{label}" + ("_quick" if args.quick else "")
+    return Target(model_dir, label, description, out_dir, name)
+
+
+def run_variants(
+    model_dir: Path,
+    variants: Sequence[tuple[str, Sequence[str]]],
+    steps: Callable[[str, IrisServer], Iterator[dict[str, Any]]],
+    *,
+    flags: Sequence[str],
+    quick: bool,
+    interleave: bool,
+) -> dict[str, list[dict[str, Any]]]:
+    """Each variant's rows (`steps` yields one per request): servers one after another,
+    or all at once with their requests in turns (`interleave`). `quick` starts the
+    sequential servers side by side, since start-up dominates a smoke test."""
+    if interleave:
+        return run_interleaved(model_dir, variants, steps, common_flags=flags)
+    return run_each(
+        model_dir,
+        variants,
+        lambda name, server: list(steps(name, server)),
+        common_flags=flags,
+        overlap_start=quick,
+    )
+
+
+def order_note(interleave: bool) -> str:
+    """How the variants ran, for the result's first paragraph."""
+    if interleave:
+        return (
+            "All variants' servers up at once, their requests taken in turns (one at a "
+            "time: variant A's request k, B's, C's, then k+1), so load from outside hits "
+            "them alike"
+        )
+    return "Each variant on its own `iris serve`, one after another"
+
+
+def load_average() -> float:
+    """The 1-minute load average (the machine may be shared: it goes in the result)."""
+    return os.getloadavg()[0]
