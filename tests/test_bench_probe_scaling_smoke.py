@@ -1,0 +1,89 @@
+"""The image-count probe and the tokenizer-worker scaling benchmark run (`--quick`): each
+starts its two `iris serve`s, writes its table and draws its plot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_SECONDS = 240  # ~30 s each on 2 idle cores (start-up of two servers dominates)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("iris-cache")  # the checkpoint is generated once
+
+
+def run_quick(module: str, out: Path, cache_dir: Path) -> str:
+    env = {"IRIS_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_SECONDS,
+        check=False,
+    )
+    assert result.returncode == 0, f"{module} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """(header, body rows) of each markdown table in `text`, in order."""
+    found: list[list[list[str]]] = []
+    previous = ""
+    for line in text.splitlines():
+        if line.startswith("|"):
+            if not previous.startswith("|"):
+                found.append([])
+            found[-1].append([c.strip() for c in line.strip("|").split("|")])
+        previous = line
+    return [(table[0], table[2:]) for table in found]
+
+
+def test_image_probe_quick(tmp_path, cache_dir):
+    run_quick("bench.image_probe", tmp_path, cache_dir)
+    text = (tmp_path / "image_probe_tiny_quick.md").read_text()
+    assert "- machine:" in text and "- command:" in text and "- commit:" in text
+    (summary_header, summary), (header, rows) = tables(text)
+    assert summary_header[:3] == ["resolution", "variant", "images (ok)"]
+    variants = ("chunk-aware", "whole request", "text only, same tokens")
+    assert [(r[0], r[1], r[2]) for r in summary] == [("224x224", v, "1-4") for v in variants]
+    assert header == [
+        "resolution", "variant", "images", "prompt tok", "status", "TTFT s", "ViT calls",
+        "peak RSS +MiB", "arena read MiB", "peak private +MiB", "load avg",
+    ]  # fmt: skip
+    got = [(r[0], r[1], r[2], r[4]) for r in rows]
+    assert got == [("224x224", v, str(n), "ok") for v in variants for n in (1, 2, 4)]
+    by_variant = {v: [r for r in rows if r[1] == v] for v in variants}
+    for row in by_variant["chunk-aware"] + by_variant["whole request"]:
+        assert int(row[3]) > 64 * int(row[2])  # 64 tokens per 224x224 image, plus text
+        assert float(row[5]) > 0 and int(row[6]) >= 1
+        assert float(row[8]) > 0  # the scheduler read the pixels from the arena
+    for image_row, text_row in zip(by_variant[variants[0]], by_variant[variants[2]], strict=True):
+        assert text_row[3] == image_row[3] and text_row[6] == "0"  # same length, no ViT
+    assert (tmp_path / "image_probe_tiny_quick.png").stat().st_size > 0
+
+
+def test_tokenizer_scaling_quick(tmp_path, cache_dir):
+    run_quick("bench.tokenizer_scaling", tmp_path, cache_dir)
+    text = (tmp_path / "tokenizer_scaling_tiny_quick.md").read_text()
+    assert "- machine:" in text and "- command:" in text and "- commit:" in text
+    [(header, rows)] = tables(text)
+    assert header[:4] == ["tokenizer workers", "workers done s", "workers img/s", "÷ 1 worker"]
+    column = {name: header.index(name) for name in header}
+    for name in ("answered img/s", "images preprocessed", "proc. cache misses / hits"):
+        assert name in column
+    assert [r[0] for r in rows] == ["1", "2"]
+    assert rows[0][3] == "1"
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[column["answered img/s"]]) > 0
+        assert row[column["images preprocessed"]] == "16"  # 8 requests x 2 new images
+        assert row[column["proc. cache misses / hits"]] == "16 / 0"  # all misses
+        assert float(row[column["worker CPU ms/img"]]) > 0
+    assert (tmp_path / "tokenizer_scaling_tiny_quick.png").stat().st_size > 0
