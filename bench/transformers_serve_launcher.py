@@ -1,0 +1,55 @@
+"""Stock `transformers serve` with one swap: the Qwen-VL processor of a local folder.
+
+    python -m bench.transformers_serve_launcher MODEL_DIR --port 8001 --device cpu [...]
+
+Every argument goes to transformers' own CLI (`transformers serve --help`), unchanged.
+
+Why the swap: `transformers serve` builds a model's processor with `AutoProcessor`, and
+for Qwen2-VL / Qwen2.5-VL that also builds the video processor, which needs torchvision;
+with the CPU torch wheel there is none, so the stock CLI fails at start-up with
+"Qwen2VLVideoProcessor requires the Torchvision library". This launcher replaces only
+`ModelManager._load_processor`, and only for a local folder of those two architectures,
+by `scheduler.tiny_checkpoint.reference_processor`: transformers' own processor class,
+built from the folder's tokenizer and its (PIL) image processor, with no video processor.
+Chat template, image loading, resizing, normalisation, the model, `generate`, batching
+(none for images: one VLM request at a time) and the HTTP layer are all stock.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from transformers.cli.serving.model_manager import ModelManager
+
+from scheduler.tiny_checkpoint import reference_processor
+from scheduler.tiny_checkpoint.processor import PROCESSOR_CLASSES
+
+_stock_load_processor = ModelManager._load_processor
+
+
+def _is_local_qwen_vl(model_id: str) -> bool:
+    config = Path(model_id) / "config.json"
+    if not config.is_file():
+        return False
+    return json.loads(config.read_text(encoding="utf-8")).get("model_type") in PROCESSOR_CLASSES
+
+
+def _load_processor(self: ModelManager, model_id_and_revision: str, gguf_file: str | None = None):
+    model_id = model_id_and_revision.split("@", 1)[0]
+    if gguf_file is None and _is_local_qwen_vl(model_id):
+        return reference_processor(model_id)
+    return _stock_load_processor(self, model_id_and_revision, gguf_file=gguf_file)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ModelManager._load_processor = _load_processor  # the one swap; see the module docstring
+    from transformers.cli.transformers import main as transformers_cli
+
+    sys.argv = ["transformers", "serve", *(sys.argv[1:] if argv is None else argv)]
+    transformers_cli()
+
+
+if __name__ == "__main__":
+    main()
