@@ -464,10 +464,11 @@ def report(
             "reuse heap that an earlier, larger one left behind (which would hide its "
             "growth). No GPU column: /metrics exposes no `torch.cuda.max_memory_allocated` "
             "(nor any engine-side memory figure), and the process's RSS says nothing about "
-            "device memory. Load avg = the 1-minute load average when the request was sent: "
-            "above the core count, other processes competed for the cores and TTFT is "
-            "mostly waiting (the scheduler's torch runs one intra-op thread per core, and "
-            "those threads wait on each other when a core is taken away). The variants take "
+            "device memory. Load avg = the 1-minute load average when the request was sent "
+            "(this benchmark's own processes count too): well above the core count, other "
+            "processes competed for the cores and TTFT is mostly waiting (the scheduler's "
+            "torch runs one intra-op thread per core, and those threads wait on each other "
+            "when a core is taken away). The variants take "
             "turns so that such load falls on all of them alike, but one point's TTFT can "
             "still swing several-fold; the memory figures do not depend on the load.",
         ]

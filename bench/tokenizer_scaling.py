@@ -249,6 +249,7 @@ def table(results: dict[str, dict[str, Any]]) -> list[list[object]]:
                 round(r["worker_rate"], 1),
                 round(r["worker_rate"] / base["worker_rate"], 2),
                 " / ".join(f"{rate:.1f}" for rate in r["all_worker_rates"]),
+                round(cores_busy(r), 2),
                 round(r["answered_s"], 2),
                 round(r["answered_rate"], 1),
                 round(r["answered_rate"] / base["answered_rate"], 2),
@@ -268,7 +269,7 @@ def table(results: dict[str, dict[str, Any]]) -> list[list[object]]:
 
 HEADER = [
     "tokenizer workers", "workers done s", "workers img/s", "÷ 1 worker",
-    "workers img/s, each load", "answered s",
+    "workers img/s, each load", "cores busy", "answered s",
     "answered img/s", "÷ 1 worker", "images preprocessed", "proc. cache misses / hits",
     "requests per worker", "worker CPU ms/img", "CPU s: workers", "scheduler", "server",
     "client", "load avg, each load",
@@ -302,32 +303,37 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def cores_busy(r: dict[str, Any]) -> float:
+    """CPU seconds of all this benchmark's processes over the load's wall time."""
+    return sum(r["cpu"].values()) / r["answered_s"]
+
+
 def reading(results: dict[str, dict[str, Any]]) -> str:
     """What bounds the rate: the workers' CPU per image against the cores and the load."""
     rows = list(results.values())
     cores = os.cpu_count() or 1
-    per_image = sum(r["cpu"]["workers"] for r in rows) / sum(r["processed"] for r in rows)
-    costs = [1e3 * r["cpu"]["workers"] / r["processed"] for r in rows]
     images = sum(r["processed"] for r in rows)
-    scheduler = sum(r["cpu"]["scheduler"] for r in rows) / images
-    server = sum(r["cpu"]["server"] for r in rows) / images
-    client = sum(r["cpu"]["client"] for r in rows) / images
-    busy = rows[0]["cpu"]["workers"] / rows[0]["preprocessed_s"]
+    per_image = sum(r["cpu"]["workers"] for r in rows) / images
+    costs = [1e3 * r["cpu"]["workers"] / r["processed"] for r in rows]
+    others = {role: 1e3 * sum(r["cpu"][role] for r in rows) / images
+              for role in ("scheduler", "server", "client")}  # fmt: skip
+    single = rows[0]["cpu"]["workers"] / rows[0]["preprocessed_s"]
+    busy = ", ".join(f"{cores_busy(r):.1f} with {r['workers']}" for r in rows[1:])
     loads = [load for r in rows for load in r["all_loads"]]
     return (
         f"Reading: a worker spends {min(costs):.0f}-{max(costs):.0f} ms of CPU per image "
-        f"({1e3 * per_image:.0f} on average), so with all {cores} cores the workers alone "
-        "would reach about "
-        f"{cores / per_image:.0f} images/s; the scheduler spends {1e3 * scheduler:.0f} ms, "
-        f"the HTTP server {1e3 * server:.0f} ms and this client (on the same cores) "
-        f"{1e3 * client:.0f} ms per image of this workload. The single "
-        f"worker was busy {100 * busy:.0f}% of the time (the rest it waited for requests or "
-        "for a core). With more worker processes than cores the "
-        f"rate can only grow while some core is idle: on an idle {cores}-core machine "
-        f"expect it to flatten at about {cores} workers. Here the 1-minute load average "
-        f"was {min(loads):.1f}-{max(loads):.1f} from other jobs, so this server got a "
-        "share of contended cores, and more processes take a larger share: a gain past "
-        f"{cores} workers on this machine comes from that, not from the work scaling."
+        f"({1e3 * per_image:.0f} on average), so {cores} cores would bound the workers "
+        f"alone at about {cores / per_image:.0f} images/s; per image the scheduler spends "
+        f"{others['scheduler']:.0f} ms, the HTTP server {others['server']:.0f} ms and "
+        f"this load generator (on the same cores) {others['client']:.0f} ms. The single "
+        f"worker was busy {100 * single:.0f}% of the time. This benchmark's processes kept "
+        f"{cores_busy(rows[0]):.1f} of the {cores} cores busy with {rows[0]['workers']} "
+        f"worker(s), {busy}: once that reaches {cores}, more workers cannot help, so expect "
+        f"the rate to flatten at about {cores} workers on {cores} idle cores. The 1-minute "
+        f"load average was {min(loads):.1f}-{max(loads):.1f}, this benchmark's own "
+        "processes included; well above the cores-busy figure, other jobs competed, and "
+        "more worker processes then take a larger share of the contended cores: a gain "
+        f"past {cores} workers would come from that, not from the work scaling."
     )
 
 
@@ -360,11 +366,12 @@ def report(size: str, run: Setting, results: dict[str, dict[str, Any]], png: str
             "s = user + system time (`/proc/<pid>/stat`) of the tokenizer workers together, "
             "the scheduler, the HTTP server (the launcher process) and this client (its "
             "requests and its `/metrics` polling) from the first request sent to the last "
-            "counter read, and worker CPU ms/img = the workers' "
+            "counter read, cores busy = all of that CPU over the load's wall time (answered s), "
+            "and worker CPU ms/img = the workers' "
             "CPU over the images they processed: the cost of one image, far less "
             "sensitive to the load than the rates; load avg = the 1-minute load average "
-            "when each load began (a figure above the core count means other processes "
-            "competed for the cores).",
+            "when each load began (this benchmark's own processes count too; well above the "
+            "core count, other processes competed for the cores).",
             "",
             reading(results),
         ]
