@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.drop_fields_proxy import drop_fields
-from bench.serve_load import RequestResult, summarize
+from bench.load_client import RequestResult, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = REPO / "bench" / "install_vllm_client.sh"
