@@ -46,3 +46,17 @@ def qwen2_vl_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_5_vl_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
     return tiny_checkpoint("qwen2_5_vl")
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def each_arch_dir(request, qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path) -> str:
+    """Each architecture's tiny checkpoint in turn: a test using it runs once per arch."""
+    return str(qwen2_vl_tiny if request.param == "qwen2_vl" else qwen2_5_vl_tiny)
+
+
+@pytest.fixture(scope="module")
+def each_arch_builder(each_arch_dir: str):
+    """`PromptBuilder` of `each_arch_dir`'s checkpoint."""
+    from tokenizer_worker.prompt import PromptBuilder
+
+    return PromptBuilder(each_arch_dir)

@@ -21,29 +21,18 @@ from tokenizer_worker.prompt import PromptBuilder
 torch.set_num_threads(2)
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-ARCHS = ["qwen2_vl", "qwen2_5_vl"]
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def model_dir(request, qwen2_vl_tiny, qwen2_5_vl_tiny):
-    return str(qwen2_vl_tiny if request.param == "qwen2_vl" else qwen2_5_vl_tiny)
-
-
-@pytest.fixture(scope="module")
-def builder(model_dir):
-    return PromptBuilder(model_dir)
 
 
 def assert_parity(model_dir: str, prompts: list[EnginePrompt], outputs: list[list[int]]) -> None:
     assert_parity_with(model_dir, prompts, outputs, MAX_NEW)
 
 
-def test_text_one_image_and_three_mixed_images(model_dir, builder):
+def test_text_one_image_and_three_mixed_images(each_arch_dir, each_arch_builder):
     prompts = [
-        chat(builder, "Write a short poem about the sea."),
-        chat(builder, "What is in this picture?", [make_image(64, 48, seed=1)]),
+        chat(each_arch_builder, "Write a short poem about the sea."),
+        chat(each_arch_builder, "What is in this picture?", [make_image(64, 48, seed=1)]),
         chat(
-            builder,
+            each_arch_builder,
             "Compare these three images.",
             [
                 make_image(333, 517, "RGB", seed=2),
@@ -51,30 +40,32 @@ def test_text_one_image_and_three_mixed_images(model_dir, builder):
                 make_image(200, 140, "RGBA", seed=4),
             ],
         ),
-        chat(builder, "A palette image:", [make_image(57, 81, "P", seed=5)]),
+        chat(each_arch_builder, "A palette image:", [make_image(57, 81, "P", seed=5)]),
     ]
-    assert_parity(model_dir, prompts, engine(model_dir).generate(prompts, GREEDY))
+    assert_parity(each_arch_dir, prompts, engine(each_arch_dir).generate(prompts, GREEDY))
 
 
 @pytest.mark.parametrize("budget", [16, 64, 100_000])
-def test_long_prompt_at_any_chunk_budget(model_dir, builder, budget):
+def test_long_prompt_at_any_chunk_budget(each_arch_dir, each_arch_builder, budget):
     text = " ".join(f"Sentence {i} mentions apples, rivers and {i * 7} stones." for i in range(25))
-    prompt = chat(builder, text, [make_image(150, 100, seed=6), make_image(90, 120, seed=7)])
-    iris = engine(model_dir, max_num_batched_tokens=budget)
+    prompt = chat(
+        each_arch_builder, text, [make_image(150, 100, seed=6), make_image(90, 120, seed=7)]
+    )
+    iris = engine(each_arch_dir, max_num_batched_tokens=budget)
     [output] = iris.generate([prompt], GREEDY)
-    assert_parity(model_dir, [prompt], [output])
+    assert_parity(each_arch_dir, [prompt], [output])
 
 
-def test_requests_joining_a_running_batch_at_different_steps(model_dir, builder):
+def test_requests_joining_a_running_batch_at_different_steps(each_arch_dir, each_arch_builder):
     prompts = [
         chat(
-            builder,
+            each_arch_builder,
             "tell me about number " + " ".join(str(j) for j in range(i * 9)),
             [make_image(60 + 20 * i, 50 + 10 * i, seed=10 + i)] if i % 3 == 0 else [],
         )
         for i in range(8)
     ]
-    iris = engine(model_dir, max_num_batched_tokens=48)
+    iris = engine(each_arch_dir, max_num_batched_tokens=48)
     outputs: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     while pending or iris.has_unfinished_requests():
@@ -83,23 +74,23 @@ def test_requests_joining_a_running_batch_at_different_steps(model_dir, builder)
             iris.add_request(str(i), prompt, GREEDY)
         for out in iris.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert_parity(model_dir, prompts, [outputs[str(i)] for i in range(8)])
+    assert_parity(each_arch_dir, prompts, [outputs[str(i)] for i in range(8)])
 
 
-def test_preemption_under_a_small_kv_pool_changes_no_token(model_dir, builder):
+def test_preemption_under_a_small_kv_pool_changes_no_token(each_arch_dir, each_arch_builder):
     prompts = [
         chat(
-            builder,
+            each_arch_builder,
             f"Story number {i}: " + "once upon a time " * (3 + i),
             [make_image(80, 60, seed=i)],
         )
         for i in range(4)
     ]
     longest = max(len(p.token_ids) for p in prompts) + MAX_NEW
-    iris = engine(model_dir, page_size=8, num_kv_pages=-(-longest // 8) + 2)
+    iris = engine(each_arch_dir, page_size=8, num_kv_pages=-(-longest // 8) + 2)
     outputs = iris.generate(prompts, GREEDY)
     assert iris.planner.num_preemptions > 0, "the pool was meant to force preemption"
-    assert_parity(model_dir, prompts, outputs)
+    assert_parity(each_arch_dir, prompts, outputs)
     assert iris.kv_cache.pool.num_free == iris.kv_cache.pool.num_pages
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 from scheduler.engine import Engine
@@ -24,17 +23,6 @@ from tokenizer_worker.prompt import PromptBuilder
 torch.set_num_threads(2)
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-ARCHS = ["qwen2_vl", "qwen2_5_vl"]
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def model_dir(request, qwen2_vl_tiny, qwen2_5_vl_tiny):
-    return str(qwen2_vl_tiny if request.param == "qwen2_vl" else qwen2_5_vl_tiny)
-
-
-@pytest.fixture(scope="module")
-def builder(model_dir):
-    return PromptBuilder(model_dir)
 
 
 def next_turn(
@@ -70,19 +58,22 @@ def floor_pages(num_tokens: int, page_size: int) -> int:
     return num_tokens // page_size * page_size
 
 
-def test_a_four_turn_conversation_reuses_every_previous_turn(model_dir, builder):
+def test_a_four_turn_conversation_reuses_every_previous_turn(each_arch_dir, each_arch_builder):
     page = 16
-    iris, plain = engine(model_dir, page_size=page), engine(model_dir, enable_prefix_caching=False)
-    prompt = chat(builder, "Describe this picture.", [make_image(112, 84, seed=20)])
+    iris, plain = (
+        engine(each_arch_dir, page_size=page),
+        engine(each_arch_dir, enable_prefix_caching=False),
+    )
+    prompt = chat(each_arch_builder, "Describe this picture.", [make_image(112, 84, seed=20)])
     previous: tuple[EnginePrompt, list[int]] | None = None
     total_prompt = 0
     for turn in range(4):
         if previous is not None:
             image = make_image(84 + 28 * turn, 112, seed=20 + turn)
-            prompt = next_turn(builder, *previous, f"And turn {turn}?", image)
+            prompt = next_turn(each_arch_builder, *previous, f"And turn {turn}?", image)
         encoded = iris.runner.images_encoded
         tokens, cached = run(iris, f"turn-{turn}", prompt)
-        assert tokens == hf_generate(model_dir, prompt, MAX_NEW), f"turn {turn}"
+        assert tokens == hf_generate(each_arch_dir, prompt, MAX_NEW), f"turn {turn}"
         assert run(plain, f"turn-{turn}", prompt) == (tokens, 0)
         if previous is not None:
             # The previous prompt and all but the last answer token (never computed) are KV.
@@ -97,15 +88,17 @@ def test_a_four_turn_conversation_reuses_every_previous_turn(model_dir, builder)
     pool = iris.kv_cache.pool
     assert pool.num_free == pool.num_pages and pool.num_cached > 0
     # Figures for the report: prompt tokens served from the cache over the four turns.
-    print(f"\n{model_dir}: {iris.prefix_cache_hit_tokens}/{total_prompt} prompt tokens cached")
+    print(f"\n{each_arch_dir}: {iris.prefix_cache_hit_tokens}/{total_prompt} prompt tokens cached")
     assert iris.prefix_cache_hit_tokens > total_prompt // 3
 
 
-def test_prompts_that_differ_only_in_the_image_share_no_image_page(model_dir, builder):
+def test_prompts_that_differ_only_in_the_image_share_no_image_page(
+    each_arch_dir, each_arch_builder
+):
     page = 8
-    iris = engine(model_dir, page_size=page)
-    a = chat(builder, "What is this?", [make_image(112, 112, seed=31)])
-    b = chat(builder, "What is this?", [make_image(112, 112, seed=32)])
+    iris = engine(each_arch_dir, page_size=page)
+    a = chat(each_arch_builder, "What is this?", [make_image(112, 112, seed=31)])
+    b = chat(each_arch_builder, "What is this?", [make_image(112, 112, seed=32)])
     assert a.token_ids == b.token_ids and a.images[0].key != b.images[0].key
     image = a.images[0]
     image_pages = range(image.offset // page, -(-image.end // page))
@@ -126,19 +119,19 @@ def test_prompts_that_differ_only_in_the_image_share_no_image_page(model_dir, bu
             a_image_pages = {a_pages[i] for i in image_pages if i < len(a_pages)}
             assert a_image_pages and not a_image_pages & set(request_b.pages)
     assert request_b.num_cached_tokens == floor_pages(image.offset, page)
-    assert outputs["a"] == hf_generate(model_dir, a, MAX_NEW)
-    assert outputs["b"] == hf_generate(model_dir, b, MAX_NEW)
+    assert outputs["a"] == hf_generate(each_arch_dir, a, MAX_NEW)
+    assert outputs["b"] == hf_generate(each_arch_dir, b, MAX_NEW)
 
 
-def test_a_small_pool_that_evicts_all_the_time_changes_no_token(model_dir, builder):
+def test_a_small_pool_that_evicts_all_the_time_changes_no_token(each_arch_dir, each_arch_builder):
     shared_image = make_image(112, 84, seed=40)
     prompts = [
-        chat(builder, f"Question {i}: " + "what and why? " * (1 + i % 3), [shared_image])
+        chat(each_arch_builder, f"Question {i}: " + "what and why? " * (1 + i % 3), [shared_image])
         for i in range(4)
     ]
     longest = max(len(p.token_ids) for p in prompts) + MAX_NEW
     page = 8
-    iris = engine(model_dir, page_size=page, num_kv_pages=-(-longest // page) + 1)
+    iris = engine(each_arch_dir, page_size=page, num_kv_pages=-(-longest // page) + 1)
     first = iris.generate(prompts, GREEDY)
     again = iris.generate(prompts[::-1], GREEDY)[::-1]  # evicts and hits in another order
     pool = iris.kv_cache.pool
@@ -146,16 +139,18 @@ def test_a_small_pool_that_evicts_all_the_time_changes_no_token(model_dir, build
     assert iris.prefix_cache_hit_tokens > 0
     assert again == first
     for prompt, tokens in zip(prompts, first, strict=True):
-        assert tokens == hf_generate(model_dir, prompt, MAX_NEW)
+        assert tokens == hf_generate(each_arch_dir, prompt, MAX_NEW)
     assert pool.num_free == pool.num_pages
 
 
-def test_a_hit_that_ends_inside_an_image_splices_the_rest_of_the_image(model_dir, builder):
+def test_a_hit_that_ends_inside_an_image_splices_the_rest_of_the_image(
+    each_arch_dir, each_arch_builder
+):
     page = 4
-    prompt = chat(builder, "Look closely.", [make_image(112, 112, seed=50)])
+    prompt = chat(each_arch_builder, "Look closely.", [make_image(112, 112, seed=50)])
     image = prompt.images[0]
     middle = image.offset + image.length // 2
-    iris = engine(model_dir, page_size=page, max_num_batched_tokens=middle)
+    iris = engine(each_arch_dir, page_size=page, max_num_batched_tokens=middle)
     iris.add_request("cut", prompt, GREEDY)
     iris.step()  # computes tokens 0..middle, half of the image
     iris.abort("cut")  # its full pages stay cached
@@ -163,4 +158,4 @@ def test_a_hit_that_ends_inside_an_image_splices_the_rest_of_the_image(model_dir
     # The resumed request's first chunk starts inside the image: it needs the image's
     # embedding (encoded or from the embedding cache) and splices only its second half.
     assert image.offset < cached < image.end and cached == floor_pages(middle, page)
-    assert tokens == hf_generate(model_dir, prompt, MAX_NEW)
+    assert tokens == hf_generate(each_arch_dir, prompt, MAX_NEW)
