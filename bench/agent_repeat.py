@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,17 +38,16 @@ from typing import Any
 import httpx
 
 from bench.images import HD, image_part
-from bench.results_io import markdown_table, write_result
+from bench.results_io import markdown_table
 from bench.scenario import (
     CACHES_OFF,
     QUICK_FLAGS,
     WARM_UP,
     add_arguments,
     chat_body,
-    load_average,
-    order_note,
-    run_variants,
-    target,
+    probe_warnings,
+    run_scenario,
+    setup_sentences,
     warm_up,
 )
 from bench.server_process import IrisServer, delta, stream_chat
@@ -220,8 +218,8 @@ COLUMNS = [  # (row key, header) of the per-request table
 
 
 def report(
-    model: str,
     run: Setting,
+    model: str,
     results: dict[str, list[dict[str, Any]]],
     png: str,
     load: tuple[float, float],
@@ -240,27 +238,15 @@ def report(
         "images encoded", "ViT ms", "ViT ms / image", "TTFT ms", f"÷ {base}", "E2E ms",
         f"÷ {base}", "→ scheduler bytes", "pixel bytes in shm", "HTTP body bytes",
     ]  # fmt: skip
-    notes = []
-    mismatched = [
-        (r["variant"], r["step"])
-        for rows in results.values()
-        for r in rows
-        if r["probe_processed"] != r["processed"]
-    ]
-    if mismatched:
-        notes.append(f"- WARNING: the in-process workers processed other images at {mismatched}")
+    notes = probe_warnings(results, "step")
     pixels = "processor default" if run.max_pixels is None else f"max_pixels={run.max_pixels}"
-    flags = " ".join(run.flags) or "(defaults)"
     return "\n".join(
         [
             f"{model[0].upper()}{model[1:]}; {WINDOW} screenshots of "
             f"{run.size[0]}x{run.size[1]} per request ({pixels}), a sliding window: step 0 "
             f"sends {WINDOW} new ones, steps 1-{run.steps} drop the oldest and add one new. "
-            f"Answers of {run.max_tokens} tokens (greedy, ignore_eos). {how_run}; each "
-            "server got a warm-up of "
-            f"{len(WARM_UP)} small-image requests. Server flags for all: `{flags}`. Load "
-            f"average (1 min) before / after the servers: {load[0]:.1f} / {load[1]:.1f} on "
-            f"{os.cpu_count()} cores.",
+            f"Answers of {run.max_tokens} tokens (greedy, ignore_eos). {how_run}; "
+            + setup_sentences(run.flags, load),
             "",
             f"## Summary (means over steps 1-{run.steps})",
             "",
@@ -289,11 +275,10 @@ def report(
             "shm = the pixel_values those pointers name, which stay in the worker's arena. "
             "HTTP body bytes = the JSON request (base64 JPEGs) the client sends.",
             "",
-            "Routing: the server sends a request to the tokenizer worker picked by a hash of "
-            "its first image URL; in this sliding window the first image changes at every "
-            "step, so with several workers a request can land on a worker that has not seen "
-            "some of its screenshots yet (more than 1 miss per step; the images it holds "
-            "that the other worker already processed are decoded and processed again).",
+            "Routing: the server sends a request to the tokenizer worker most of its images "
+            "were sent to before (`server/image_router.py`): the first image changes at "
+            "every step of this sliding window, but the other nine went to the worker of "
+            "the step before, so the window stays on one worker (1 miss per step).",
             *notes,
         ]
     )
@@ -305,27 +290,17 @@ def main() -> None:
     add_arguments(parser)
     args = parser.parse_args()
     run = setting(args.size, args.steps, args.quick)
-    out = target("agent_repeat", args)
-
-    load_before = load_average()
-    results = run_variants(
-        out.model_dir,
+    run_scenario(
+        "agent_repeat",
+        args,
         VARIANTS,
-        lambda name, server: requests(run, name, server),
-        flags=run.flags,
-        quick=args.quick,
-        interleave=args.interleave,
-    )
-    load = (load_before, load_average())
-    for name, flags in VARIANTS:
-        probe_worker(out.model_dir, results[name], run, [*run.flags, *flags])
-
-    plot(results, out.out_dir / out.png, f"Agent, 10 screenshots per request, 9 seen ({out.label})")
-    write_result(
-        out.name,
-        f"Agent re-sending screenshots: 10 images per request, 9 seen (HTTP, {out.label})",
-        report(out.description, run, results, out.png, load, order_note(args.interleave)),
-        out.out_dir,
+        run.flags,
+        requests=lambda name, server: requests(run, name, server),
+        probe_worker=lambda model_dir, rows, flags: probe_worker(model_dir, rows, run, flags),
+        plot=plot,
+        report=lambda *pieces: report(run, *pieces),
+        title="Agent re-sending screenshots: 10 images per request, 9 seen",
+        plot_title="Agent, 10 screenshots per request, 9 seen",
     )
 
 

@@ -19,9 +19,9 @@ Per load, from the first request sent:
   every 0.2 s while busy, and at once when idle, so this end is late by up to ~0.15 s);
 - `answered img/s`: images / time until the last response (includes the scheduler).
 
-A request goes to the worker picked by a hash of its first image URL (cache-affine
-routing); the split this gives is computed here with the server's own function and
-shown as requests per worker. On a machine with P cores, expect the worker rate to
+A request whose images are all new goes to the worker picked by a hash of its first
+image URL (`server.image_router`); the split this gives is computed here with the
+server's own hash and shown as requests per worker. On a machine with P cores, expect the worker rate to
 stop growing at about P workers (fewer, as the server and the scheduler share them).
 
     python -m bench.tokenizer_scaling [--size tiny|small] [--quick] [--out DIR]
@@ -48,7 +48,7 @@ from bench.images import HD, image_part
 from bench.results_io import RESULTS_DIR, markdown_table, write_result
 from bench.server_process import IrisServer, delta, run_interleaved, stream_chat
 from scheduler.tiny_checkpoint import builtin_checkpoint
-from server.engine_client import affinity_hash, first_image_url
+from server.image_router import affinity_hash, image_urls
 
 SEED = 5000  # workload image seeds: SEED + i
 WARM_SEED = 90000  # warm-up image seeds (never in the workload)
@@ -91,10 +91,11 @@ def body(model: str, run: Setting, seeds: range) -> dict[str, Any]:
 
 
 def worker_of(request: dict[str, Any], workers: int) -> int:
-    """The tokenizer worker the server routes `request` to (its own hash)."""
-    url = first_image_url(request["messages"])
-    assert url is not None
-    return affinity_hash(url) % workers
+    """The tokenizer worker the server routes `request` to: all its images are new, so
+    the one its first image's hash picks (`server.image_router`)."""
+    urls = image_urls(request["messages"])
+    assert urls, "every request of this benchmark has images"
+    return affinity_hash(urls[0]) % workers
 
 
 def workload(model: str, run: Setting, repeat: int) -> list[dict[str, Any]]:

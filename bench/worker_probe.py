@@ -4,7 +4,7 @@
 time, and nothing counts the bytes a worker sends to the scheduler. `WorkerProbe` builds
 the workers an `iris serve` with the same flags would start (`--tokenizer-workers`,
 `--disable-mm-processor-cache`, the arena size: the launcher's own `worker_config`),
-routes each request as the server does (cache-affine, by its first image URL), and runs
+routes each request as the server does (`server.image_router`, fed the same requests), and runs
 the same `TokenizerWorker` code (chat template, data: URL decoding, xxh3_128 keys,
 processor cache, HF image processor, arena) on the same messages. Per request:
 
@@ -33,7 +33,7 @@ from ipc.messages import TOKENIZER_TO_SCHEDULER, EngineRequest, ReleaseImages, S
 from ipc.messages import TokenizeRequest as _TokenizeRequest
 from ipc.shm_arena import instance_prefix, new_instance_id, sweep
 from server.args import parse_serve_args
-from server.engine_client import affinity_hash, first_image_url
+from server.image_router import ImageRouter
 from server.launcher import worker_config
 from tokenizer_worker.worker import TokenizerWorker
 
@@ -67,6 +67,7 @@ class WorkerProbe:
         except BaseException:
             self.close()
             raise
+        self._router = ImageRouter(len(self.workers))  # the server's, fed the same requests
         self._count = 0
 
     def __enter__(self) -> WorkerProbe:
@@ -86,10 +87,9 @@ class WorkerProbe:
         self, messages: Sequence[dict[str, Any]], *, max_pixels: int | None = None
     ) -> ProbeResult:
         """One chat request (with `mm_processor_kwargs.max_pixels`, if given) through the
-        worker the server would pick; its pins are released afterwards. Requests without
-        images go to worker 0."""
-        url = first_image_url(list(messages))
-        index = affinity_hash(url) % len(self.workers) if url is not None else 0
+        worker the server would pick (requests replayed in the server's order, one at a
+        time: no load); its pins are released afterwards."""
+        index = self._router.pick(list(messages), [0] * len(self.workers))
         worker = self.workers[index]
         hits, misses = worker.cache.hits, worker.cache.misses
         processed = worker.images_processed

@@ -16,8 +16,8 @@ Each tokenizer worker owns one shared-memory arena of --mm-processor-cache-gb Gi
 carries the pixels of the images in flight to the scheduler and keeps, in the rest, the
 processor cache: processed images by the hash of their bytes and processor settings,
 least recently used evicted first when room is needed; an image in flight is never
-evicted. Requests whose first image is the same go to the same worker, so a
-conversation finds its earlier images there. /dev/shm must hold tokenizer-workers x
+evicted. A request goes to the worker most of its images were sent to before, so a
+conversation or an agent's window of screenshots finds its earlier images there. /dev/shm must hold tokenizer-workers x
 that size (the arenas are reserved at start-up). The scheduler keeps vision-encoder
 outputs per image in the embedding cache and KV pages in the prefix cache.
 Flags without a default here keep the engine's (scheduler.config.EngineConfig)."""
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduler-threads",
         type=int,
         default=None,
-        help="torch CPU threads of the scheduler (default: all cores but one)",
+        help="torch CPU threads of the scheduler (default: every core it may run on)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), ...")

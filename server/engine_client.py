@@ -7,11 +7,11 @@
 The server binds one PULL socket (`server`) that the scheduler and every worker
 connect to, and connects one PUSH per worker (`tokenizer-{i}`, bound by the worker).
 
-Routing is cache-affine: each worker has its own processor cache, so a request with
-images goes to the worker picked by a cheap hash of its first image URL
-(`affinity_hash`), and every turn of a conversation — whose first image stays the same —
-lands on the worker that already holds its earlier images. A text-only request goes to
-the worker with the fewest requests in flight (ties go round-robin). A request's abort
+Routing is cache-affine (`server.image_router`): each worker has its own processor
+cache, so a request with images goes to the worker most of its images were sent to
+before (every turn of a chat, every step of an agent's sliding window of screenshots),
+a new conversation to the worker its first image's hash picks, and a text-only request
+to the worker with the fewest requests in flight. A request's abort
 goes to the same worker, after it on the same socket, so a worker never sees an abort
 before its request. One background task reads the PULL socket and hands
 each output to its request's queue; outputs for requests no longer in flight (finished
@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-import xxhash
 import zmq
 import zmq.asyncio
 
@@ -48,11 +46,10 @@ from ipc.messages import (
 )
 from ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
 from server.errors import APIError
+from server.image_router import ImageRouter
 from server.metrics import MetricsBoard
 
 logger = logging.getLogger(__name__)
-
-AFFINITY_EDGE_CHARS = 4096  # a long URL (data:) is hashed on its two ends and its length
 
 
 class EngineRequestError(APIError):
@@ -106,7 +103,7 @@ class ZmqEngineClient:
         self.send_timeout = send_timeout
         self._requests: dict[str, _InFlight] = {}
         self._load = [0] * num_workers
-        self._turn = itertools.cycle(range(num_workers))
+        self._router = ImageRouter(num_workers)
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: AsyncPullSocket | None = None
         self._pushes: list[AsyncPushSocket] = []
@@ -195,11 +192,7 @@ class ZmqEngineClient:
     # -- internals ----------------------------------------------------------------------
 
     def _pick_worker(self, request: TokenizeRequest) -> int:
-        url = first_image_url(request.messages) if request.messages is not None else None
-        if url is not None:
-            return affinity_hash(url) % self.num_workers
-        least = min(self._load)
-        return next(i for i in self._turn if self._load[i] == least)
+        return self._router.pick(request.messages, self._load)
 
     def _finish(self, request_id: str) -> _InFlight:
         flight = self._requests.pop(request_id)
@@ -244,42 +237,3 @@ class ZmqEngineClient:
             if output.finished:
                 self._finish(output.request_id)
             flight.put(output)
-
-
-def first_image_url(messages: list[dict[str, Any]]) -> str | None:
-    """The URL of the first image part of chat messages, as the worker will read it
-    (`tokenizer_worker.chat`); None when there is none. Malformed parts are skipped here:
-    the worker rejects them."""
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if not isinstance(part, dict):
-                continue
-            kind = part.get("type")
-            if kind == "image_url":
-                spec = part.get("image_url")
-                url = spec.get("url") if isinstance(spec, dict) else spec
-            elif kind == "image":
-                url = part.get("image")
-            else:
-                continue
-            if isinstance(url, str) and url:
-                return url
-    return None
-
-
-def affinity_hash(url: str) -> int:
-    """A 64-bit hash of an image URL that costs microseconds on the event loop: a long
-    URL (a data: URL of megabytes) is hashed on its first and last
-    `AFFINITY_EDGE_CHARS` characters and its length. Two images that differ only in the
-    middle may share a worker; that costs balance, never correctness."""
-    hasher = xxhash.xxh3_64()
-    if len(url) <= 2 * AFFINITY_EDGE_CHARS:
-        hasher.update(url.encode("utf-8", "surrogatepass"))
-    else:
-        hasher.update(url[:AFFINITY_EDGE_CHARS].encode("utf-8", "surrogatepass"))
-        hasher.update(url[-AFFINITY_EDGE_CHARS:].encode("utf-8", "surrogatepass"))
-        hasher.update(len(url).to_bytes(8, "little"))
-    return hasher.intdigest()

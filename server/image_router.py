@@ -1,0 +1,123 @@
+"""Which tokenizer worker gets a request: the one that already holds its images.
+
+Each tokenizer worker has its own processor cache, so a request should go where its
+images were processed before. The server cannot see those caches, but it knows where it
+sent every image: `ImageRouter` keeps a bounded table, image URL hash → the worker it
+last went to, and sends a request to the worker that most of its known images went to.
+That covers both shapes of repeated images:
+
+- a multi-turn chat re-sends every earlier image: all of them point at one worker;
+- an agent's sliding window of screenshots drops the oldest and adds one: the first
+  image changes at every step, but the other nine point at the worker of the last step.
+
+A request none of whose images is known goes to the worker its first image's hash picks,
+so independent sessions spread evenly, and the choice is the same on every server
+restart. A text-only request goes to the worker with the fewest requests in flight (ties
+round-robin). Affinity yields to balance when it would pile work onto one worker: if the
+preferred worker has more than `IMBALANCE_MIN_GAP` requests in flight above the least
+loaded one and more than `IMBALANCE_RATIO` times as many, the least loaded one gets it
+(the rule of SGLang's cache-aware router).
+
+The table remembers where an image was *sent*, not whether that worker still caches it:
+a wrong guess costs one preprocessing, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import xxhash
+
+AFFINITY_EDGE_CHARS = 4096  # a long URL (data:) is hashed on its two ends and its length
+DEFAULT_CAPACITY = 1 << 16  # image URLs remembered (about 100 bytes each)
+IMBALANCE_MIN_GAP = 32  # requests in flight
+IMBALANCE_RATIO = 2.0
+
+
+class ImageRouter:
+    """Picks a worker per request and remembers where each image went (`pick`)."""
+
+    def __init__(self, num_workers: int, capacity: int = DEFAULT_CAPACITY) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        self.num_workers = num_workers
+        self.capacity = capacity
+        self._sent_to: OrderedDict[int, int] = OrderedDict()  # image hash → worker, LRU
+        self._turn = itertools.cycle(range(num_workers))
+
+    def pick(self, messages: list[dict[str, Any]] | None, load: Sequence[int]) -> int:
+        """The worker for a request with these chat messages (None: a plain prompt), given
+        each worker's requests in flight; records the request's images as sent there."""
+        keys = [affinity_hash(url) for url in image_urls(messages or [])]
+        if not keys:
+            return self._least_loaded(load)
+        worker = self._preferred(keys)
+        least = min(load)
+        if load[worker] - least > IMBALANCE_MIN_GAP and load[worker] > IMBALANCE_RATIO * least:
+            worker = self._least_loaded(load)
+        for key in keys:
+            self._sent_to[key] = worker
+            self._sent_to.move_to_end(key)
+        while len(self._sent_to) > self.capacity:
+            self._sent_to.popitem(last=False)
+        return worker
+
+    def _preferred(self, keys: list[int]) -> int:
+        """The worker most of the known images went to; ties go to the one of the
+        earliest such image; no image known: the first image's hash."""
+        votes = [0] * self.num_workers
+        first_seen: dict[int, int] = {}
+        for position, key in enumerate(keys):
+            worker = self._sent_to.get(key)
+            if worker is not None and worker < self.num_workers:
+                votes[worker] += 1
+                first_seen.setdefault(worker, position)
+        if not first_seen:
+            return keys[0] % self.num_workers
+        return max(first_seen, key=lambda w: (votes[w], -first_seen[w]))
+
+    def _least_loaded(self, load: Sequence[int]) -> int:
+        least = min(load)
+        return next(i for i in self._turn if load[i] == least)
+
+
+def image_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The URLs of the image parts of chat messages, in order, as the worker will read them
+    (`tokenizer_worker.chat`). Malformed parts are skipped here: the worker rejects them."""
+    urls = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            if kind == "image_url":
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+            elif kind == "image":
+                url = part.get("image")
+            else:
+                continue
+            if isinstance(url, str) and url:
+                urls.append(url)
+    return urls
+
+
+def affinity_hash(url: str) -> int:
+    """A 64-bit hash of an image URL that costs microseconds on the event loop: a long
+    URL (a data: URL of megabytes) is hashed on its first and last
+    `AFFINITY_EDGE_CHARS` characters and its length. Two images that differ only in the
+    middle share a table entry; that costs a cache miss at worst, never correctness."""
+    hasher = xxhash.xxh3_64()
+    if len(url) <= 2 * AFFINITY_EDGE_CHARS:
+        hasher.update(url.encode("utf-8", "surrogatepass"))
+    else:
+        hasher.update(url[:AFFINITY_EDGE_CHARS].encode("utf-8", "surrogatepass"))
+        hasher.update(url[-AFFINITY_EDGE_CHARS:].encode("utf-8", "surrogatepass"))
+        hasher.update(len(url).to_bytes(8, "little"))
+    return hasher.intdigest()
