@@ -57,9 +57,10 @@ class SchedulerProcessConfig:
     engine: EngineConfig
     run_dir: str
     num_workers: int
-    # Intra-op threads for torch on CPU. The scheduler shares the cores with the server
-    # and the tokenizer workers; an oversubscribed OpenMP pool spin-waits, and a decode
-    # step measured 1.8 ms with one thread but 23 ms with two on a busy 2-core machine.
+    # Intra-op threads for torch on CPU (the launcher passes --scheduler-threads, by
+    # default every usable core). The scheduler shares the cores with the server and the
+    # tokenizer workers: on a machine busy with other work, an oversubscribed OpenMP pool
+    # spin-waits (a tiny-model decode step took 1.8 ms with one thread, 23 ms with two).
     torch_threads: int = 1
 
 

@@ -168,10 +168,21 @@ class ReadyChannel:
 
 
 def scheduler_threads(args: ServeArgs) -> int:
-    """`--scheduler-threads`, or every core but one (left to the server and workers)."""
+    """`--scheduler-threads`, or every core this process may run on. The scheduler's
+    torch is where a real model spends its time: on 2 cores, giving it both served the
+    `small` checkpoint's image load 1.9x faster than leaving one to the server and the
+    workers, which cost 20% only on the tiny model's text load
+    (bench/results/scheduler_threads_*.md)."""
     if args.scheduler_threads:
         return args.scheduler_threads
-    return max(1, (os.cpu_count() or 2) - 1)
+    return usable_cores()
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (a container's cpuset, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def _wait_until_ready(

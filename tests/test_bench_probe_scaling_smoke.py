@@ -1,5 +1,5 @@
-"""The image-count probe and the tokenizer-worker scaling benchmark run (`--quick`): each
-starts its two `iris serve`s, writes its table and draws its plot."""
+"""The image-count probe, the tokenizer-worker scaling and the scheduler-threads
+benchmarks run (`--quick`): each starts its `iris serve`s, writes its table (and plot)."""
 
 from __future__ import annotations
 
@@ -87,3 +87,15 @@ def test_tokenizer_scaling_quick(tmp_path, cache_dir):
         assert row[column["proc. cache misses / hits"]] == "16 / 0"  # all misses
         assert float(row[column["worker CPU ms/img"]]) > 0
     assert (tmp_path / "tokenizer_scaling_tiny_quick.png").stat().st_size > 0
+
+
+def test_scheduler_threads_quick(tmp_path, cache_dir):
+    run_quick("bench.scheduler_threads", tmp_path, cache_dir)
+    text = (tmp_path / "scheduler_threads_tiny_quick.md").read_text()
+    assert "- machine:" in text and "- command:" in text and "- commit:" in text
+    [(header, rows)] = tables(text)
+    assert header[:5] == ["scheduler threads", "workload", "load", "ok", "req/s"]
+    assert [r[1] for r in rows] == ["image"] * (len(rows) // 2) + ["text"] * (len(rows) // 2)
+    assert rows[0][0].endswith("(default: every core)") and len(rows) >= 4
+    assert all(r[3] == "2/2" and float(r[4]) > 0 for r in rows), rows
+    assert rows[0][5] == "1"  # the default is the ratios' base
