@@ -75,12 +75,17 @@ class Setting:
     flags: list[str]  # for every server
 
 
-def setting(quick: bool) -> Setting:
+# Enough KV for MAX_MODEL_LEN tokens (the engine caps the context at what the pool holds):
+# 16 MiB for the tiny model, 512 MiB for small (8 layers x 2 x 2 KV heads x 128 x fp32).
+KV_CACHE_MEMORY = {"tiny": "64MiB", "small": "576MiB"}
+
+
+def setting(quick: bool, size: str) -> Setting:
     flags = [
         "--max-num-batched-tokens", str(STEP_BUDGET),
         "--limit-mm-per-prompt", str(MAX_IMAGES),
         "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory", "64MiB",  # 32768 tokens of the tiny model take 16 MiB
+        "--kv-cache-memory", KV_CACHE_MEMORY[size],
         "--tokenizer-workers", "1",  # one request goes to one worker anyway
     ]  # fmt: skip
     if quick:  # smoke test
@@ -483,7 +488,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="minimal setting (smoke test)")
     parser.add_argument("--out", type=Path, default=None, help="results folder")
     args = parser.parse_args()
-    run = setting(args.quick)
+    run = setting(args.quick, args.size)
     model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=args.size)
     # Read by glibc in the servers' processes (IrisServer copies this environment).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"

@@ -30,7 +30,6 @@ each server's requests through the same worker code in this process
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,17 +38,16 @@ from typing import Any
 import httpx
 
 from bench.images import FULL_HD, HD, QHD, image_part
-from bench.results_io import markdown_table, write_result
+from bench.results_io import markdown_table
 from bench.scenario import (
     CACHES_OFF,
     QUICK_FLAGS,
     WARM_UP,
     add_arguments,
     chat_body,
-    load_average,
-    order_note,
-    run_variants,
-    target,
+    probe_warnings,
+    run_scenario,
+    setup_sentences,
     warm_up,
 )
 from bench.server_process import IrisServer, delta, stream_chat
@@ -207,8 +205,8 @@ COLUMNS = [  # (row key, header) of the per-round table
 
 
 def report(
-    model: str,
     run: Setting,
+    model: str,
     results: dict[str, list[dict[str, Any]]],
     png: str,
     load: tuple[float, float],
@@ -228,22 +226,14 @@ def report(
     prompts = {name: [r["prompt_tokens"] for r in rows] for name, rows in results.items()}
     if len({tuple(p) for p in prompts.values()}) > 1:
         notes.append(f"- WARNING: the variants' prompt lengths differ: {prompts}")
-    mismatched = [
-        (r["variant"], r["round"]) for r in per_round if r["probe_processed"] != r["processed"]
-    ]
-    if mismatched:
-        notes.append(f"- WARNING: the in-process workers processed other images at {mismatched}")
+    notes += probe_warnings(results, "round")
     pixels = "processor default" if run.max_pixels is None else f"max_pixels={run.max_pixels}"
-    flags = " ".join(run.flags) or "(defaults)"
     return "\n".join(
         [
             f"{model[0].upper()}{model[1:]}; {run.rounds} rounds, one new JPEG per round "
             f"(cycling {', '.join(f'{w}x{h}' for w, h in run.sizes)}; {pixels}); answers of "
             f"{run.max_tokens} tokens (greedy, ignore_eos) kept in the history. {how_run}; "
-            f"each server got a warm-up of {len(WARM_UP)} "
-            f"small-image requests. Server flags for all: `{flags}`. "
-            f"Load average (1 min) before / after the servers: {load[0]:.1f} / {load[1]:.1f} "
-            f"on {os.cpu_count()} cores.",
+            + setup_sentences(run.flags, load),
             "",
             "## Summary",
             "",
@@ -280,27 +270,17 @@ def main() -> None:
     add_arguments(parser)
     args = parser.parse_args()
     run = setting(args.size, args.rounds, args.quick)
-    out = target("multiturn_image", args)
-
-    load_before = load_average()
-    results = run_variants(
-        out.model_dir,
+    run_scenario(
+        "multiturn_image",
+        args,
         VARIANTS,
-        lambda name, server: requests(run, name, server),
-        flags=run.flags,
-        quick=args.quick,
-        interleave=args.interleave,
-    )
-    load = (load_before, load_average())
-    for name, flags in VARIANTS:
-        probe_worker(out.model_dir, results[name], run, [*run.flags, *flags])
-
-    plot(results, out.out_dir / out.png, f"Multi-turn, one new image per round ({out.label})")
-    write_result(
-        out.name,
-        f"Multi-turn chat, one new image per round (HTTP, {out.label})",
-        report(out.description, run, results, out.png, load, order_note(args.interleave)),
-        out.out_dir,
+        run.flags,
+        requests=lambda name, server: requests(run, name, server),
+        probe_worker=lambda model_dir, rows, flags: probe_worker(model_dir, rows, run, flags),
+        plot=plot,
+        report=lambda *pieces: report(run, *pieces),
+        title="Multi-turn chat, one new image per round",
+        plot_title="Multi-turn, one new image per round",
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from bench.images import image_part
-from bench.results_io import RESULTS_DIR
+from bench.results_io import RESULTS_DIR, write_result
 from bench.server_process import IrisServer, run_each, run_interleaved, stream_chat
 from scheduler.tiny_checkpoint import builtin_checkpoint
 
@@ -144,3 +144,59 @@ def order_note(interleave: bool) -> str:
 def load_average() -> float:
     """The 1-minute load average (the machine may be shared: it goes in the result)."""
     return os.getloadavg()[0]
+
+
+Rows = dict[str, list[dict[str, Any]]]  # each variant's rows, one per request
+
+
+def run_scenario(
+    benchmark: str,
+    args: argparse.Namespace,
+    variants: Sequence[tuple[str, Sequence[str]]],
+    flags: Sequence[str],
+    *,
+    requests: Callable[[str, IrisServer], Iterator[dict[str, Any]]],
+    probe_worker: Callable[[Path, list[dict[str, Any]], list[str]], None],
+    plot: Callable[[Rows, Path, str], None],
+    report: Callable[[str, Rows, str, tuple[float, float], str], str],
+    title: str,
+    plot_title: str,
+) -> None:
+    """A scenario benchmark end to end: serve every variant (`requests` yields a row per
+    request), replay each variant's requests through the tokenizer-worker code in process
+    (`probe_worker`, for what /metrics lacks), then plot and write the result file."""
+    out = target(benchmark, args)
+    load_before = load_average()
+    results = run_variants(
+        out.model_dir, variants, requests, flags=flags, quick=args.quick,
+        interleave=args.interleave,
+    )  # fmt: skip
+    load = (load_before, load_average())
+    for name, variant_flags in variants:
+        probe_worker(out.model_dir, results[name], [*flags, *variant_flags])
+    plot(results, out.out_dir / out.png, f"{plot_title} ({out.label})")
+    body = report(out.description, results, out.png, load, order_note(args.interleave))
+    write_result(out.name, f"{title} (HTTP, {out.label})", body, out.out_dir)
+
+
+def setup_sentences(flags: Sequence[str], load: tuple[float, float]) -> str:
+    """The end of a result's first paragraph: warm-up, server flags, machine load."""
+    return (
+        f"each server got a warm-up of {len(WARM_UP)} small-image requests. Server flags "
+        f"for all: `{' '.join(flags) or '(defaults)'}`. Load average (1 min) before / after "
+        f"the servers: {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores."
+    )
+
+
+def probe_warnings(results: Rows, position: str) -> list[str]:
+    """A note where the in-process replay processed other images than the server did
+    (then its worker times describe another workload)."""
+    mismatched = [
+        (r["variant"], r[position])
+        for rows in results.values()
+        for r in rows
+        if r["probe_processed"] != r["processed"]
+    ]
+    if not mismatched:
+        return []
+    return [f"- WARNING: the in-process workers processed other images at {mismatched}"]
