@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> None:
         "--threads",
         type=int,
         default=None,
-        help="OMP_NUM_THREADS for both servers and torch threads for the bound "
-        "(default: the servers' own choice; the bound uses every core)",
+        help="OMP_NUM_THREADS for both servers (and Iris's --scheduler-threads) and torch "
+        "threads for the bound (default: the servers' own choice; the bound uses every core)",
     )
     args = parser.parse_args(argv)
 
@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     proxy = args.client == "vllm"
     threads_env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    threads = ["--scheduler-threads", str(args.threads)] if args.threads else []
     load_before = os.getloadavg()[0]
     runs: list[Run] = []
     peer_note = "Not measured (`--no-peer`)."
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         scratch = Path(tmp)
         iris = IrisServer(
             model_dir,
-            ["--served-model-name", "iris", "--device", args.device, *plan_.iris_flags],
+            ["--served-model-name", "iris", "--device", args.device, *plan_.iris_flags, *threads],
             log_path=scratch / "iris.log",
             env=threads_env,
         )

@@ -201,7 +201,10 @@ def setup_text(args, plan_: Plan, runs: Sequence[Run], load: tuple[float, float]
         )
     parts.append(f"Iris flags: `{shlex.join(plan_.iris_flags) or '(defaults)'}`.")
     if args.threads:
-        parts.append(f"`OMP_NUM_THREADS={args.threads}` for both servers and the bound.")
+        parts.append(
+            f"`OMP_NUM_THREADS={args.threads}` for both servers (and Iris's "
+            f"`--scheduler-threads {args.threads}`) and the bound."
+        )
     parts.append(
         "`server CPU s/req`: user + system CPU time of the server's processes during the "
         "run (not the proxy's, not the client's) per completed request: less sensitive than "
