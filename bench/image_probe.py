@@ -22,8 +22,9 @@ tower calls (`iris_mm_encoder_seconds_count`), and the scheduler process's memor
 `/proc/<pid>/status` (no restart per point; see `PeakMemory` for how the peak of one
 request is isolated). On the first variant's server each image request is followed by
 a text-only completion of the same prompt length (`text only, same tokens`): the memory
-and time the text side alone takes. /metrics exposes no device-memory figure, so on a
-GPU there is no `torch.cuda.max_memory_allocated` column.
+and time the text side alone takes. On a GPU the scheduler's
+`torch.cuda.max_memory_allocated` (`iris_device_memory_peak_bytes`) is a column too: a
+maximum since the server started, so it never falls; N ascends, so it shows growth.
 
     python -m bench.image_probe [--size tiny|small] [--quick] [--out DIR]
 """
@@ -237,8 +238,9 @@ def complete(client: httpx.Client, base_url: str, request: dict[str, Any]) -> tu
     return response.json()["usage"]["prompt_tokens"], seconds
 
 
-def probe(server: IrisServer, pid: int, row: dict[str, Any], send) -> bool:
-    """Runs `send()` (→ prompt tokens, TTFT) under `PeakMemory`; fills `row`; whether ok."""
+def probe(server: IrisServer, pid: int, row: dict[str, Any], send, device_idle: float) -> bool:
+    """Runs `send()` (→ prompt tokens, TTFT) under `PeakMemory`; fills `row`; whether ok.
+    `device_idle`: the scheduler's allocated device bytes before the sweep (0 on CPU)."""
     row["load"] = os.getloadavg()[0]
     before = server.metrics()
     try:
@@ -259,6 +261,10 @@ def probe(server: IrisServer, pid: int, row: dict[str, Any], send) -> bool:
         rss_peak=memory.rss_peak / MIB,
         arena_read=memory.arena_read / MIB,
         private_peak=memory.private_peak / MIB,
+        # CUDA only: torch.cuda.max_memory_allocated since the server started, over idle
+        device_peak=(peak - device_idle) / MIB
+        if (peak := after.get("iris_device_memory_peak_bytes", 0.0))
+        else None,
     )
     return True
 
@@ -277,6 +283,7 @@ def sweep(run: Setting, name: str, server: IrisServer) -> Iterator[list[dict[str
         stream_chat(client, server.base_url, body(model, (128, 96), 2))
         if text_reference:
             complete(client, server.base_url, text_body(model, 600, 0))
+        device_idle = server.metrics().get("iris_device_memory_allocated_bytes", 0.0)
         for size in run.resolutions:
             for n in run.counts:
                 row: dict[str, Any] = {"variant": name, "size": size, "n": n}
@@ -286,7 +293,7 @@ def sweep(run: Setting, name: str, server: IrisServer) -> Iterator[list[dict[str
                     answer = stream_chat(client, server.base_url, request)
                     return answer.prompt_tokens, answer.ttft
 
-                if not probe(server, pid, row, chat):
+                if not probe(server, pid, row, chat, device_idle):
                     yield [row]
                     if row["status"] == "timeout" and not wait_idle(server, run.timeout):
                         return  # still busy: the rest would measure it, not itself
@@ -296,7 +303,8 @@ def sweep(run: Setting, name: str, server: IrisServer) -> Iterator[list[dict[str
                     continue
                 text = text_body(model, row["prompt_tokens"], n)
                 same = {"variant": TEXT_ONLY, "size": size, "n": n}
-                probe(server, pid, same, lambda text=text: complete(client, server.base_url, text))
+                send_text = lambda text=text: complete(client, server.base_url, text)  # noqa: E731
+                probe(server, pid, same, send_text, device_idle)
                 yield [row, same]
 
 
@@ -321,8 +329,9 @@ def table(run: Setting, results: dict[str, list[dict[str, Any]]]) -> list[list[o
                 if r["status"] == "ok":
                     row += [r["prompt_tokens"], "ok", round(r["ttft"], 2), r["vit_calls"]]
                     row += [round(r[k], 1) for k in ("rss_peak", "arena_read", "private_peak")]
+                    row.append("–" if r["device_peak"] is None else round(r["device_peak"], 1))
                 else:
-                    row += ["", r["status"], "", "", "", "", ""]
+                    row += ["", r["status"], "", "", "", "", "", ""]
                 row.append(round(r["load"], 1))
                 rows.append(row)
     return rows
@@ -330,7 +339,7 @@ def table(run: Setting, results: dict[str, list[dict[str, Any]]]) -> list[list[o
 
 HEADER = [
     "resolution", "variant", "images", "prompt tok", "status", "TTFT s", "ViT calls",
-    "peak RSS +MiB", "arena read MiB", "peak private +MiB", "load avg",
+    "peak RSS +MiB", "arena read MiB", "peak private +MiB", "device peak +MiB", "load avg",
 ]  # fmt: skip
 
 
@@ -469,9 +478,10 @@ def report(
             "arena read, and a 2 ms sampler of the status). `MALLOC_MMAP_THRESHOLD_=65536` "
             "makes glibc return freed tensors to the kernel at once, so a request does not "
             "reuse heap that an earlier, larger one left behind (which would hide its "
-            "growth). No GPU column: /metrics exposes no `torch.cuda.max_memory_allocated` "
-            "(nor any engine-side memory figure), and the process's RSS says nothing about "
-            "device memory. Load avg = the 1-minute load average when the request was sent "
+            "growth). Device peak + = `iris_device_memory_peak_bytes` (the scheduler's "
+            "`torch.cuda.max_memory_allocated`, since the server started, so it never "
+            "falls; N ascends, so it shows growth) − `iris_device_memory_allocated_bytes` "
+            "before the sweep; – on a CPU, where the RSS columns are the measure. Load avg = the 1-minute load average when the request was sent "
             "(this benchmark's own processes count too): well above the core count, other "
             "processes competed for the cores and TTFT is mostly waiting (the scheduler's "
             "torch runs one intra-op thread per core, and those threads wait on each other "

@@ -250,6 +250,10 @@ class EngineStats(_Message, tag=_ENGINE_STATS):
     mm_embedding_cache_hits: int = 0
     mm_embedding_cache_misses: int = 0
     mm_embedding_cache_usage_bytes: int = 0
+    # torch's allocator on a CUDA device (0 on CPU): bytes allocated now, and the most
+    # ever allocated since the scheduler started (`torch.cuda.max_memory_allocated`)
+    device_memory_allocated_bytes: int = 0
+    device_memory_peak_bytes: int = 0
     # vision-tower call durations observed since the previous EngineStats (a histogram feed)
     encoder_seconds: list[float] = []
 

@@ -200,6 +200,7 @@ class SchedulerLoop:
             mm_embedding_cache_hits=engine.mm_embedding_cache_hits,
             mm_embedding_cache_misses=engine.mm_embedding_cache_misses,
             mm_embedding_cache_usage_bytes=engine.mm_embedding_cache_usage_bytes,
+            **device_memory(engine.device),
         )
         now = time.monotonic()
         idle = not engine.has_unfinished_requests()
@@ -246,6 +247,17 @@ class _ContextLengthError(ValueError):
 
 def _param_of(error: ValueError) -> str | None:
     return getattr(error, "param", None)
+
+
+def device_memory(device: torch.device) -> dict[str, int]:
+    """`EngineStats`' device-memory fields: torch's CUDA allocator figures (nothing on
+    CPU, where the process's RSS is the measure)."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "device_memory_allocated_bytes": torch.cuda.memory_allocated(device),
+        "device_memory_peak_bytes": torch.cuda.max_memory_allocated(device),
+    }
 
 
 def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:

@@ -48,6 +48,13 @@ _ENGINE: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
     ("iris_mm_embedding_cache_usage_bytes", "gauge",
      "Device bytes held by the image embedding cache.",
      lambda e: e.mm_embedding_cache_usage_bytes),
+    ("iris_device_memory_allocated_bytes", "gauge",
+     "Device memory allocated by the scheduler's torch now (CUDA; 0 on CPU).",
+     lambda e: e.device_memory_allocated_bytes),
+    ("iris_device_memory_peak_bytes", "gauge",
+     "Most device memory the scheduler's torch has allocated since it started "
+     "(torch.cuda.max_memory_allocated; 0 on CPU).",
+     lambda e: e.device_memory_peak_bytes),
     ("iris_num_preemptions_total", "counter", "Requests preempted.",
      lambda e: e.num_preemptions),
     ("iris_prompt_tokens_total", "counter", "Prompt tokens admitted.", lambda e: e.prompt_tokens),

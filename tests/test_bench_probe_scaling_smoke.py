@@ -56,7 +56,7 @@ def test_image_probe_quick(tmp_path, cache_dir):
     assert [(r[0], r[1], r[2]) for r in summary] == [("224x224", v, "1-4") for v in variants]
     assert header == [
         "resolution", "variant", "images", "prompt tok", "status", "TTFT s", "ViT calls",
-        "peak RSS +MiB", "arena read MiB", "peak private +MiB", "load avg",
+        "peak RSS +MiB", "arena read MiB", "peak private +MiB", "device peak +MiB", "load avg",
     ]  # fmt: skip
     got = [(r[0], r[1], r[2], r[4]) for r in rows]
     assert got == [("224x224", v, str(n), "ok") for v in variants for n in (1, 2, 4)]
@@ -65,6 +65,7 @@ def test_image_probe_quick(tmp_path, cache_dir):
         assert int(row[3]) > 64 * int(row[2])  # 64 tokens per 224x224 image, plus text
         assert float(row[5]) > 0 and int(row[6]) >= 1
         assert float(row[8]) > 0  # the scheduler read the pixels from the arena
+        assert row[10] == "–"  # no device memory on a CPU
     for image_row, text_row in zip(by_variant[variants[0]], by_variant[variants[2]], strict=True):
         assert text_row[3] == image_row[3] and text_row[6] == "0"  # same length, no ViT
     assert (tmp_path / "image_probe_tiny_quick.png").stat().st_size > 0

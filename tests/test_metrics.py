@@ -44,6 +44,8 @@ ENGINE = EngineStats(
     kv_pages_total=40,
     pinned_images=4,
     num_preemptions=1,
+    device_memory_allocated_bytes=3 << 30,
+    device_memory_peak_bytes=5 << 30,
     images_encoded=7,
     prompt_tokens=900,
     generation_tokens=120,
@@ -67,6 +69,8 @@ EXPECTED = {
     "iris_kv_cache_total_pages": 40,
     "iris_scheduler_pinned_images": 4,
     "iris_mm_embedding_cache_usage_bytes": 1 << 20,
+    "iris_device_memory_allocated_bytes": 3 << 30,
+    "iris_device_memory_peak_bytes": 5 << 30,
     "iris_num_preemptions_total": 1,
     "iris_prompt_tokens_total": 900,
     "iris_generation_tokens_total": 120,
@@ -135,3 +139,13 @@ def test_each_app_has_its_own_registry(qwen2_vl_tiny: Path):
     with TestClient(apps[0]) as first, TestClient(apps[1]) as second:
         assert scrape(first)["iris_prompt_tokens_total"] == 900
         assert scrape(second)["iris_prompt_tokens_total"] == 0
+
+
+def test_device_memory_is_reported_only_for_a_cuda_device():
+    import torch
+
+    from scheduler.process import device_memory
+
+    assert device_memory(torch.device("cpu")) == {}  # CPU: RSS is the measure, not torch's
+    stats = EngineStats(0, 0, 0, 1, 0, **device_memory(torch.device("cpu")))
+    assert stats.device_memory_peak_bytes == stats.device_memory_allocated_bytes == 0
