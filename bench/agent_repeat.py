@@ -27,7 +27,6 @@ request points at in shared memory.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from collections.abc import Iterator
@@ -43,10 +42,9 @@ from bench.scenario import (
     CACHES_OFF,
     QUICK_FLAGS,
     WARM_UP,
-    add_arguments,
     chat_body,
     probe_warnings,
-    run_scenario,
+    scenario_main,
     setup_sentences,
     warm_up,
 )
@@ -285,23 +283,12 @@ def report(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="default 6 (2 with --quick)")
-    add_arguments(parser)
-    args = parser.parse_args()
-    run = setting(args.size, args.steps, args.quick)
-    run_scenario(
-        "agent_repeat",
-        args,
-        VARIANTS,
-        run.flags,
-        requests=lambda name, server: requests(run, name, server),
-        probe_worker=lambda model_dir, rows, flags: probe_worker(model_dir, rows, run, flags),
-        plot=plot,
-        report=lambda *pieces: report(run, *pieces),
-        title="Agent re-sending screenshots: 10 images per request, 9 seen",
+    scenario_main(
+        "agent_repeat", __doc__, "--steps", "default 6 (2 with --quick)", VARIANTS,
+        setting=setting, requests=requests, probe_worker=probe_worker, plot=plot,
+        report=report, title="Agent re-sending screenshots: 10 images per request, 9 seen",
         plot_title="Agent, 10 screenshots per request, 9 seen",
-    )
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ each server's requests through the same worker code in this process
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +42,9 @@ from bench.scenario import (
     CACHES_OFF,
     QUICK_FLAGS,
     WARM_UP,
-    add_arguments,
     chat_body,
     probe_warnings,
-    run_scenario,
+    scenario_main,
     setup_sentences,
     warm_up,
 )
@@ -265,23 +263,12 @@ def report(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=None, help="default 8 (2 with --quick)")
-    add_arguments(parser)
-    args = parser.parse_args()
-    run = setting(args.size, args.rounds, args.quick)
-    run_scenario(
-        "multiturn_image",
-        args,
-        VARIANTS,
-        run.flags,
-        requests=lambda name, server: requests(run, name, server),
-        probe_worker=lambda model_dir, rows, flags: probe_worker(model_dir, rows, run, flags),
-        plot=plot,
-        report=lambda *pieces: report(run, *pieces),
-        title="Multi-turn chat, one new image per round",
+    scenario_main(
+        "multiturn_image", __doc__, "--rounds", "default 8 (2 with --quick)", VARIANTS,
+        setting=setting, requests=requests, probe_worker=probe_worker, plot=plot,
+        report=report, title="Multi-turn chat, one new image per round",
         plot_title="Multi-turn, one new image per round",
-    )
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

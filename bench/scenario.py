@@ -149,33 +149,42 @@ def load_average() -> float:
 Rows = dict[str, list[dict[str, Any]]]  # each variant's rows, one per request
 
 
-def run_scenario(
+def scenario_main(
     benchmark: str,
-    args: argparse.Namespace,
+    doc: str,
+    count_flag: str,
+    count_help: str,
     variants: Sequence[tuple[str, Sequence[str]]],
-    flags: Sequence[str],
     *,
-    requests: Callable[[str, IrisServer], Iterator[dict[str, Any]]],
-    probe_worker: Callable[[Path, list[dict[str, Any]], list[str]], None],
+    setting: Callable[[str, int | None, bool], Any],
+    requests: Callable[[Any, str, IrisServer], Iterator[dict[str, Any]]],
+    probe_worker: Callable[[Path, list[dict[str, Any]], Any, list[str]], None],
     plot: Callable[[Rows, Path, str], None],
-    report: Callable[[str, Rows, str, tuple[float, float], str], str],
+    report: Callable[[Any, str, Rows, str, tuple[float, float], str], str],
     title: str,
     plot_title: str,
 ) -> None:
-    """A scenario benchmark end to end: serve every variant (`requests` yields a row per
-    request), replay each variant's requests through the tokenizer-worker code in process
-    (`probe_worker`, for what /metrics lacks), then plot and write the result file."""
+    """A scenario benchmark's command line, end to end: `setting(size, count, quick)`
+    gives the run (with its `flags`); every variant is served (`requests(run, name,
+    server)` yields a row per request), each variant's requests are replayed through the
+    tokenizer-worker code in process (`probe_worker`, for what /metrics lacks), then the
+    plot and the result file are written."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument(count_flag, type=int, default=None, help=count_help)
+    add_arguments(parser)
+    args = parser.parse_args()
+    run = setting(args.size, getattr(args, count_flag.removeprefix("--")), args.quick)
     out = target(benchmark, args)
     load_before = load_average()
     results = run_variants(
-        out.model_dir, variants, requests, flags=flags, quick=args.quick,
-        interleave=args.interleave,
+        out.model_dir, variants, lambda name, server: requests(run, name, server),
+        flags=run.flags, quick=args.quick, interleave=args.interleave,
     )  # fmt: skip
     load = (load_before, load_average())
     for name, variant_flags in variants:
-        probe_worker(out.model_dir, results[name], [*flags, *variant_flags])
+        probe_worker(out.model_dir, results[name], run, [*run.flags, *variant_flags])
     plot(results, out.out_dir / out.png, f"{plot_title} ({out.label})")
-    body = report(out.description, results, out.png, load, order_note(args.interleave))
+    body = report(run, out.description, results, out.png, load, order_note(args.interleave))
     write_result(out.name, f"{title} (HTTP, {out.label})", body, out.out_dir)
 
 

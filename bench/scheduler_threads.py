@@ -34,12 +34,12 @@ SEED = 4321  # the same requests for every setting: each server starts with empt
 def settings(cores: int) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, flags, environment) of each server; the first, Iris's default, is the
     ratios' base."""
-    settings = [(f"{cores} (default: every core)", [], {})]
+    chosen = [(f"{cores} (default: every core)", [], {})]
     if cores > 1:
         fewer = ["--scheduler-threads", str(cores - 1)]
-        settings.append((f"{cores - 1} (all cores but one)", fewer, {}))
-    settings.append((f"{cores}, OMP_WAIT_POLICY=PASSIVE", [], {"OMP_WAIT_POLICY": "PASSIVE"}))
-    return settings
+        chosen.append((f"{cores - 1} (all cores but one)", fewer, {}))
+    chosen.append((f"{cores}, OMP_WAIT_POLICY=PASSIVE", [], {"OMP_WAIT_POLICY": "PASSIVE"}))
+    return chosen
 
 
 def workloads(size: str, quick: bool) -> list[Workload]:

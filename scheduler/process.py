@@ -182,7 +182,8 @@ class SchedulerLoop:
         and always once the engine is idle (so a test sees the settled values).
 
         Encoder timings are buffered until a message actually goes out, so none is lost
-        to the rate limit; they are left out of the change check."""
+        to the rate limit; they are left out of the change check, and so is device memory
+        (read only for a message that goes out: it changes at every step)."""
         engine = self.engine
         self._encoder_seconds.extend(engine.drain_encoder_seconds())
         pool = engine.kv_cache.pool
@@ -200,7 +201,6 @@ class SchedulerLoop:
             mm_embedding_cache_hits=engine.mm_embedding_cache_hits,
             mm_embedding_cache_misses=engine.mm_embedding_cache_misses,
             mm_embedding_cache_usage_bytes=engine.mm_embedding_cache_usage_bytes,
-            **device_memory(engine.device),
         )
         now = time.monotonic()
         idle = not engine.has_unfinished_requests()
@@ -208,7 +208,11 @@ class SchedulerLoop:
         if not changed or (not idle and now - self._last_stats_time < STATS_INTERVAL_SECONDS):
             return
         self._last_stats, self._last_stats_time = stats, now
-        self._send(msgspec.structs.replace(stats, encoder_seconds=self._encoder_seconds))
+        self._send(
+            msgspec.structs.replace(
+                stats, encoder_seconds=self._encoder_seconds, **device_memory(engine.device)
+            )
+        )
         self._encoder_seconds = []
 
     def _send(self, message: ToServer) -> None:
@@ -254,9 +258,10 @@ def device_memory(device: torch.device) -> dict[str, int]:
     CPU, where the process's RSS is the measure)."""
     if device.type != "cuda":
         return {}
+    allocator = torch.cuda.memory_stats(device)  # one read for both figures
     return {
-        "device_memory_allocated_bytes": torch.cuda.memory_allocated(device),
-        "device_memory_peak_bytes": torch.cuda.max_memory_allocated(device),
+        "device_memory_allocated_bytes": allocator.get("allocated_bytes.all.current", 0),
+        "device_memory_peak_bytes": allocator.get("allocated_bytes.all.peak", 0),
     }
 
 

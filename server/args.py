@@ -140,10 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--tokenizer-workers", type=int, default=2)
+    p.add_argument("--tokenizer-workers", type=parse_positive_int, default=2)
     p.add_argument(
         "--scheduler-threads",
-        type=int,
+        type=parse_positive_int,
         default=None,
         help="torch CPU threads of the scheduler (default: every core it may run on)",
     )

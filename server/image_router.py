@@ -31,6 +31,8 @@ from typing import Any
 
 import xxhash
 
+from tokenizer_worker.chat import IMAGE_PART_TYPES, image_part_url
+
 AFFINITY_EDGE_CHARS = 4096  # a long URL (data:) is hashed on its two ends and its length
 DEFAULT_CAPACITY = 1 << 16  # image URLs remembered (about 100 bytes each)
 IMBALANCE_MIN_GAP = 32  # requests in flight
@@ -85,26 +87,19 @@ class ImageRouter:
 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
-    """The URLs of the image parts of chat messages, in order, as the worker will read them
-    (`tokenizer_worker.chat`). Malformed parts are skipped here: the worker rejects them."""
+    """The URLs of the image parts of chat messages, in order, read as the worker reads
+    them (`tokenizer_worker.chat.image_part_url`). Malformed parts are skipped here: the
+    worker rejects them."""
     urls = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for part in content:
-            if not isinstance(part, dict):
-                continue
-            kind = part.get("type")
-            if kind == "image_url":
-                spec = part.get("image_url")
-                url = spec.get("url") if isinstance(spec, dict) else spec
-            elif kind == "image":
-                url = part.get("image")
-            else:
-                continue
-            if isinstance(url, str) and url:
-                urls.append(url)
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                url = image_part_url(part)
+                if isinstance(url, str) and url:
+                    urls.append(url)
     return urls
 
 

@@ -56,10 +56,12 @@ def test_processor_cache_flags_size_the_worker_arena():
         ["--mm-shm-arena-bytes", "0"],
         ["--mm-embedding-cache-gb", "nan"],
         ["--max-num-encoder-tokens", "0"],
+        ["--scheduler-threads", "0"],
+        ["--tokenizer-workers", "0"],
         ["--mm-cache-granularity", "page"],
     ],
 )
-def test_bad_cache_flags_are_refused(argv: list[str], capsys):
+def test_bad_flags_are_refused(argv: list[str], capsys):
     with pytest.raises(SystemExit):
         parse_serve_args(argv)
     assert "error" in capsys.readouterr().err

@@ -61,6 +61,19 @@ def parse_messages(messages: object) -> Chat:
     return Chat(rendered, urls)
 
 
+IMAGE_PART_TYPES = ("image_url", "image")
+
+
+def image_part_url(part: dict[str, Any]) -> object:
+    """What an image part (`type` in `IMAGE_PART_TYPES`) names as its URL, unchecked:
+    `image_url.url`, a bare `image_url` string, or `image` (the Qwen-style part). The
+    server's routing reads parts with this too, so it sees the URLs the worker loads."""
+    if part.get("type") == "image_url":
+        spec = part.get("image_url")
+        return spec.get("url") if isinstance(spec, dict) else spec
+    return part.get("image")
+
+
 def _part(part: object, where: str, urls: list[str]) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise ChatError(f"{where} must be an object")
@@ -70,13 +83,9 @@ def _part(part: object, where: str, urls: list[str]) -> dict[str, Any]:
         if not isinstance(text, str):
             raise ChatError(f"{where}.text must be a string")
         return {"type": "text", "text": text}
-    if kind == "image_url":
-        spec = part.get("image_url")
-        url = spec.get("url") if isinstance(spec, dict) else spec
-    elif kind == "image":
-        url = part.get("image")
-    else:
+    if kind not in IMAGE_PART_TYPES:
         raise ChatError(f"{where}: unsupported content part type {kind!r} (text or image_url)")
+    url = image_part_url(part)
     if not isinstance(url, str) or not url:
         raise ChatError(f"{where}: the image URL must be a non-empty string")
     urls.append(url)

@@ -1,7 +1,7 @@
-"""The HTTP API against a scripted engine (`tests.fake_engine`): one app per test module;
-`client` talks to it through Starlette's TestClient, and `engine` is reset before each
-test to stream `fake_engine.TEXT`, one token of the tiny checkpoint's tokenizer per
-chunk."""
+"""The HTTP API against a scripted engine (`tests.fake_engine`): `tokenizer` is the tiny
+checkpoint's; one app per test module, `client` talks to it through Starlette's
+TestClient, and `engine` is reset before each test to stream `fake_engine.TEXT`, one
+token per chunk (test_server_live.py serves the app with uvicorn instead)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from ipc.messages import Sampling
 from server.app import create_app
@@ -26,11 +25,6 @@ from tests.fake_engine import (
     serve_in_thread,
     settings,
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(qwen2_vl_tiny: Path):
-    return AutoTokenizer.from_pretrained(qwen2_vl_tiny)
 
 
 @pytest.fixture(scope="module")
