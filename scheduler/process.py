@@ -91,11 +91,14 @@ class SchedulerLoop:
             while message is not None:
                 self._handle(message)
                 message = self.inbox.recv(0)
+            outputs: list[EngineOutput] = []
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
-                self._release_images(self.engine.pop_pixels_done())
-                self._send_outputs(outputs)
+                self._account(outputs)
+            # Stats before outputs on the one socket: when a client has its answer,
+            # /metrics already shows the step that produced it.
             self._send_stats()
+            self._send_outputs(outputs)
 
     def close(self) -> None:
         for request_id in list(self.pins):
@@ -154,27 +157,32 @@ class SchedulerLoop:
         fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
         return EnginePrompt(token_ids=token_ids, images=images), SamplingParams(**fields)
 
+    def _account(self, outputs: list[EngineOutput]) -> None:
+        """After a step: counts its tokens, hands back the pixels it no longer needs and
+        the pins of the requests it finished."""
+        self.generation_tokens += sum(len(output.new_token_ids) for output in outputs)
+        self._release_images(self.engine.pop_pixels_done())
+        for output in outputs:
+            if output.finished:
+                self._release(output.request_id)
+
     # -- messages out ---------------------------------------------------------------------
 
     def _send_outputs(self, outputs: list[EngineOutput]) -> None:
         if not outputs:
             return
-        batch = []
-        for output in outputs:
-            self.generation_tokens += len(output.new_token_ids)
-            batch.append(
-                RequestOutput(
-                    request_id=output.request_id,
-                    new_token_ids=output.new_token_ids,
-                    finished=output.finished,
-                    finish_reason=output.finish_reason.value if output.finish_reason else None,
-                    prompt_tokens=output.num_prompt_tokens,
-                    cached_tokens=output.num_cached_tokens,
-                    completion_tokens=output.num_output_tokens,
-                )
+        batch = [
+            RequestOutput(
+                request_id=output.request_id,
+                new_token_ids=output.new_token_ids,
+                finished=output.finished,
+                finish_reason=output.finish_reason.value if output.finish_reason else None,
+                prompt_tokens=output.num_prompt_tokens,
+                cached_tokens=output.num_cached_tokens,
+                completion_tokens=output.num_output_tokens,
             )
-            if output.finished:
-                self._release(output.request_id)
+            for output in outputs
+        ]
         self._send(TokenBatch(batch))
 
     def _send_stats(self) -> None:

@@ -308,12 +308,21 @@ def test_abort_release_and_batches(worker: TokenizerWorker):
 
 
 def receive(socket: PullSocket, kind: type, timeout: float = 30.0) -> Any:
-    """The next message of `kind` (skipping gauges), or fail after `timeout` seconds."""
+    """The next message of `kind` (skipping others), or fail after `timeout` seconds."""
+    return receive_through(socket, kind, timeout)[-1]
+
+
+def receive_through(socket: PullSocket, kind: type, timeout: float = 30.0) -> list[Any]:
+    """Every message up to and including the next one of `kind`, or fail after
+    `timeout` seconds."""
     deadline = time.monotonic() + timeout
+    messages = []
     while (left := deadline - time.monotonic()) > 0:
         message = socket.recv(left)
+        if message is not None:
+            messages.append(message)
         if isinstance(message, kind):
-            return message
+            return messages
     raise AssertionError(f"no {kind.__name__} within {timeout} s")
 
 
@@ -337,14 +346,17 @@ def test_worker_process(qwen2_vl_tiny: Path, instance: str):
             assert reader.view(out.images[0].pixels).shape[1] == 1176
         releases.send(ReleaseImages([out.images[0].pixels.handle]))
         requests.send(request(chat(image_part("data:image/png;base64,!!")), rid="bad"))
-        error = receive(server, RequestError)
+        to_server = receive_through(server, RequestError)
+        error = to_server[-1]
         assert (error.request_id, error.status, error.param) == ("bad", 400, "messages")
         requests.send(AbortRequest("r1"))
         assert receive(scheduler, AbortEngineRequest) == AbortEngineRequest("r1")
-        stats = receive(server, WorkerStats)
-        while stats.arena_pinned_entries or stats.requests_processed < 2:
-            stats = receive(server, WorkerStats)
-        assert stats.arena_used_bytes > 0  # the image stays cached, unpinned
+        # A request's counters reach the server before its reply; the release's later.
+        stats = [m for m in to_server if isinstance(m, WorkerStats)]
+        assert stats and stats[-1].requests_processed == 2
+        while stats[-1].arena_pinned_entries:
+            stats.append(receive(server, WorkerStats))
+        assert stats[-1].arena_used_bytes > 0  # the image stays cached, unpinned
     finally:
         process.terminate()
         process.join(30)

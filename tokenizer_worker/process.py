@@ -143,7 +143,7 @@ class _Loop:
                         break
                     self._apply_releases()
                     self._serve(message)
-            self._send_stats(idle=not ready)
+            self._send_stats(rate_limited=bool(ready))
 
     def close(self) -> None:
         for socket in self.sockets:
@@ -169,7 +169,11 @@ class _Loop:
 
     def _serve(self, message: Any) -> None:
         try:
-            self._send(self.worker.handle(message))
+            reply = self.worker.handle(message)
+            # The counters go out before the request does, so by the time its answer
+            # reaches a client, /metrics already counts it (and shows its pins).
+            self._send_stats(rate_limited=False)
+            self._send(reply)
         except Exception as e:  # a bug; `handle` already turns request errors into replies
             logger.exception("failed to serve %r", message.request_id)
             if isinstance(message, TokenizeRequest):
@@ -201,10 +205,11 @@ class _Loop:
         except TimeoutError as e:
             logger.error("%s", e)
 
-    def _send_stats(self, idle: bool) -> None:
-        """Gauges when they change: at most every 0.2 s while busy, and once idle."""
+    def _send_stats(self, rate_limited: bool) -> None:
+        """Gauges when they change: after every request served, and otherwise at most
+        every 0.2 s while messages keep coming (`rate_limited`), then once idle."""
         now = time.monotonic()
-        if not idle and now - self._last_stats_time < STATS_INTERVAL_SECONDS:
+        if rate_limited and now - self._last_stats_time < STATS_INTERVAL_SECONDS:
             return
         stats = self.worker.stats()
         if stats != self._last_stats:
