@@ -236,6 +236,24 @@ def test_a_client_disconnect_mid_stream_frees_pages_and_pins(server):
     assert generated < 900, "the request ran to the end: the disconnect did not abort it"
 
 
+def test_metrics_count_an_answer_by_the_time_it_arrives(server):
+    """A scrape right after an answer includes it, with no wait: the processes send their
+    counters ahead of the request (worker) and of its tokens (scheduler). Requests come
+    back to back, inside the 0.2-s rate limit on gauges that hold counters back."""
+    server.wait_for_metrics(IDLE)
+    before = server.metrics()
+    for i in range(3):
+        body = chat_body(f"Count request {i}.", [], max_tokens=3)
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        usage = response.json()["usage"]
+        after = server.metrics()
+        delta = {name: after[name] - before[name] for name in after if name in before}
+        assert delta["iris_tokenizer_requests_total"] == 1, f"request {i}"
+        assert delta["iris_prompt_tokens_total"] == usage["prompt_tokens"], f"request {i}"
+        assert delta["iris_generation_tokens_total"] == usage["completion_tokens"], f"request {i}"
+        before = after
+
+
 def test_request_shaped_like_vllm_bench_serve_random_mm(server):
     """Exactly the body `vllm bench serve --backend openai-chat --dataset-name random-mm`
     posts, and the parts of the stream that client reads."""
