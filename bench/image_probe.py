@@ -1,6 +1,7 @@
 """Many images in one request: latency and the scheduler's peak memory as N grows.
 
-One chat request with N distinct JPEGs (N = 1, 2, 4 … 64) and `max_tokens=1`, at each
+One chat request with N distinct JPEGs (N = 1, 2, 4 … `--max-images`: 64 on tiny, 8 on
+small, whose 64-image sweep takes ~16 min on 2 cores) and `max_tokens=1`, at each
 resolution, against real `iris serve`s on the same generated Qwen2.5-VL checkpoint, each
 with a step budget of 512 tokens, all started and then measured in turns
 (`run_interleaved`: one point of one server at a time, the others idle, so a burst of
@@ -26,7 +27,7 @@ and time the text side alone takes. On a GPU the scheduler's
 `torch.cuda.max_memory_allocated` (`iris_device_memory_peak_bytes`) is a column too: a
 maximum since the server started, so it never falls; N ascends, so it shows growth.
 
-    python -m bench.image_probe [--size tiny|small] [--quick] [--out DIR]
+    python -m bench.image_probe [--size tiny|small] [--max-images N] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ VARIANTS: list[tuple[str, list[str]]] = [
 ]
 TEXT_ONLY = "text only, same tokens"  # on the first variant's server
 MAX_IMAGES = 64
+# The default sweep per size: small's vision tower takes ~1.3 s per 640x480 image on
+# 2 cores, so its 64-image sweep runs ~16 min; 8 images already show the contrast (7x).
+DEFAULT_MAX_IMAGES = {"tiny": MAX_IMAGES, "small": 8}
 # The generated checkpoints' max_position_embeddings: the engine caps the context there.
 MAX_MODEL_LEN = 32768
 MIB = 1 << 20
@@ -81,7 +85,7 @@ class Setting:
 KV_CACHE_MEMORY = {"tiny": "64MiB", "small": "576MiB"}
 
 
-def setting(quick: bool, size: str) -> Setting:
+def setting(quick: bool, size: str, max_images: int) -> Setting:
     flags = [
         "--max-num-batched-tokens", str(STEP_BUDGET),
         "--limit-mm-per-prompt", str(MAX_IMAGES),
@@ -96,7 +100,7 @@ def setting(quick: bool, size: str) -> Setting:
     # tokens each) stops at 32 images (38k tokens > 32768). The arena holds one request's
     # pixels: 64 x 7.3 MiB at 640x480, 16 x 22 MiB at 1280x720.
     flags += ["--mm-processor-cache-gb", "1"]
-    counts = [2**i for i in range(7)]
+    counts = [2**i for i in range(7) if 2**i <= max_images]
     return Setting([(640, 480), (1280, 720)], counts, VARIANTS, 240.0, flags)
 
 
@@ -442,8 +446,8 @@ def report(
         [
             f"Generated Qwen2.5-VL `{size}` checkpoint. One request at a time with N "
             "distinct JPEGs (never seen before by the server) and a short question, "
-            "`max_tokens=1`; N doubles until a request fails or takes longer than "
-            f"{run.timeout:.0f} s (the status then reads `timeout`). After each, on the "
+            f"`max_tokens=1`; N doubles up to {run.counts[-1]} or until a request fails or "
+            f"takes longer than {run.timeout:.0f} s (the status then reads `timeout`). After each, on the "
             f"`{run.variants[0][0]}` server, a completion of as many plain token ids and "
             "no image (`text only, same tokens`). Each variant on its own `iris serve`; the "
             "servers are started together, then take turns point by point (one request at "
@@ -495,10 +499,19 @@ def report(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    parser.add_argument(
+        "--max-images",
+        type=int,
+        choices=[2**i for i in range(7)],
+        default=None,
+        help=f"largest N (default: {DEFAULT_MAX_IMAGES}); results get a _maxN suffix",
+    )
     parser.add_argument("--quick", action="store_true", help="minimal setting (smoke test)")
     parser.add_argument("--out", type=Path, default=None, help="results folder")
     args = parser.parse_args()
-    run = setting(args.quick, args.size)
+    default_max = DEFAULT_MAX_IMAGES[args.size]
+    max_images = default_max if args.max_images is None else args.max_images
+    run = setting(args.quick, args.size, max_images)
     model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=args.size)
     # Read by glibc in the servers' processes (IrisServer copies this environment).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -514,7 +527,9 @@ def main() -> None:
         rows = [r for r in every if r["variant"] == name]
         if rows:
             results[name] = rows
-    name = f"image_probe_{args.size}" + ("_quick" if args.quick else "")
+    name = f"image_probe_{args.size}"
+    name += f"_max{max_images}" if max_images != default_max else ""
+    name += "_quick" if args.quick else ""
     out_dir = args.out or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     png = f"{name}.png"

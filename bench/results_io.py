@@ -32,16 +32,19 @@ def machine_description() -> str:
 
 
 def git_commit() -> str:
+    """HEAD's short hash, marked when tracked code (results aside) differs from it."""
+    repo = RESULTS_DIR.parent.parent
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=RESULTS_DIR.parent,
-        ).stdout.strip()
+        head = _git(repo, "rev-parse", "--short", "HEAD").stdout.strip()
+        changed = _git(repo, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                       ":(exclude)bench/results").stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head} + uncommitted changes" if changed else head
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=repo)
 
 
 def _invocation() -> list[str]:
