@@ -41,15 +41,14 @@ from bench.results_io import markdown_table
 from bench.scenario import (
     CACHES_OFF,
     QUICK_FLAGS,
-    WARM_UP,
-    chat_body,
+    measured_chat,
     probe_warnings,
+    replay_through_workers,
     scenario_main,
     setup_sentences,
     warm_up,
 )
-from bench.server_process import IrisServer, delta, stream_chat
-from bench.worker_probe import WorkerProbe
+from bench.server_process import IrisServer, chat_body
 
 WINDOW = 10  # screenshots per request
 VARIANTS: list[tuple[str, list[str]]] = [("cache on", []), ("caches off", CACHES_OFF)]
@@ -97,42 +96,30 @@ def requests(run: Setting, name: str, server: IrisServer) -> Iterator[dict[str, 
         warm_up(client, server, body([]))
         for step in range(run.steps + 1):
             request = body(step_messages(step, run))
-            before = server.metrics()
-            answer = stream_chat(client, server.base_url, request)
-            after = server.metrics_after(before, generated_tokens=answer.completion_tokens)
-            yield (
-                {
-                    "variant": name,
-                    "step": step,
-                    "new_images": WINDOW if step == 0 else 1,
-                    "body_bytes": len(json.dumps(request)),
-                    "prompt_tokens": answer.prompt_tokens,
-                    "cached_tokens": answer.cached_tokens,
-                    "misses": int(delta(after, before, "iris_mm_processor_cache_misses_total")),
-                    "processed": int(delta(after, before, "iris_tokenizer_images_total")),
-                    "encoded": int(delta(after, before, "iris_mm_images_encoded_total")),
-                    "vit_ms": 1e3 * delta(after, before, "iris_mm_encoder_seconds_sum"),
-                    "ttft_ms": 1e3 * answer.ttft,
-                    "e2e_ms": 1e3 * answer.latency,
-                }
-            )
+            _, cost = measured_chat(client, server, request)
+            yield {
+                "variant": name,
+                "step": step,
+                "new_images": WINDOW if step == 0 else 1,
+                "body_bytes": len(json.dumps(request)),
+                **cost,
+            }
 
 
 def probe_worker(
     model_dir: Path, rows: list[dict[str, Any]], run: Setting, flags: list[str]
 ) -> None:
-    """Adds the workers' time and wire sizes to one variant's rows: its server's requests,
-    warm-up included, replayed through `WorkerProbe` in the same order."""
-    with WorkerProbe(model_dir, flags) as probe:
-        for messages in WARM_UP:
-            probe.run(messages, max_pixels=run.max_pixels)
-        for row in rows:
-            result = probe.run(step_messages(row["step"], run), max_pixels=run.max_pixels)
-            row["worker"] = result.worker
-            row["worker_ms"] = 1e3 * result.seconds
-            row["wire_bytes"] = result.wire_bytes
-            row["pixel_bytes"] = result.pixel_bytes
-            row["probe_processed"] = result.processed
+    """Adds the workers' time and wire sizes to one variant's rows (its server's
+    requests replayed in process, `replay_through_workers`)."""
+    replayed = replay_through_workers(
+        model_dir, flags, run.max_pixels, (step_messages(row["step"], run) for row in rows)
+    )
+    for row, result in zip(rows, replayed, strict=True):
+        row["worker"] = result.worker
+        row["worker_ms"] = 1e3 * result.seconds
+        row["wire_bytes"] = result.wire_bytes
+        row["pixel_bytes"] = result.pixel_bytes
+        row["probe_processed"] = result.processed
 
 
 def summary(results: dict[str, list[dict[str, Any]]]) -> list[list[object]]:

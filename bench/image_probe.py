@@ -46,8 +46,8 @@ from typing import Any
 import httpx
 
 from bench.images import image_part
-from bench.results_io import RESULTS_DIR, markdown_table, write_result
-from bench.server_process import IrisServer, delta, run_interleaved, stream_chat
+from bench.results_io import RESULTS_DIR, add_common_arguments, markdown_table, write_result
+from bench.server_process import IrisServer, chat_body, delta, run_interleaved, stream_chat
 from scheduler.tiny_checkpoint import builtin_checkpoint
 
 STEP_BUDGET = 512
@@ -201,13 +201,7 @@ def body(model: str, size: tuple[int, int], n: int) -> dict[str, Any]:
     seeds = range(SEED + 1000 * width + 100 * n, SEED + 1000 * width + 100 * n + n)
     content = [image_part(width, height, seed=s) for s in seeds]
     content.append({"type": "text", "text": f"Describe these {n} pictures."})
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 1,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
+    return chat_body(model, [{"role": "user", "content": content}], 1, max_pixels=None)
 
 
 def wait_idle(server: IrisServer, timeout: float) -> bool:
@@ -498,7 +492,7 @@ def report(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    add_common_arguments(parser)
     parser.add_argument(
         "--max-images",
         type=int,
@@ -506,8 +500,6 @@ def main() -> None:
         default=None,
         help=f"largest N (default: {DEFAULT_MAX_IMAGES}); results get a _maxN suffix",
     )
-    parser.add_argument("--quick", action="store_true", help="minimal setting (smoke test)")
-    parser.add_argument("--out", type=Path, default=None, help="results folder")
     args = parser.parse_args()
     default_max = DEFAULT_MAX_IMAGES[args.size]
     max_images = default_max if args.max_images is None else args.max_images

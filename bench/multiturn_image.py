@@ -41,15 +41,14 @@ from bench.results_io import markdown_table
 from bench.scenario import (
     CACHES_OFF,
     QUICK_FLAGS,
-    WARM_UP,
-    chat_body,
+    measured_chat,
     probe_warnings,
+    replay_through_workers,
     scenario_main,
     setup_sentences,
     warm_up,
 )
-from bench.server_process import IrisServer, delta, stream_chat
-from bench.worker_probe import WorkerProbe
+from bench.server_process import IrisServer, chat_body
 
 VARIANTS: list[tuple[str, list[str]]] = [
     ("default", []),
@@ -101,42 +100,28 @@ def requests(run: Setting, name: str, server: IrisServer) -> Iterator[dict[str, 
         for round_ in range(1, run.rounds + 1):
             size = run.sizes[(round_ - 1) % len(run.sizes)]
             messages = conversation_round(messages, round_, size)
-            before = server.metrics()
-            answer = stream_chat(client, server.base_url, body(messages))
-            after = server.metrics_after(before, generated_tokens=answer.completion_tokens)
-            yield (
-                {
-                    "variant": name,
-                    "round": round_,
-                    "image": f"{size[0]}x{size[1]}",
-                    "messages": messages,
-                    "prompt_tokens": answer.prompt_tokens,
-                    "cached_tokens": answer.cached_tokens,
-                    "encoded": int(delta(after, before, "iris_mm_images_encoded_total")),
-                    "vit_ms": 1e3 * delta(after, before, "iris_mm_encoder_seconds_sum"),
-                    "hits": int(delta(after, before, "iris_mm_processor_cache_hits_total")),
-                    "misses": int(delta(after, before, "iris_mm_processor_cache_misses_total")),
-                    "processed": int(delta(after, before, "iris_tokenizer_images_total")),
-                    "ttft_ms": 1e3 * answer.ttft,
-                    "server_ttft_ms": 1e3
-                    * delta(after, before, "iris_time_to_first_token_seconds_sum"),
-                }
-            )
-            messages = [*messages, {"role": "assistant", "content": answer.text}]
+            text, cost = measured_chat(client, server, body(messages))
+            yield {
+                "variant": name,
+                "round": round_,
+                "image": f"{size[0]}x{size[1]}",
+                "messages": messages,
+                **cost,
+            }
+            messages = [*messages, {"role": "assistant", "content": text}]
 
 
 def probe_worker(
     model_dir: Path, rows: list[dict[str, Any]], run: Setting, flags: list[str]
 ) -> None:
-    """Adds `worker_ms` (and `probe_processed`) to one variant's rows: its server's
-    requests, warm-up included, replayed through `WorkerProbe` in the same order."""
-    with WorkerProbe(model_dir, flags) as probe:
-        for messages in WARM_UP:
-            probe.run(messages, max_pixels=run.max_pixels)
-        for row in rows:
-            result = probe.run(row["messages"], max_pixels=run.max_pixels)
-            row["worker_ms"] = 1e3 * result.seconds
-            row["probe_processed"] = result.processed
+    """Adds `worker_ms` (and `probe_processed`) to one variant's rows (its server's
+    requests replayed in process, `replay_through_workers`)."""
+    replayed = replay_through_workers(
+        model_dir, flags, run.max_pixels, (row["messages"] for row in rows)
+    )
+    for row, result in zip(rows, replayed, strict=True):
+        row["worker_ms"] = 1e3 * result.seconds
+        row["probe_processed"] = result.processed
 
 
 def summary(results: dict[str, list[dict[str, Any]]]) -> list[list[object]]:

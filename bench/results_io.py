@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import os
 import platform
@@ -11,6 +12,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def add_common_arguments(
+    parser: argparse.ArgumentParser, quick_help: str = "minimal setting (smoke test)"
+) -> None:
+    """The flags every benchmark takes: the checkpoint size, the smoke-test setting and
+    the results folder."""
+    parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=None, help="results folder")
 
 
 def machine_description() -> str:

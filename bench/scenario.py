@@ -1,12 +1,12 @@
 """What the HTTP scenario benchmarks (`multiturn_image`, `agent_repeat`) share: the
-cache-off flags, the smoke-test flags, the request body, the warm-up, the command line
-and where the results go."""
+cache-off flags, the smoke-test flags, the request body, the warm-up, one measured
+request, the in-process worker replay, the command line and where the results go."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 
 from bench.images import image_part
-from bench.results_io import RESULTS_DIR, write_result
-from bench.server_process import IrisServer, run_each, run_interleaved, stream_chat
+from bench.results_io import RESULTS_DIR, add_common_arguments, write_result
+from bench.server_process import IrisServer, delta, run_each, run_interleaved, stream_chat
+from bench.worker_probe import ProbeResult, WorkerProbe
 from scheduler.tiny_checkpoint import builtin_checkpoint
 
 CACHES_OFF = [
@@ -32,22 +33,6 @@ WARM_UP = [  # small images the workloads never send, each its own first image
 ]
 
 
-def chat_body(
-    model: str, messages: list[dict[str, Any]], max_tokens: int, max_pixels: int | None
-) -> dict[str, Any]:
-    """A greedy chat request whose answer has exactly `max_tokens` tokens."""
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
-    if max_pixels is not None:
-        body["mm_processor_kwargs"] = {"max_pixels": max_pixels}
-    return body
-
-
 def warm_up(client: httpx.Client, server: IrisServer, body: dict[str, Any]) -> None:
     """First-call costs out of the measurement: `body` with each of `WARM_UP`'s messages
     (different first images, so every tokenizer worker gets some). Returns once their
@@ -61,9 +46,50 @@ def warm_up(client: httpx.Client, server: IrisServer, body: dict[str, Any]) -> N
     server.metrics_after(before, requests=len(WARM_UP), generated_tokens=generated)
 
 
+def measured_chat(
+    client: httpx.Client, server: IrisServer, body: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """One streamed request: its answer text and a row of what it cost, from the client
+    (TTFT, end to end) and from /metrics deltas once its counts are in."""
+    before = server.metrics()
+    answer = stream_chat(client, server.base_url, body)
+    after = server.metrics_after(before, generated_tokens=answer.completion_tokens)
+
+    def counted(name: str) -> float:
+        return delta(after, before, name)
+
+    return answer.text, {
+        "prompt_tokens": answer.prompt_tokens,
+        "cached_tokens": answer.cached_tokens,
+        "hits": int(counted("iris_mm_processor_cache_hits_total")),
+        "misses": int(counted("iris_mm_processor_cache_misses_total")),
+        "processed": int(counted("iris_tokenizer_images_total")),
+        "encoded": int(counted("iris_mm_images_encoded_total")),
+        "vit_ms": 1e3 * counted("iris_mm_encoder_seconds_sum"),
+        "ttft_ms": 1e3 * answer.ttft,
+        "server_ttft_ms": 1e3 * counted("iris_time_to_first_token_seconds_sum"),
+        "e2e_ms": 1e3 * answer.latency,
+    }
+
+
+def replay_through_workers(
+    model_dir: Path,
+    flags: Sequence[str],
+    max_pixels: int | None,
+    requests: Iterable[list[dict[str, Any]]],
+) -> Iterator[ProbeResult]:
+    """A server's requests (each its chat messages), warm-up first as `warm_up` sent it,
+    through the tokenizer-worker code in this process (`WorkerProbe`), in order: the
+    workers' time and wire sizes, which /metrics does not have."""
+    with WorkerProbe(model_dir, flags) as probe:
+        for messages in WARM_UP:
+            probe.run(messages, max_pixels=max_pixels)
+        for messages in requests:
+            yield probe.run(messages, max_pixels=max_pixels)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    parser.add_argument("--quick", action="store_true", help="minimal setting (smoke test)")
+    add_common_arguments(parser)
     parser.add_argument(
         "--model",
         type=Path,
@@ -77,7 +103,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start every variant's server at once and take their requests in turns (fair "
         "on a shared machine); default: one server after another",
     )
-    parser.add_argument("--out", type=Path, default=None, help="results folder")
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
 
 from bench.load_client import Workload, chat_bodies, run_builtin
-from bench.results_io import RESULTS_DIR, markdown_table, write_result
+from bench.results_io import RESULTS_DIR, add_common_arguments, markdown_table, write_result
 from bench.server_process import IrisServer
 from scheduler.tiny_checkpoint import builtin_checkpoint
 from server.launcher import usable_cores
@@ -73,9 +72,7 @@ def ratio(measured: dict[str, Any], base: dict[str, Any], key: str) -> float | s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    parser.add_argument("--quick", action="store_true", help="minimal setting (smoke test)")
-    parser.add_argument("--out", type=Path, default=None, help="results folder")
+    add_common_arguments(parser)
     args = parser.parse_args()
     cores = usable_cores()
     model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=args.size)

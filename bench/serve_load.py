@@ -72,6 +72,7 @@ from bench.load_client import (
     run_vllm,
     vllm_command,
 )
+from bench.results_io import add_common_arguments
 from bench.serve_load_report import PEER, PEER_NOTE, Plan, Run, report
 from bench.server_process import REPO, IrisServer
 
@@ -267,9 +268,7 @@ def _brief(run: Run) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
-    parser.add_argument("--quick", action="store_true", help="a few small requests (smoke test)")
-    parser.add_argument("--out", type=Path, default=None, help="results folder")
+    add_common_arguments(parser, quick_help="a few small requests (smoke test)")
     parser.add_argument("--client", choices=["vllm", "builtin"], default="vllm")
     parser.add_argument("--vllm", default=None, help="the `vllm` executable of the client venv")
     parser.add_argument("--no-peer", action="store_true", help=f"skip {PEER}")

@@ -226,6 +226,22 @@ class StreamedChat:
     completion_tokens: int
 
 
+def chat_body(
+    model: str, messages: list[dict[str, Any]], max_tokens: int, max_pixels: int | None
+) -> dict[str, Any]:
+    """A greedy chat request whose answer has exactly `max_tokens` tokens."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    if max_pixels is not None:
+        body["mm_processor_kwargs"] = {"max_pixels": max_pixels}
+    return body
+
+
 def stream_chat(client: httpx.Client, base_url: str, body: dict[str, Any]) -> StreamedChat:
     """POSTs `body` to /v1/chat/completions as a stream (with usage) and times it.
 

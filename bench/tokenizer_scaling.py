@@ -45,8 +45,8 @@ import httpx
 
 from bench.image_probe import child_pids
 from bench.images import HD, image_part
-from bench.results_io import RESULTS_DIR, markdown_table, write_result
-from bench.server_process import IrisServer, delta, run_interleaved, stream_chat
+from bench.results_io import RESULTS_DIR, add_common_arguments, markdown_table, write_result
+from bench.server_process import IrisServer, chat_body, delta, run_interleaved, stream_chat
 from scheduler.tiny_checkpoint import builtin_checkpoint
 from server.image_router import affinity_hash, image_urls
 
@@ -80,14 +80,7 @@ def setting(quick: bool) -> Setting:
 def body(model: str, run: Setting, seeds: range) -> dict[str, Any]:
     content = [image_part(*run.size, seed=s) for s in seeds]
     content.append({"type": "text", "text": "What is in these pictures?"})
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 1,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "mm_processor_kwargs": {"max_pixels": run.max_pixels},
-    }
+    return chat_body(model, [{"role": "user", "content": content}], 1, run.max_pixels)
 
 
 def worker_of(request: dict[str, Any], workers: int) -> int:
@@ -381,9 +374,7 @@ def report(size: str, run: Setting, results: dict[str, dict[str, Any]], png: str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    parser.add_argument("--quick", action="store_true", help="minimal setting (smoke test)")
-    parser.add_argument("--out", type=Path, default=None, help="results folder")
+    add_common_arguments(parser)
     args = parser.parse_args()
     run = setting(args.quick)
     model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=args.size)

@@ -4,12 +4,10 @@ server helper (start, /health, /metrics, SIGTERM) and of the cache metrics it re
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.bench_smoke import check_provenance, markdown_tables, run_bench
+
 # Start-up of the servers (2-3 process trees importing torch) dominates: ~30 s on an
 # idle 2-core machine, several times that when the cores are shared.
 TIMEOUT_SECONDS = 420
@@ -18,38 +16,17 @@ TIMEOUT_SECONDS = 420
 def run_quick(module: str, model_dir: Path, tmp_path: Path, *args: str) -> tuple[str, Path]:
     """Runs `module --quick *args` on `model_dir`; returns its result's text and plot."""
     out = tmp_path / "results"
-    env = {**os.environ, "IRIS_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", module, "--quick", "--model", str(model_dir)]
-    result = subprocess.run(
-        [*command, "--out", str(out), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_SECONDS,
-        check=False,
-    )
-    assert result.returncode == 0, f"{module} failed:\n{result.stdout}\n{result.stderr}"
+    run_bench(
+        module, "--quick", "--model", str(model_dir), "--out", str(out), *args,
+        cache_dir=tmp_path / "cache", timeout=TIMEOUT_SECONDS,
+    )  # fmt: skip
     name = f"{module.removeprefix('bench.')}_{model_dir.name}_quick"
     return (out / f"{name}.md").read_text(), out / f"{name}.png"
 
 
-def table_rows(text: str, header_start: str) -> tuple[list[str], list[list[str]]]:
-    """The header and the data rows of the markdown table whose header starts so."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header_start} |"))
-    header = [cell.strip() for cell in lines[start].strip("|").split("|")]
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return header, rows
-
-
-def check_provenance(text: str) -> None:
-    for field in ("- date:", "- machine:", "- command:", "- commit:"):
-        assert field in text
+def table_rows(text: str, first_column: str) -> tuple[list[str], list[list[str]]]:
+    """The header and the body rows of the first table whose first column is so named."""
+    return next(table for table in markdown_tables(text) if table[0][0] == first_column)
 
 
 def test_multiturn_image_quick(qwen2_5_vl_tiny: Path, tmp_path: Path):

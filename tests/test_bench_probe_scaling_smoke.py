@@ -3,13 +3,12 @@ benchmarks run (`--quick`): each starts its `iris serve`s, writes its table (and
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.bench_smoke import check_provenance, markdown_tables, run_bench
+
 TIMEOUT_SECONDS = 240  # ~30 s each on 2 idle cores (start-up of two servers dominates)
 
 
@@ -18,39 +17,15 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("iris-cache")  # the checkpoint is generated once
 
 
-def run_quick(module: str, out: Path, cache_dir: Path) -> str:
-    env = {"IRIS_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
-        [sys.executable, "-m", module, "--quick", "--out", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_SECONDS,
-        check=False,
-    )
-    assert result.returncode == 0, f"{module} failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
-
-
-def tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
-    """(header, body rows) of each markdown table in `text`, in order."""
-    found: list[list[list[str]]] = []
-    previous = ""
-    for line in text.splitlines():
-        if line.startswith("|"):
-            if not previous.startswith("|"):
-                found.append([])
-            found[-1].append([c.strip() for c in line.strip("|").split("|")])
-        previous = line
-    return [(table[0], table[2:]) for table in found]
+def run_quick(module: str, out: Path, cache_dir: Path) -> None:
+    run_bench(module, "--quick", "--out", str(out), cache_dir=cache_dir, timeout=TIMEOUT_SECONDS)
 
 
 def test_image_probe_quick(tmp_path, cache_dir):
     run_quick("bench.image_probe", tmp_path, cache_dir)
     text = (tmp_path / "image_probe_tiny_quick.md").read_text()
-    assert "- machine:" in text and "- command:" in text and "- commit:" in text
-    (summary_header, summary), (header, rows) = tables(text)
+    check_provenance(text)
+    (summary_header, summary), (header, rows) = markdown_tables(text)
     assert summary_header[:3] == ["resolution", "variant", "images (ok)"]
     variants = ("chunk-aware", "whole request", "text only, same tokens")
     assert [(r[0], r[1], r[2]) for r in summary] == [("224x224", v, "1-4") for v in variants]
@@ -74,8 +49,8 @@ def test_image_probe_quick(tmp_path, cache_dir):
 def test_tokenizer_scaling_quick(tmp_path, cache_dir):
     run_quick("bench.tokenizer_scaling", tmp_path, cache_dir)
     text = (tmp_path / "tokenizer_scaling_tiny_quick.md").read_text()
-    assert "- machine:" in text and "- command:" in text and "- commit:" in text
-    [(header, rows)] = tables(text)
+    check_provenance(text)
+    [(header, rows)] = markdown_tables(text)
     assert header[:4] == ["tokenizer workers", "workers done s", "workers img/s", "÷ 1 worker"]
     column = {name: header.index(name) for name in header}
     for name in ("answered img/s", "images preprocessed", "proc. cache misses / hits"):
@@ -93,8 +68,8 @@ def test_tokenizer_scaling_quick(tmp_path, cache_dir):
 def test_scheduler_threads_quick(tmp_path, cache_dir):
     run_quick("bench.scheduler_threads", tmp_path, cache_dir)
     text = (tmp_path / "scheduler_threads_tiny_quick.md").read_text()
-    assert "- machine:" in text and "- command:" in text and "- commit:" in text
-    [(header, rows)] = tables(text)
+    check_provenance(text)
+    [(header, rows)] = markdown_tables(text)
     assert header[:5] == ["scheduler threads", "workload", "load", "ok", "req/s"]
     assert [r[1] for r in rows] == ["image"] * (len(rows) // 2) + ["text"] * (len(rows) // 2)
     assert rows[0][0].endswith("(default: every core)") and len(rows) >= 4

@@ -6,32 +6,26 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from bench.drop_fields_proxy import drop_fields
 from bench.load_client import RequestResult, summarize
+from tests.bench_smoke import REPO, check_provenance, run_bench
 
-REPO = Path(__file__).resolve().parents[1]
 INSTALL_SCRIPT = REPO / "bench" / "install_vllm_client.sh"
 
 
 def test_serve_load_quick_builtin_writes_its_results(tmp_path):
     out = tmp_path / "results"
-    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "IRIS_CACHE_DIR": str(tmp_path)}
-    command = [
-        sys.executable, "-m", "bench.serve_load", "--quick", "--client", "builtin",
-        "--no-peer", "--threads", "1", "--out", str(out),
-    ]  # fmt: skip
-    result = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    run_bench(
+        "bench.serve_load", "--quick", "--client", "builtin", "--no-peer", "--threads", "1",
+        "--out", str(out), cache_dir=tmp_path, timeout=300,
+    )  # fmt: skip
 
     table = (out / "serve_load_tiny_builtin_threads1_quick.md").read_text()
-    for header in ("- machine:", "- command:", "- commit:", "## Served", "## Compute bound"):
+    check_provenance(table)
+    for header in ("## Served", "## Compute bound"):
         assert header in table
     for workload in ("image", "text"):
         assert re.search(rf"\| {workload} \| iris \| [\d.]+ \| 4/4 \|", table), table
