@@ -15,14 +15,15 @@ image processor, copy into the arena) and the scheduler's prefill stays small.
 Per load, from the first request sent:
 
 - `workers img/s`: images / time until the workers' `iris_tokenizer_images_total` reaches
-  the workload's count (`/metrics` polled every 50 ms; a worker pushes its totals at most
-  every 0.2 s while busy, and at once when idle, so this end is late by up to ~0.15 s);
+  the workload's count (`/metrics` polled every 50 ms; a worker pushes its totals after
+  every request it serves, so this end is late by at most a poll);
 - `answered img/s`: images / time until the last response (includes the scheduler).
 
 A request whose images are all new goes to the worker picked by a hash of its first
 image URL (`server.image_router`); the split this gives is computed here with the
-server's own hash and shown as requests per worker. On a machine with P cores, expect the worker rate to
-stop growing at about P workers (fewer, as the server and the scheduler share them).
+server's own hash and shown as requests per worker. On a machine with P cores, expect
+the worker rate to stop growing at about P workers (fewer, as the server and the
+scheduler share them).
 
     python -m bench.tokenizer_scaling [--size tiny|small] [--quick] [--out DIR]
 """

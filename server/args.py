@@ -17,9 +17,10 @@ carries the pixels of the images in flight to the scheduler and keeps, in the re
 processor cache: processed images by the hash of their bytes and processor settings,
 least recently used evicted first when room is needed; an image in flight is never
 evicted. A request goes to the worker most of its images were sent to before, so a
-conversation or an agent's window of screenshots finds its earlier images there. /dev/shm must hold tokenizer-workers x
-that size (the arenas are reserved at start-up). The scheduler keeps vision-encoder
-outputs per image in the embedding cache and KV pages in the prefix cache.
+conversation or an agent's window of screenshots finds its earlier images there.
+/dev/shm must hold tokenizer-workers x that size (the arenas are reserved at start-up).
+The scheduler keeps vision-encoder outputs per image in the embedding cache and KV pages
+in the prefix cache.
 Flags without a default here keep the engine's (scheduler.config.EngineConfig)."""
 
 

@@ -11,11 +11,11 @@ Routing is cache-affine (`server.image_router`): each worker has its own process
 cache, so a request with images goes to the worker most of its images were sent to
 before (every turn of a chat, every step of an agent's sliding window of screenshots),
 a new conversation to the worker its first image's hash picks, and a text-only request
-to the worker with the fewest requests in flight. A request's abort
-goes to the same worker, after it on the same socket, so a worker never sees an abort
-before its request. One background task reads the PULL socket and hands
-each output to its request's queue; outputs for requests no longer in flight (finished
-or aborted) are dropped. The gauges the processes send (`EngineStats`, `WorkerStats`)
+to the worker with the fewest requests in flight. A request's abort goes to the same
+worker, after it on the same socket, so a worker never sees an abort before its
+request. One background task reads the PULL socket and hands each output to its
+request's queue; outputs for requests no longer in flight (finished or aborted) are
+dropped. The gauges the processes send (`EngineStats`, `WorkerStats`)
 land in `metrics`, which the app renders at /metrics.
 """
 

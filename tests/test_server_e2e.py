@@ -239,7 +239,7 @@ def test_a_client_disconnect_mid_stream_frees_pages_and_pins(server):
 def test_metrics_count_an_answer_by_the_time_it_arrives(server):
     """A scrape right after an answer includes it, with no wait: the processes send their
     counters ahead of the request (worker) and of its tokens (scheduler). Requests come
-    back to back, inside the 0.2-s rate limit on gauges that hold counters back."""
+    back to back, well inside the 0.2 s by which busy processes space other gauge updates."""
     server.wait_for_metrics(IDLE)
     before = server.metrics()
     for i in range(3):
