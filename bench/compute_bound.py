@@ -43,10 +43,10 @@ def compute_bound(
     model_dir: Path, w: Workload, output_lens: Sequence[int], seed: int, image_source: str
 ) -> Bound:
     """The workload through the in-process engine: no HTTP, no IPC, no second process."""
-    from scheduler.config import EngineConfig
-    from scheduler.engine import Engine
-    from scheduler.sampling import SamplingParams
-    from tokenizer_worker.prompt import PromptBuilder, load_image
+    from iris_serve.scheduler.config import EngineConfig
+    from iris_serve.scheduler.engine import Engine
+    from iris_serve.scheduler.sampling import SamplingParams
+    from iris_serve.tokenizer_worker.prompt import PromptBuilder, load_image
 
     builder = PromptBuilder(model_dir)
     rng = np.random.default_rng(seed)

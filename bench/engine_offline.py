@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from bench.results_io import markdown_table, write_result
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.request import EnginePrompt
-from scheduler.sampling import SamplingParams
-from scheduler.tiny_checkpoint import builtin_checkpoint
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.request import EnginePrompt
+from iris_serve.scheduler.sampling import SamplingParams
+from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import make_image
-from tokenizer_worker.prompt import PromptBuilder
 
 
 def text_prompt(builder: PromptBuilder, num_tokens: int, seed: int) -> EnginePrompt:

@@ -48,7 +48,7 @@ import httpx
 from bench.images import image_part
 from bench.results_io import RESULTS_DIR, add_common_arguments, markdown_table, write_result
 from bench.server_process import IrisServer, chat_body, delta, run_interleaved, stream_chat
-from scheduler.tiny_checkpoint import builtin_checkpoint
+from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
 STEP_BUDGET = 512
 VARIANTS: list[tuple[str, list[str]]] = [

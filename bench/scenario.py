@@ -17,7 +17,7 @@ from bench.images import image_part
 from bench.results_io import RESULTS_DIR, add_common_arguments, write_result
 from bench.server_process import IrisServer, delta, run_each, run_interleaved, stream_chat
 from bench.worker_probe import ProbeResult, WorkerProbe
-from scheduler.tiny_checkpoint import builtin_checkpoint
+from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
 CACHES_OFF = [
     "--disable-mm-processor-cache",

@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 from bench.load_client import Workload, chat_bodies, run_builtin
 from bench.results_io import RESULTS_DIR, add_common_arguments, markdown_table, write_result
 from bench.server_process import IrisServer
-from scheduler.tiny_checkpoint import builtin_checkpoint
-from server.launcher import usable_cores
+from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+from iris_serve.server.launcher import usable_cores
 
 SEED = 4321  # the same requests for every setting: each server starts with empty caches
 

@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
     from transformers import AutoTokenizer
 
-    from scheduler.tiny_checkpoint import builtin_checkpoint
+    from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
     # With the built-in client, --vllm only says where the client venv (and peer-site) is.
     args.vllm_path = (

@@ -101,7 +101,7 @@ class IrisServer:
     @property
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "server.cli", "serve", str(self.model_dir),
+            sys.executable, "-m", "iris_serve.server.cli", "serve", str(self.model_dir),
             "--port", str(self.port), *self.flags,
         ]  # fmt: skip
 

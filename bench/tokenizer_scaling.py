@@ -48,8 +48,8 @@ from bench.image_probe import child_pids
 from bench.images import HD, image_part
 from bench.results_io import RESULTS_DIR, add_common_arguments, markdown_table, write_result
 from bench.server_process import IrisServer, chat_body, delta, run_interleaved, stream_chat
-from scheduler.tiny_checkpoint import builtin_checkpoint
-from server.image_router import affinity_hash, image_urls
+from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+from iris_serve.server.image_router import affinity_hash, image_urls
 
 SEED = 5000  # workload image seeds: SEED + i
 WARM_SEED = 90000  # warm-up image seeds (never in the workload)

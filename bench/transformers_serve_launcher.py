@@ -23,8 +23,8 @@ from pathlib import Path
 
 from transformers.cli.serving.model_manager import ModelManager
 
-from scheduler.tiny_checkpoint import reference_processor
-from scheduler.tiny_checkpoint.processor import PROCESSOR_CLASSES
+from iris_serve.scheduler.tiny_checkpoint import reference_processor
+from iris_serve.scheduler.tiny_checkpoint.processor import PROCESSOR_CLASSES
 
 _stock_load_processor = ModelManager._load_processor
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ipc.messages import TOKENIZER_TO_SCHEDULER, EngineRequest, ReleaseImages, Sampling
-from ipc.messages import TokenizeRequest as _TokenizeRequest
-from ipc.shm_arena import instance_prefix, new_instance_id, sweep
-from server.args import parse_serve_args
-from server.image_router import ImageRouter
-from server.launcher import worker_config
-from tokenizer_worker.worker import TokenizerWorker
+from iris_serve.ipc.messages import TOKENIZER_TO_SCHEDULER, EngineRequest, ReleaseImages, Sampling
+from iris_serve.ipc.messages import TokenizeRequest as _TokenizeRequest
+from iris_serve.ipc.shm_arena import instance_prefix, new_instance_id, sweep
+from iris_serve.server.args import parse_serve_args
+from iris_serve.server.image_router import ImageRouter
+from iris_serve.server.launcher import worker_config
+from iris_serve.tokenizer_worker.worker import TokenizerWorker
 
 
 @dataclass(frozen=True)

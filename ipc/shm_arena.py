@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ipc.messages import ShmHandle, ShmPointer
+from iris_serve.ipc.messages import ShmHandle, ShmPointer
 
 SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "iris-"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from scheduler.kv_cache import KVCache, slots_for
+from iris_serve.scheduler.kv_cache import KVCache, slots_for
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.kv_cache import PagePool
-from scheduler.prefix_cache import PrefixCache
-from scheduler.request import Request, RequestStatus
+from iris_serve.scheduler.kv_cache import PagePool
+from iris_serve.scheduler.prefix_cache import PrefixCache
+from iris_serve.scheduler.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import torch
 
-from scheduler.batch_planner import BatchPlanner, StepPlan
-from scheduler.config import EngineConfig
-from scheduler.embedding_cache import EmbeddingCache
-from scheduler.image_encoder import ImageEncoder, request_scoped_keys
-from scheduler.kv_cache import KVCache, KVLayout
-from scheduler.model_runner import ModelRunner
-from scheduler.models.mrope import mrope_positions
-from scheduler.models.registry import load_model
-from scheduler.prefix_cache import PrefixCache
-from scheduler.request import EnginePrompt, FinishReason, ImageInput, Request
-from scheduler.sampling import SamplingParams
+from iris_serve.scheduler.batch_planner import BatchPlanner, StepPlan
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.embedding_cache import EmbeddingCache
+from iris_serve.scheduler.image_encoder import ImageEncoder, request_scoped_keys
+from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.model_runner import ModelRunner
+from iris_serve.scheduler.models.mrope import mrope_positions
+from iris_serve.scheduler.models.registry import load_model
+from iris_serve.scheduler.prefix_cache import PrefixCache
+from iris_serve.scheduler.request import EnginePrompt, FinishReason, ImageInput, Request
+from iris_serve.scheduler.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from scheduler.batch_planner import ScheduledChunk
-from scheduler.embedding_cache import CacheKey, EmbeddingCache, Lookup
-from scheduler.request import ImageInput, Request
+from iris_serve.scheduler.batch_planner import ScheduledChunk
+from iris_serve.scheduler.embedding_cache import CacheKey, EmbeddingCache, Lookup
+from iris_serve.scheduler.request import ImageInput, Request
 
 MAX_TIMINGS = 4096  # encoder durations kept until drained (a histogram feed, not a log)
 

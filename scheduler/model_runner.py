@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.attention import PagedAttention, SequenceChunk
-from scheduler.batch_planner import ScheduledChunk, StepPlan
-from scheduler.image_encoder import ImageEncoder
-from scheduler.kv_cache import KVCache
-from scheduler.sampling import Sampler, SamplingRow
+from iris_serve.scheduler.attention import PagedAttention, SequenceChunk
+from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
+from iris_serve.scheduler.image_encoder import ImageEncoder
+from iris_serve.scheduler.kv_cache import KVCache
+from iris_serve.scheduler.sampling import Sampler, SamplingRow
 
 
 class ModelRunner:

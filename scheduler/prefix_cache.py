@@ -26,8 +26,8 @@ from array import array
 
 import xxhash
 
-from scheduler.kv_cache import PagePool
-from scheduler.request import ImageInput, Request
+from iris_serve.scheduler.kv_cache import PagePool
+from iris_serve.scheduler.request import ImageInput, Request
 
 assert array("i").itemsize == 4, "token ids are hashed as int32"
 

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import torch
 
-from ipc.messages import (
+from iris_serve.ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     TO_SERVER,
     TOKENIZER_TO_SCHEDULER,
@@ -39,13 +39,13 @@ from ipc.messages import (
     ToServer,
     unpack_token_ids,
 )
-from ipc.shm_arena import ShmReader
-from ipc.sockets import PullSocket, PushSocket, ipc_address
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.engine import RequestOutput as EngineOutput
-from scheduler.request import EnginePrompt, ImageInput
-from scheduler.sampling import SamplingParams
+from iris_serve.ipc.shm_arena import ShmReader
+from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.engine import RequestOutput as EngineOutput
+from iris_serve.scheduler.request import EnginePrompt, ImageInput
+from iris_serve.scheduler.sampling import SamplingParams
 
 logger = logging.getLogger("iris.scheduler")
 IDLE_POLL_SECONDS = 0.1

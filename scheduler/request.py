@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.sampling import SamplingParams
+from iris_serve.scheduler.sampling import SamplingParams
 
 
 @dataclass

@@ -26,10 +26,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import AutoTokenizer
 
-from server.engine_client import EngineClient
-from server.errors import APIError, error_response, install_error_handlers
-from server.metrics import CONTENT_TYPE, MetricsBoard
-from server.protocol import (
+from iris_serve.server.engine_client import EngineClient
+from iris_serve.server.errors import APIError, error_response, install_error_handlers
+from iris_serve.server.metrics import CONTENT_TYPE, MetricsBoard
+from iris_serve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
@@ -37,7 +37,7 @@ from server.protocol import (
     ModelList,
     TokenizeBody,
 )
-from server.serving import OpenAIServing
+from iris_serve.server.serving import OpenAIServing
 
 
 @dataclass(frozen=True)

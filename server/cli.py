@@ -26,15 +26,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command == "tiny-model":
-        from scheduler.tiny_checkpoint import main_tiny_model
+        from iris_serve.scheduler.tiny_checkpoint import main_tiny_model
 
         return main_tiny_model(rest)
     if command == "serve":
-        from server.args import parse_serve_args
-        from server.launcher import serve
+        from iris_serve.server.args import parse_serve_args
+        from iris_serve.server.launcher import serve
 
         return serve(parse_serve_args(rest))
-    from server.generate_cli import main_generate
+    from iris_serve.server.generate_cli import main_generate
 
     return main_generate(rest)
 

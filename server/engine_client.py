@@ -33,7 +33,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from ipc.messages import (
+from iris_serve.ipc.messages import (
     SERVER_TO_TOKENIZER,
     TO_SERVER,
     AbortRequest,
@@ -44,10 +44,10 @@ from ipc.messages import (
     TokenizeRequest,
     ToServer,
 )
-from ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
-from server.errors import APIError
-from server.image_router import ImageRouter
-from server.metrics import MetricsBoard
+from iris_serve.ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
+from iris_serve.server.errors import APIError
+from iris_serve.server.image_router import ImageRouter
+from iris_serve.server.metrics import MetricsBoard
 
 logger = logging.getLogger(__name__)
 

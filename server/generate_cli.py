@@ -21,11 +21,11 @@ def main_generate(argv: list[str]) -> int:
 
     from PIL import Image
 
-    from scheduler.config import EngineConfig
-    from scheduler.engine import Engine
-    from scheduler.sampling import SamplingParams
-    from scheduler.tiny_checkpoint import builtin_checkpoint
-    from tokenizer_worker.prompt import PromptBuilder
+    from iris_serve.scheduler.config import EngineConfig
+    from iris_serve.scheduler.engine import Engine
+    from iris_serve.scheduler.sampling import SamplingParams
+    from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+    from iris_serve.tokenizer_worker.prompt import PromptBuilder
 
     model_dir = Path(args.model) if args.model else builtin_checkpoint()
     builder = PromptBuilder(model_dir)

@@ -31,7 +31,7 @@ from typing import Any
 
 import xxhash
 
-from tokenizer_worker.chat import IMAGE_PART_TYPES, image_part_url
+from iris_serve.tokenizer_worker.chat import IMAGE_PART_TYPES, image_part_url
 
 AFFINITY_EDGE_CHARS = 4096  # a long URL (data:) is hashed on its two ends and its length
 DEFAULT_CAPACITY = 1 << 16  # image URLs remembered (about 100 bytes each)

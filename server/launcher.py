@@ -19,13 +19,13 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from ipc.shm_arena import instance_prefix, new_instance_id, sweep, sweep_orphans
-from ipc.sockets import new_run_dir
-from scheduler.config import EngineConfig
-from scheduler.process import SchedulerProcessConfig, run_scheduler
-from server.args import ServeArgs
-from tokenizer_worker.config import WorkerConfig
-from tokenizer_worker.process import run_worker
+from iris_serve.ipc.shm_arena import instance_prefix, new_instance_id, sweep, sweep_orphans
+from iris_serve.ipc.sockets import new_run_dir
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.process import SchedulerProcessConfig, run_scheduler
+from iris_serve.server.args import ServeArgs
+from iris_serve.tokenizer_worker.config import WorkerConfig
+from iris_serve.tokenizer_worker.process import run_worker
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -67,7 +67,7 @@ def serve(args: ServeArgs) -> int:
 def resolve_model_path(model: str | None) -> Path:
     """A local folder as is; None → the built-in tiny checkpoint; else a hub id."""
     if model is None:
-        from scheduler.tiny_checkpoint import builtin_checkpoint
+        from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
         return builtin_checkpoint()
     path = Path(model).expanduser()
@@ -220,8 +220,8 @@ async def _serve_http(
 ) -> int:
     import uvicorn
 
-    from server.app import AppSettings, create_app
-    from server.engine_client import ZmqEngineClient
+    from iris_serve.server.app import AppSettings, create_app
+    from iris_serve.server.engine_client import ZmqEngineClient
 
     client = ZmqEngineClient(run_dir, args.tokenizer_workers)
     await client.start()

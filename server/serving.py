@@ -24,12 +24,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from ipc.messages import RequestOutput, Sampling, TokenizeRequest
-from server.detokenizer import TextStream
-from server.engine_client import EngineClient, EngineRequestError
-from server.errors import APIError, ClientDisconnected
-from server.metrics import MetricsBoard
-from server.protocol import (
+from iris_serve.ipc.messages import RequestOutput, Sampling, TokenizeRequest
+from iris_serve.server.detokenizer import TextStream
+from iris_serve.server.engine_client import EngineClient, EngineRequestError
+from iris_serve.server.errors import APIError, ClientDisconnected
+from iris_serve.server.metrics import MetricsBoard
+from iris_serve.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

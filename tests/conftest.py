@@ -23,7 +23,7 @@ TinyCheckpoint = Callable[..., Path]
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     import torch
 
-    from scheduler.tiny_checkpoint import generate_checkpoint
+    from iris_serve.scheduler.tiny_checkpoint import generate_checkpoint
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     made: dict[tuple, Path] = {}
@@ -57,6 +57,6 @@ def each_arch_dir(request, qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path) -> str:
 @pytest.fixture(scope="module")
 def each_arch_builder(each_arch_dir: str):
     """`PromptBuilder` of `each_arch_dir`'s checkpoint."""
-    from tokenizer_worker.prompt import PromptBuilder
+    from iris_serve.tokenizer_worker.prompt import PromptBuilder
 
     return PromptBuilder(each_arch_dir)

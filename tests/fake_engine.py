@@ -23,9 +23,9 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from ipc.messages import RequestOutput, TokenizeRequest
-from server.app import AppSettings
-from server.engine_client import EngineRequestError
+from iris_serve.ipc.messages import RequestOutput, TokenizeRequest
+from iris_serve.server.app import AppSettings
+from iris_serve.server.engine_client import EngineRequestError
 
 MODEL = "tiny-vl"
 MAX_MODEL_LEN = 256

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.request import EnginePrompt
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.request import EnginePrompt
 
 
 @functools.lru_cache(maxsize=4)

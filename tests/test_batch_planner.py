@@ -1,9 +1,9 @@
 """Continuous batching and preemption, on fake requests (no model)."""
 
-from scheduler.batch_planner import BatchPlanner
-from scheduler.kv_cache import PagePool
-from scheduler.request import Request, RequestStatus
-from scheduler.sampling import SamplingParams
+from iris_serve.scheduler.batch_planner import BatchPlanner
+from iris_serve.scheduler.kv_cache import PagePool
+from iris_serve.scheduler.request import Request, RequestStatus
+from iris_serve.scheduler.sampling import SamplingParams
 
 PAGE = 4
 

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from PIL import Image
 
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import hf_generate, make_image
 from tests.server_harness import RunningServer, iris_server
 from tests.test_server_e2e import IDLE, data_url, png_bytes
-from tokenizer_worker.prompt import PromptBuilder
 
 ROUNDS = 8
 PAGE = 16

@@ -32,7 +32,7 @@ def test_iris_generate_with_an_image(qwen2_vl_tiny, tmp_path):
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "iris_serve.server.cli",
             "generate",
             str(qwen2_vl_tiny),
             "--image",

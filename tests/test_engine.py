@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.request import EnginePrompt, FinishReason
-from scheduler.sampling import SamplingParams
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.request import EnginePrompt, FinishReason
+from iris_serve.scheduler.sampling import SamplingParams
 
 torch.set_num_threads(2)
 

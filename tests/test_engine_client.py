@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq.asyncio
 
-from ipc.messages import (
+from iris_serve.ipc.messages import (
     SERVER_TO_TOKENIZER,
     TO_SERVER,
     AbortRequest,
@@ -22,9 +22,9 @@ from ipc.messages import (
     TokenizeRequest,
     WorkerStats,
 )
-from ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
-from server.engine_client import EngineRequestError, ZmqEngineClient
-from server.image_router import affinity_hash
+from iris_serve.ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
+from iris_serve.server.engine_client import EngineRequestError, ZmqEngineClient
+from iris_serve.server.image_router import affinity_hash
 
 WAIT = 5.0
 
@@ -217,8 +217,8 @@ def test_app_over_zmq(qwen2_vl_tiny: Path):
     from fastapi.testclient import TestClient
     from transformers import AutoTokenizer
 
-    from ipc.sockets import PullSocket, PushSocket
-    from server.app import AppSettings, create_app
+    from iris_serve.ipc.sockets import PullSocket, PushSocket
+    from iris_serve.server.app import AppSettings, create_app
 
     tokens = AutoTokenizer.from_pretrained(qwen2_vl_tiny).encode("Hello world, how are you?")
     seen: list[object] = []

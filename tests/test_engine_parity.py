@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.request import EnginePrompt
-from scheduler.sampling import SamplingParams
+from iris_serve.scheduler.request import EnginePrompt
+from iris_serve.scheduler.sampling import SamplingParams
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity as assert_parity_with
 from tests.reference import chat_prompt as chat
 from tests.reference import cpu_engine as engine
 from tests.reference import make_image
-from tokenizer_worker.prompt import PromptBuilder
 
 torch.set_num_threads(2)
 MAX_NEW = 24

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.image_router import (
+from iris_serve.server.image_router import (
     AFFINITY_EDGE_CHARS,
     IMBALANCE_MIN_GAP,
     ImageRouter,

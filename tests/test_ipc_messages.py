@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from ipc.messages import (
+from iris_serve.ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     SERVER_TO_TOKENIZER,
     TO_SERVER,
@@ -33,14 +33,14 @@ from ipc.messages import (
     token_array,
     unpack_token_ids,
 )
-from ipc.sockets import (
+from iris_serve.ipc.sockets import (
     AsyncPullSocket,
     AsyncPushSocket,
     PullSocket,
     PushSocket,
     ipc_address,
 )
-from scheduler.sampling import SamplingParams
+from iris_serve.scheduler.sampling import SamplingParams
 
 RECV_TIMEOUT_S = 10.0
 IMAGE_PAD = 151655  # Qwen2-VL's <|image_pad|>: above 65535, so 5 bytes as a msgpack int

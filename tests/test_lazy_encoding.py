@@ -14,14 +14,14 @@ import pytest
 import torch
 from PIL import Image
 
-from scheduler.engine import Engine
-from scheduler.process import SchedulerLoop
-from scheduler.request import EnginePrompt, ImageInput
-from scheduler.sampling import SamplingParams
+from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.process import SchedulerLoop
+from iris_serve.scheduler.request import EnginePrompt, ImageInput
+from iris_serve.scheduler.sampling import SamplingParams
+from iris_serve.tokenizer_worker.image_key import image_key
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity as assert_parity_with
 from tests.reference import cpu_engine, make_image
-from tokenizer_worker.image_key import image_key
-from tokenizer_worker.prompt import PromptBuilder
 
 torch.set_num_threads(2)
 MAX_NEW = 12

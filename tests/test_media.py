@@ -15,8 +15,13 @@ from typing import ClassVar
 import pytest
 from PIL import Image
 
+from iris_serve.tokenizer_worker.media import (
+    LOCAL_FILES_DISABLED,
+    MediaError,
+    MediaFetcher,
+    decode_image,
+)
 from tests.reference import make_image
-from tokenizer_worker.media import LOCAL_FILES_DISABLED, MediaError, MediaFetcher, decode_image
 
 KiB = 1024
 

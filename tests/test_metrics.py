@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from ipc.messages import EngineStats, WorkerStats
-from server.app import create_app
-from server.metrics import MetricsBoard
+from iris_serve.ipc.messages import EngineStats, WorkerStats
+from iris_serve.server.app import create_app
+from iris_serve.server.metrics import MetricsBoard
 from tests.fake_engine import FakeEngine, chat, one_token_each, settings
 
 
@@ -144,7 +144,7 @@ def test_each_app_has_its_own_registry(qwen2_vl_tiny: Path):
 def test_device_memory_is_reported_only_for_a_cuda_device():
     import torch
 
-    from scheduler.process import device_memory
+    from iris_serve.scheduler.process import device_memory
 
     assert device_memory(torch.device("cpu")) == {}  # CPU: RSS is the measure, not torch's
     stats = EngineStats(0, 0, 0, 1, 0, **device_memory(torch.device("cpu")))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scheduler.models.config import VLModelConfig
+from iris_serve.scheduler.models.config import VLModelConfig
 
 # Shapes of the real hub files (Qwen/Qwen2-VL-2B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct).
 QWEN2_VL_2B = {

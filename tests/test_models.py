@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import save_file
 
-from scheduler.models.attention_api import SingleSequenceAttention
-from scheduler.models.layers import SegmentPlan
-from scheduler.models.loader import iter_safetensors
-from scheduler.models.mrope import mrope_positions, text_positions
-from scheduler.models.registry import ARCHITECTURES, load_model
-from scheduler.models.vision_qwen2_5 import window_order
+from iris_serve.scheduler.models.attention_api import SingleSequenceAttention
+from iris_serve.scheduler.models.layers import SegmentPlan
+from iris_serve.scheduler.models.loader import iter_safetensors
+from iris_serve.scheduler.models.mrope import mrope_positions, text_positions
+from iris_serve.scheduler.models.registry import ARCHITECTURES, load_model
+from iris_serve.scheduler.models.vision_qwen2_5 import window_order
 
 torch.set_num_threads(2)
 

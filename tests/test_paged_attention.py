@@ -3,8 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from scheduler.attention import PagedAttention, SequenceChunk
-from scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.attention import PagedAttention, SequenceChunk
+from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 
 torch.set_num_threads(2)
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 8, 4

@@ -6,11 +6,11 @@ import random
 
 import torch
 
-from scheduler.batch_planner import BatchPlanner
-from scheduler.kv_cache import PagePool
-from scheduler.prefix_cache import PrefixCache, image_overlaps, page_key, token_bytes
-from scheduler.request import ImageInput, Request
-from scheduler.sampling import SamplingParams
+from iris_serve.scheduler.batch_planner import BatchPlanner
+from iris_serve.scheduler.kv_cache import PagePool
+from iris_serve.scheduler.prefix_cache import PrefixCache, image_overlaps, page_key, token_bytes
+from iris_serve.scheduler.request import ImageInput, Request
+from iris_serve.scheduler.sampling import SamplingParams
 
 PAGE = 4
 IMAGE = 99  # placeholder token id

@@ -12,13 +12,13 @@ import dataclasses
 
 import torch
 
-from scheduler.engine import Engine
-from scheduler.request import EnginePrompt
-from scheduler.sampling import SamplingParams
+from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.request import EnginePrompt
+from iris_serve.scheduler.sampling import SamplingParams
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt as chat
 from tests.reference import cpu_engine as engine
 from tests.reference import hf_generate, make_image
-from tokenizer_worker.prompt import PromptBuilder
 
 torch.set_num_threads(2)
 MAX_NEW = 8

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ipc.messages import EngineRequest, RequestError
-from ipc.shm_arena import (
+from iris_serve.ipc.messages import EngineRequest, RequestError
+from iris_serve.ipc.shm_arena import (
     ArenaFull,
     ShmArena,
     ShmReader,
@@ -21,13 +21,13 @@ from ipc.shm_arena import (
     segment_name,
     sweep,
 )
+from iris_serve.tokenizer_worker import worker as worker_module
+from iris_serve.tokenizer_worker.config import WorkerConfig
+from iris_serve.tokenizer_worker.processor_cache import CorruptEntry, ProcessorCache
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
+from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import make_image
 from tests.test_tokenizer_worker import chat, data_url, image_part, release_all, request
-from tokenizer_worker import worker as worker_module
-from tokenizer_worker.config import WorkerConfig
-from tokenizer_worker.processor_cache import CorruptEntry, ProcessorCache
-from tokenizer_worker.prompt import PromptBuilder
-from tokenizer_worker.worker import TokenizerWorker
 
 MiB = 1 << 20
 GRID = (1, 4, 4)  # 16 patch rows, 4 tokens

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.tiny_checkpoint import reference_processor
+from iris_serve.scheduler.tiny_checkpoint import reference_processor
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import make_image
-from tokenizer_worker.prompt import PromptBuilder
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])

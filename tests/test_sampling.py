@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from scheduler.sampling import Sampler, SamplingParams, SamplingRow
+from iris_serve.scheduler.sampling import Sampler, SamplingParams, SamplingRow
 
 torch.set_num_threads(2)
 

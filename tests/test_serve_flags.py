@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from scheduler.config import EngineConfig
-from server import launcher
-from server.args import GiB, build_parser, parse_serve_args
-from server.launcher import engine_config, worker_config
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.server import launcher
+from iris_serve.server.args import GiB, build_parser, parse_serve_args
+from iris_serve.server.launcher import engine_config, worker_config
 
 MiB = 1 << 20
 MODEL = Path("/models/tiny")

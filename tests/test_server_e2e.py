@@ -18,9 +18,9 @@ import httpx
 import openai
 import pytest
 
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import hf_generate, make_image
 from tests.server_harness import iris_server, stop, wait_until_gone
-from tokenizer_worker.prompt import PromptBuilder
 
 MAX_TOKENS = 12
 IDLE = {"iris_kv_cache_used_pages": 0.0, "iris_scheduler_pinned_images": 0.0,

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from ipc.messages import ShmPointer
-from ipc.shm_arena import (
+from iris_serve.ipc.messages import ShmPointer
+from iris_serve.ipc.shm_arena import (
     SHM_DIR,
     ArenaFull,
     EntryTooLarge,

@@ -26,13 +26,13 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
 )
 
-from scheduler.tiny_checkpoint import (
+from iris_serve.scheduler.tiny_checkpoint import (
     builtin_checkpoint,
     generate_checkpoint,
     main_tiny_model,
     reference_processor,
 )
-from scheduler.tiny_checkpoint.tokenizer import SPECIAL_TOKENS
+from iris_serve.scheduler.tiny_checkpoint.tokenizer import SPECIAL_TOKENS
 
 TinyCheckpoint = Callable[..., Path]
 REPO_ROOT = Path(__file__).resolve().parents[1]

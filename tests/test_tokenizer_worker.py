@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ipc.messages import (
+from iris_serve.ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     SERVER_TO_TOKENIZER,
     TO_SERVER,
@@ -33,13 +33,20 @@ from ipc.messages import (
     WorkerStats,
     unpack_token_ids,
 )
-from ipc.shm_arena import SHM_DIR, ShmArena, ShmReader, instance_prefix, segment_name, sweep
-from ipc.sockets import PullSocket, PushSocket, ipc_address, new_run_dir
+from iris_serve.ipc.shm_arena import (
+    SHM_DIR,
+    ShmArena,
+    ShmReader,
+    instance_prefix,
+    segment_name,
+    sweep,
+)
+from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, new_run_dir
+from iris_serve.tokenizer_worker.config import WorkerConfig
+from iris_serve.tokenizer_worker.process import run_worker
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
+from iris_serve.tokenizer_worker.worker import TokenizerWorker, drop_aborted
 from tests.reference import make_image
-from tokenizer_worker.config import WorkerConfig
-from tokenizer_worker.process import run_worker
-from tokenizer_worker.prompt import PromptBuilder
-from tokenizer_worker.worker import TokenizerWorker, drop_aborted
 
 MiB = 1 << 20
 SAMPLING = Sampling(max_tokens=7, temperature=0.5, seed=3, stop_token_ids=(5,))

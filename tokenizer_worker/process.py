@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import zmq
 
-from ipc.messages import (
+from iris_serve.ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     SERVER_TO_TOKENIZER,
     TO_SERVER,
@@ -38,9 +38,9 @@ from ipc.messages import (
     RequestError,
     TokenizeRequest,
 )
-from ipc.sockets import PullSocket, PushSocket, ipc_address
-from tokenizer_worker.config import WorkerConfig
-from tokenizer_worker.worker import Reply, TokenizerWorker, drop_aborted
+from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address
+from iris_serve.tokenizer_worker.config import WorkerConfig
+from iris_serve.tokenizer_worker.worker import Reply, TokenizerWorker, drop_aborted
 
 logger = logging.getLogger("iris.tokenizer")
 

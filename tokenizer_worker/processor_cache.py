@@ -26,9 +26,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ipc.messages import ShmPointer
-from ipc.shm_arena import ShmArena
-from tokenizer_worker.prompt import Grid
+from iris_serve.ipc.messages import ShmPointer
+from iris_serve.ipc.shm_arena import ShmArena
+from iris_serve.tokenizer_worker.prompt import Grid
 
 
 class CachedImage(NamedTuple):

@@ -22,8 +22,8 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
-from scheduler.request import EnginePrompt, ImageInput
-from tokenizer_worker.image_key import image_key
+from iris_serve.scheduler.request import EnginePrompt, ImageInput
+from iris_serve.tokenizer_worker.image_key import image_key
 
 ImageSize = tuple[int, int]  # (min_pixels, max_pixels): the processor's shortest/longest_edge
 Grid = tuple[int, int, int]

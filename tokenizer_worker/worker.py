@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from ipc.messages import (
+from iris_serve.ipc.messages import (
     AbortEngineRequest,
     AbortRequest,
     EngineRequest,
@@ -33,13 +33,20 @@ from ipc.messages import (
     WorkerStats,
     pack_token_ids,
 )
-from ipc.shm_arena import SHM_DIR, ArenaFull, EntryTooLarge, ShmArena, StaleHandle, segment_name
-from tokenizer_worker.chat import ChatError, parse_messages
-from tokenizer_worker.config import WorkerConfig
-from tokenizer_worker.image_key import image_key
-from tokenizer_worker.media import MediaError, MediaFetcher, decode_image
-from tokenizer_worker.processor_cache import CachedImage, ProcessorCache
-from tokenizer_worker.prompt import Grid, ImageSize, PromptBuilder
+from iris_serve.ipc.shm_arena import (
+    SHM_DIR,
+    ArenaFull,
+    EntryTooLarge,
+    ShmArena,
+    StaleHandle,
+    segment_name,
+)
+from iris_serve.tokenizer_worker.chat import ChatError, parse_messages
+from iris_serve.tokenizer_worker.config import WorkerConfig
+from iris_serve.tokenizer_worker.image_key import image_key
+from iris_serve.tokenizer_worker.media import MediaError, MediaFetcher, decode_image
+from iris_serve.tokenizer_worker.processor_cache import CachedImage, ProcessorCache
+from iris_serve.tokenizer_worker.prompt import Grid, ImageSize, PromptBuilder
 
 logger = logging.getLogger("iris.tokenizer")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scheduler.models.attention_api import AttentionContext
-from scheduler.models.config import VLModelConfig
-from scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
+from iris_serve.scheduler.models.attention_api import AttentionContext
+from iris_serve.scheduler.models.config import VLModelConfig
+from iris_serve.scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
 
 
 class Qwen2Attention(nn.Module):

@@ -17,12 +17,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from scheduler.models.attention_api import AttentionContext
-from scheduler.models.config import VLModelConfig
-from scheduler.models.layers import PACKED_SHARDS
-from scheduler.models.loader import load_named_weights
-from scheduler.models.qwen2_lm import Qwen2Model
-from scheduler.models.vision_qwen2 import Qwen2VisionTransformer
+from iris_serve.scheduler.models.attention_api import AttentionContext
+from iris_serve.scheduler.models.config import VLModelConfig
+from iris_serve.scheduler.models.layers import PACKED_SHARDS
+from iris_serve.scheduler.models.loader import load_named_weights
+from iris_serve.scheduler.models.qwen2_lm import Qwen2Model
+from iris_serve.scheduler.models.vision_qwen2 import Qwen2VisionTransformer
 
 # checkpoint prefix -> our prefix, first match wins
 _PREFIXES = (

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from scheduler.models.config import VLModelConfig, architecture_of
-from scheduler.models.layers import RMSNorm
-from scheduler.models.loader import iter_safetensors
+from iris_serve.scheduler.models.config import VLModelConfig, architecture_of
+from iris_serve.scheduler.models.layers import RMSNorm
+from iris_serve.scheduler.models.loader import iter_safetensors
 
 # config.architectures[0] -> "module:Class"
 ARCHITECTURES: dict[str, str] = {
-    "Qwen2VLForConditionalGeneration": "scheduler.models.qwen2_vl:Qwen2VLForCausalLM",
-    "Qwen2_5_VLForConditionalGeneration": "scheduler.models.qwen2_5_vl:Qwen2_5_VLForCausalLM",
+    "Qwen2VLForConditionalGeneration": "iris_serve.scheduler.models.qwen2_vl:Qwen2VLForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "iris_serve.scheduler.models.qwen2_5_vl:Qwen2_5_VLForCausalLM",
 }
 
 

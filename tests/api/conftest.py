@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from server.app import create_app
+from iris_serve.server.app import create_app
 from tests.fake_engine import FakeEngine, one_token_each, settings
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import json
 
-from ipc.messages import Sampling
+from iris_serve.ipc.messages import Sampling
 from tests.fake_engine import (
     MAX_MODEL_LEN,
     MODEL,

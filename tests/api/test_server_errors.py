@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.engine_client import EngineRequestError
+from iris_serve.server.app import create_app
+from iris_serve.server.engine_client import EngineRequestError
 from tests.fake_engine import (
     MAX_MODEL_LEN,
     USER,

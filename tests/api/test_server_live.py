@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from ipc.messages import Sampling
-from server.app import create_app
+from iris_serve.ipc.messages import Sampling
+from iris_serve.server.app import create_app
 from tests.fake_engine import (
     MODEL,
     TEXT,
