@@ -43,9 +43,9 @@ def compute_bound(
     model_dir: Path, w: Workload, output_lens: Sequence[int], seed: int, image_source: str
 ) -> Bound:
     """The workload through the in-process engine: no HTTP, no IPC, no second process."""
+    from iris_serve.ipc.messages import Sampling
     from iris_serve.scheduler.config import EngineConfig
     from iris_serve.scheduler.engine import Engine
-    from iris_serve.scheduler.sampling import SamplingParams
     from iris_serve.tokenizer_worker.prompt import PromptBuilder, load_image
 
     builder = PromptBuilder(model_dir)
@@ -69,16 +69,14 @@ def compute_bound(
 
     engine = Engine(EngineConfig(model=str(model_dir)))
     warm = [request(-1 - i) for i in range(2)]  # distinct inputs: no cache hits later
-    engine.generate([prepare(*r) for r in warm], SamplingParams(temperature=0.0, max_tokens=4))
+    engine.generate([prepare(*r) for r in warm], Sampling(temperature=0.0, max_tokens=4))
 
     inputs = [request(i) for i in range(w.num_prompts)]  # generated outside the timings
     started = time.perf_counter()
     prompts = [prepare(*r) for r in inputs]
     preprocess_s = time.perf_counter() - started
 
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=max(1, n), ignore_eos=True) for n in output_lens
-    ]
+    params = [Sampling(temperature=0.0, max_tokens=max(1, n), ignore_eos=True) for n in output_lens]
     pending, in_flight = deque(range(len(prompts))), 0
     started = time.perf_counter()
     while pending or engine.has_unfinished_requests():

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from bench.results_io import markdown_table, write_result
+from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
 from iris_serve.scheduler.request import EnginePrompt
-from iris_serve.scheduler.sampling import SamplingParams
 from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import make_image
@@ -38,7 +38,7 @@ def text_prompt(builder: PromptBuilder, num_tokens: int, seed: int) -> EnginePro
 def timed_prefill(engine: Engine, prompts: list[EnginePrompt]) -> float:
     """Seconds to prefill all prompts (each samples one token)."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        engine.add_request(f"p{i}", prompt, Sampling(temperature=0.0, max_tokens=1))
     started = time.perf_counter()
     for _ in engine.run_until_idle():
         pass
@@ -47,7 +47,7 @@ def timed_prefill(engine: Engine, prompts: list[EnginePrompt]) -> float:
 
 def timed_decode(engine: Engine, prompts: list[EnginePrompt], new_tokens: int) -> float:
     """Seconds spent in decode-only steps once every prompt has been prefilled."""
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True)
+    params = Sampling(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"d{i}", prompt, params)
     engine.step()  # prefill of all prompts (the budget covers them)
@@ -78,7 +78,7 @@ def bench_size(size: str, quick: bool) -> list[list[object]]:
     def engine(**overrides) -> Engine:
         """A fresh engine, warmed up so first-call costs stay out of the timings."""
         fresh = Engine(EngineConfig(model=str(model_dir), **overrides))
-        fresh.generate([text_prompt(builder, 32, seed=99)], SamplingParams(max_tokens=4))
+        fresh.generate([text_prompt(builder, 32, seed=99)], Sampling(max_tokens=4))
         return fresh
 
     prefill_prompts = [text_prompt(builder, prompt_len, seed) for seed in range(4)]

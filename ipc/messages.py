@@ -61,7 +61,7 @@ class _Message(_Struct, tag_field="kind"):
 
 
 class Sampling(_Frozen):
-    """Sampling parameters; field names equal `scheduler.sampling.SamplingParams`."""
+    """Sampling parameters; field names equal `scheduler.sampling.Sampling`."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -232,6 +232,26 @@ class RequestError(_Message, tag=_REQUEST_ERROR):
     message: str
     type: str = "invalid_request_error"
     param: str | None = None
+
+
+def context_length_error(
+    max_model_len: int, prompt_tokens: int | None, completion_tokens: int
+) -> str | None:
+    """The context-length rule and its message, for every side that checks it.
+
+    A prompt plus `completion_tokens` (at least one: something must be generated) must fit
+    in `max_model_len`. The server checks before tokenizing (`prompt_tokens=None`: at
+    least one), the scheduler once the prompt is known. Returns None when it fits."""
+    prompt = 1 if prompt_tokens is None else prompt_tokens
+    if prompt + max(completion_tokens, 1) <= max_model_len:
+        return None
+    at_least = "at least " if prompt_tokens is None else ""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {at_least}{prompt + completion_tokens} tokens ({at_least}{prompt} in the "
+        f"messages, {completion_tokens} in the completion). Please reduce the length of the "
+        "messages or completion."
+    )
 
 
 class EngineStats(_Message, tag=_ENGINE_STATS):

@@ -46,10 +46,6 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
 
 class BatchPlanner:
     """Owns the waiting queue, the running set and every request's pages."""

@@ -7,14 +7,18 @@ The scheduler process (server issue) drives exactly this object from its socket 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
+from iris_serve.ipc.messages import (
+    FinishReason,
+    RequestOutput,
+    Sampling,
+    context_length_error,
+)
 from iris_serve.scheduler.batch_planner import BatchPlanner, StepPlan
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
@@ -24,23 +28,10 @@ from iris_serve.scheduler.model_runner import ModelRunner
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.scheduler.models.registry import load_model
 from iris_serve.scheduler.prefix_cache import PrefixCache
-from iris_serve.scheduler.request import EnginePrompt, FinishReason, ImageInput, Request
-from iris_serve.scheduler.sampling import SamplingParams
+from iris_serve.scheduler.request import EnginePrompt, ImageInput, Request
+from iris_serve.scheduler.sampling import check_sampling
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class Engine:
@@ -50,7 +41,7 @@ class Engine:
         self.dtype = config.resolved_dtype(self.device)
         self.model = load_model(config.model, dtype=self.dtype, device=self.device)
         model_config = self.model.config
-        self.eos_token_ids = _eos_token_ids(Path(config.model), model_config)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)  # generate's rule
 
         layout = KVLayout(
             num_layers=model_config.num_layers,
@@ -110,17 +101,17 @@ class Engine:
         self,
         request_id: str,
         prompt: EnginePrompt,
-        sampling: SamplingParams,
+        sampling: Sampling,
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        check_sampling(sampling)
         if not prompt.token_ids:
             raise ValueError("the prompt is empty")
-        if len(prompt.token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt.token_ids)} tokens; the model's context "
-                f"length is {self.max_model_len}, which leaves no room to generate"
-            )
+        # max_tokens is a cap here (a request stops at the context length), not a demand
+        too_long = context_length_error(self.max_model_len, len(prompt.token_ids), 0)
+        if too_long is not None:
+            raise ValueError(too_long)
         vocab = self.model.config.vocab_size
         if max(prompt.token_ids) >= vocab or min(prompt.token_ids) < 0:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
@@ -136,7 +127,6 @@ class Engine:
             sampling=sampling,
             images=self._own_images(prompt.images),
             eos_token_ids=self.eos_token_ids,
-            arrival_order=next(self._arrivals),
             prompt_positions=positions,
             rope_delta=rope_delta,
         )
@@ -149,7 +139,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.planner.finish(request)
-            request.finish_reason = FinishReason.ABORT
+            request.finish_reason = "abort"
             self.embedding_cache.release(request_id)
             self.image_encoder.forget(request_id)  # the caller releases all its pins now
 
@@ -201,10 +191,10 @@ class Engine:
         return self._account(plan, sampled)
 
     def generate(
-        self, prompts: Sequence[EnginePrompt], sampling: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Sequence[EnginePrompt], sampling: Sampling | Sequence[Sampling]
     ) -> list[list[int]]:
         """Runs prompts to completion (all added at once) and returns their output ids."""
-        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
+        params = [sampling] * len(prompts) if isinstance(sampling, Sampling) else sampling
         ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
         for request_id, prompt, p in zip(ids, prompts, params, strict=True):
             self.add_request(request_id, prompt, p)
@@ -242,9 +232,9 @@ class Engine:
                     new_token_ids=[token],
                     finished=reason is not None,
                     finish_reason=reason,
-                    num_prompt_tokens=request.prompt_len,
-                    num_output_tokens=len(request.output_token_ids),
-                    num_cached_tokens=request.num_cached_tokens,
+                    prompt_tokens=request.prompt_len,
+                    cached_tokens=request.num_cached_tokens,
+                    completion_tokens=len(request.output_token_ids),
                 )
             )
         return outputs
@@ -253,13 +243,13 @@ class Engine:
         sampling = request.sampling
         if len(request.output_token_ids) >= sampling.min_tokens:
             if token in sampling.stop_token_ids:
-                return FinishReason.STOP
+                return "stop"
             if token in self.eos_token_ids and not sampling.ignore_eos:
-                return FinishReason.STOP
+                return "stop"
         if len(request.output_token_ids) >= sampling.max_tokens:
-            return FinishReason.LENGTH
+            return "length"
         if request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
+            return "length"
         return None
 
     def _own_images(self, images: Sequence[ImageInput]) -> list[ImageInput]:
@@ -277,15 +267,3 @@ class Engine:
             activation_reserve = 2 << 30
             return int(total * self.config.gpu_memory_utilization) - used - activation_reserve
         return self.config.kv_cache_memory
-
-
-def _eos_token_ids(model_dir: Path, model_config) -> frozenset[int]:
-    """EOS ids as `generate` uses them: generation_config.json first, then config.json."""
-    ids: set[int] = set()
-    generation_config = model_dir / "generation_config.json"
-    if generation_config.exists():
-        eos = json.loads(generation_config.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if not ids:
-        ids.update(model_config.eos_token_ids)
-    return frozenset(ids)

@@ -64,8 +64,6 @@ class ImageEncoder:
         self.chunked = chunked
         self.shared = shared  # False: entries are per request (no reuse across requests)
         self.images_encoded = 0  # images run through the vision tower
-        # Tests set a list here to record the cache keys of each vision-tower call.
-        self.call_log: list[list[CacheKey | None]] | None = None
         self._timings: deque[float | tuple[torch.cuda.Event, torch.cuda.Event]] = deque(
             maxlen=MAX_TIMINGS
         )
@@ -137,8 +135,6 @@ class ImageEncoder:
         with self._timed():
             embeddings = self.model.encode_images(pixel_values, grid_thw)
         self.images_encoded += len(batch)
-        if self.call_log is not None:
-            self.call_log.append([job.key for job in batch])
         parts = embeddings.split([image.length for image in images])
         if len(parts) > 1:  # own storage each, so evicting one entry frees its bytes
             parts = tuple(part.clone() for part in parts)

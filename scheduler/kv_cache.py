@@ -170,9 +170,6 @@ class KVCache:
     def page_size(self) -> int:
         return self.layout.page_size
 
-    def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.layout.page_size)
-
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:

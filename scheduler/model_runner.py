@@ -27,11 +27,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.image_encoder = image_encoder
 
-    @property
-    def images_encoded(self) -> int:
-        """Images run through the vision tower so far."""
-        return self.image_encoder.images_encoded
-
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int]:
         """Runs the step; returns one sampled token per chunk that completes its sequence."""

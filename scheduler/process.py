@@ -34,18 +34,18 @@ from iris_serve.ipc.messages import (
     ReleaseImages,
     RequestError,
     RequestOutput,
+    Sampling,
     ShmHandle,
     TokenBatch,
     ToServer,
+    context_length_error,
     unpack_token_ids,
 )
 from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.engine import RequestOutput as EngineOutput
 from iris_serve.scheduler.request import EnginePrompt, ImageInput
-from iris_serve.scheduler.sampling import SamplingParams
 
 logger = logging.getLogger("iris.scheduler")
 IDLE_POLL_SECONDS = 0.1
@@ -91,7 +91,7 @@ class SchedulerLoop:
             while message is not None:
                 self._handle(message)
                 message = self.inbox.recv(0)
-            outputs: list[EngineOutput] = []
+            outputs: list[RequestOutput] = []
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
                 self._account(outputs)
@@ -127,18 +127,13 @@ class SchedulerLoop:
             self._release(message.request_id)
             self._send(RequestError(message.request_id, 400, str(error), param=_param_of(error)))
 
-    def _admission(self, message: EngineRequest) -> tuple[EnginePrompt, SamplingParams]:
+    def _admission(self, message: EngineRequest) -> tuple[EnginePrompt, Sampling]:
         token_ids = unpack_token_ids(message.token_ids)
         max_model_len = self.engine.max_model_len
         wanted = message.sampling.max_tokens
-        if len(token_ids) + max(wanted, 1) > max_model_len:
-            raise _ContextLengthError(
-                f"This model's maximum context length is {max_model_len} tokens. However, "
-                f"you requested {len(token_ids) + wanted} tokens ({len(token_ids)} in the "
-                f"messages, {wanted} in the completion). Please reduce the length of the "
-                "messages or completion.",
-                param="max_tokens" if wanted else "messages",
-            )
+        too_long = context_length_error(max_model_len, len(token_ids), wanted)
+        if too_long is not None:
+            raise _ContextLengthError(too_long, param="max_tokens" if wanted else "messages")
         images = []
         for image in message.images:
             if image.pixels is None:
@@ -152,12 +147,15 @@ class SchedulerLoop:
                     pixel_values=self.reader.view(image.pixels),
                 )
             )
-        fields = {f: getattr(message.sampling, f) for f in message.sampling.__struct_fields__}
-        fields["max_tokens"] = wanted or max_model_len - len(token_ids)
-        fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
-        return EnginePrompt(token_ids=token_ids, images=images), SamplingParams(**fields)
+        max_tokens = wanted or max_model_len - len(token_ids)
+        sampling = msgspec.structs.replace(
+            message.sampling,
+            max_tokens=max_tokens,
+            min_tokens=min(message.sampling.min_tokens, max_tokens),
+        )
+        return EnginePrompt(token_ids=token_ids, images=images), sampling
 
-    def _account(self, outputs: list[EngineOutput]) -> None:
+    def _account(self, outputs: list[RequestOutput]) -> None:
         """After a step: counts its tokens, hands back the pixels it no longer needs and
         the pins of the requests it finished."""
         self.generation_tokens += sum(len(output.new_token_ids) for output in outputs)
@@ -168,22 +166,10 @@ class SchedulerLoop:
 
     # -- messages out ---------------------------------------------------------------------
 
-    def _send_outputs(self, outputs: list[EngineOutput]) -> None:
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
-        batch = [
-            RequestOutput(
-                request_id=output.request_id,
-                new_token_ids=output.new_token_ids,
-                finished=output.finished,
-                finish_reason=output.finish_reason.value if output.finish_reason else None,
-                prompt_tokens=output.num_prompt_tokens,
-                cached_tokens=output.num_cached_tokens,
-                completion_tokens=output.num_output_tokens,
-            )
-            for output in outputs
-        ]
-        self._send(TokenBatch(batch))
+        self._send(TokenBatch(outputs))
 
     def _send_stats(self) -> None:
         """Gauges for /metrics: sent when they change, at most every 0.2 s while busy,

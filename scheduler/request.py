@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from iris_serve.scheduler.sampling import SamplingParams
+from iris_serve.ipc.messages import FinishReason, Sampling
 
 
 @dataclass
@@ -49,22 +49,15 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS or a stop token id
-    LENGTH = "length"  # max_tokens or the model's context length
-    ABORT = "abort"
-
-
 @dataclass(eq=False)
 class Request:
     """Mutable per-request state owned by the scheduler process."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams
+    sampling: Sampling
     images: list[ImageInput] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()
-    arrival_order: int = 0
 
     # M-RoPE: prompt positions [3, prompt_len]; token i >= prompt_len sits at i + rope_delta.
     prompt_positions: torch.Tensor | None = None
@@ -74,7 +67,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None = None  # "stop": EOS or a stop id; "length"; "abort"
     num_preemptions: int = 0
     generator: torch.Generator | None = None
 
@@ -99,10 +92,6 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
         prompt_len = self.prompt_len

@@ -1,4 +1,4 @@
-"""Sampling parameters and the batched sampler.
+"""The check on sampling parameters (the wire `Sampling`, run as it is) and the batched sampler.
 
 Every request in a step is sampled in one pass over a `[batch, vocab]` logits tensor:
 greedy rows take the argmax, the others go through temperature, top-k and top-p masks
@@ -10,49 +10,38 @@ tokens do not depend on which other requests share the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from iris_serve.ipc.messages import Sampling
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a user asks of one completion; names follow vLLM and the OpenAI API."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    seed: int | None = None
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
+def check_sampling(params: Sampling) -> None:
+    """Raises ValueError for parameters the sampler cannot honour.
 
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    The wire type carries no validation of its own: the server validates the API request,
+    and `max_tokens=0` there means "as many as the context allows" until the scheduler
+    fills it in at admission; this is the check the engine applies to what it runs."""
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be non-negative, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < -1:
+        raise ValueError(f"top_k must be -1, 0 or positive, got {params.top_k}")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise ValueError(
+            f"min_tokens must be in [0, max_tokens={params.max_tokens}], got {params.min_tokens}"
+        )
 
 
 @dataclass
 class SamplingRow:
     """One request's view for one step: its parameters and what the sampler must know."""
 
-    params: SamplingParams
+    params: Sampling
     generator: torch.Generator | None
     suppress_token_ids: Sequence[int]  # e.g. EOS while fewer than min_tokens were generated
 
@@ -67,7 +56,7 @@ class Sampler:
         self._suppress(logits, rows)
 
         greedy_tokens = logits.argmax(dim=-1)
-        if all(row.params.greedy for row in rows):
+        if all(row.params.temperature == 0.0 for row in rows):
             return greedy_tokens
 
         temperature = torch.tensor(
@@ -87,7 +76,7 @@ class Sampler:
                 noise[i] = torch.empty(vocab, device=device).exponential_(generator=row.generator)
         sampled_tokens = (probs / noise).argmax(dim=-1)
 
-        is_greedy = torch.tensor([row.params.greedy for row in rows], device=device)
+        is_greedy = torch.tensor([row.params.temperature == 0.0 for row in rows], device=device)
         return torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
     @staticmethod

@@ -24,7 +24,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from iris_serve.ipc.messages import RequestOutput, Sampling, TokenizeRequest
+from iris_serve.ipc.messages import (
+    RequestOutput,
+    Sampling,
+    TokenizeRequest,
+    context_length_error,
+)
 from iris_serve.server.detokenizer import TextStream
 from iris_serve.server.engine_client import EngineClient, EngineRequestError
 from iris_serve.server.errors import APIError, ClientDisconnected
@@ -151,13 +156,13 @@ class OpenAIServing:
 
     def _sampling(self, body: ChatCompletionRequest | CompletionRequest) -> Sampling:
         max_tokens, field = body.max_output_tokens
-        if max_tokens is not None and max_tokens >= self.max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens; "
-                f"{field}={max_tokens} leaves no room for the prompt.",
-                param=field,
-            )
+        too_long = (
+            None
+            if max_tokens is None
+            else context_length_error(self.max_model_len, None, max_tokens)
+        )
+        if too_long is not None:
+            raise APIError(400, too_long, param=field)
         if max_tokens is not None and body.min_tokens > max_tokens:
             raise APIError(
                 400,

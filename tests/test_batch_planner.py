@@ -1,17 +1,15 @@
 """Continuous batching and preemption, on fake requests (no model)."""
 
+from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.batch_planner import BatchPlanner
 from iris_serve.scheduler.kv_cache import PagePool
 from iris_serve.scheduler.request import Request, RequestStatus
-from iris_serve.scheduler.sampling import SamplingParams
 
 PAGE = 4
 
 
-def request(name: str, prompt_len: int, order: int = 0) -> Request:
-    return Request(
-        name, list(range(prompt_len)), SamplingParams(max_tokens=100), arrival_order=order
-    )
+def request(name: str, prompt_len: int) -> Request:
+    return Request(name, list(range(prompt_len)), Sampling(max_tokens=100))
 
 
 def run_step(planner: BatchPlanner) -> dict[str, int]:
@@ -64,7 +62,7 @@ def test_pages_follow_tokens_and_return_on_finish():
 def test_newest_request_is_preempted_when_pages_run_out_and_resumes_later():
     pool = PagePool(4)  # 16 tokens in all
     planner = BatchPlanner(pool, PAGE, max_num_batched_tokens=100, max_num_seqs=8)
-    old, new = request("old", 8, 0), request("new", 7, 1)
+    old, new = request("old", 8), request("new", 7)
     planner.add(old)
     planner.add(new)
     assert run_step(planner) == {"old": 8, "new": 7}  # 2 + 2 pages, none free
@@ -83,7 +81,7 @@ def test_newest_request_is_preempted_when_pages_run_out_and_resumes_later():
 def test_a_request_that_cannot_grow_preempts_itself_rather_than_older_ones():
     pool = PagePool(2)
     planner = BatchPlanner(pool, PAGE, max_num_batched_tokens=100, max_num_seqs=8)
-    a, b = request("a", 4, 0), request("b", 4, 1)
+    a, b = request("a", 4), request("b", 4)
     planner.add(a)
     planner.add(b)
     assert run_step(planner) == {"a": 4, "b": 4}

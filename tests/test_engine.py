@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.request import EnginePrompt, FinishReason
-from iris_serve.scheduler.sampling import SamplingParams
+from iris_serve.scheduler.request import EnginePrompt
 
 torch.set_num_threads(2)
 
@@ -22,7 +22,7 @@ def prompt(n: int = 12, start: int = 100) -> EnginePrompt:
     return EnginePrompt(token_ids=list(range(start, start + n)))
 
 
-def run(engine: Engine, request_id: str, p: EnginePrompt, params: SamplingParams):
+def run(engine: Engine, request_id: str, p: EnginePrompt, params: Sampling):
     engine.add_request(request_id, p, params)
     tokens, last = [], None
     for out in engine.run_until_idle():
@@ -34,14 +34,14 @@ def run(engine: Engine, request_id: str, p: EnginePrompt, params: SamplingParams
 
 def test_max_tokens_ends_with_length(engine):
     tokens, last = run(
-        engine, "a", prompt(), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+        engine, "a", prompt(), Sampling(temperature=0, max_tokens=7, ignore_eos=True)
     )
-    assert len(tokens) == 7 and last.finished and last.finish_reason is FinishReason.LENGTH
-    assert last.num_prompt_tokens == 12 and last.num_output_tokens == 7
+    assert len(tokens) == 7 and last.finished and last.finish_reason == "length"
+    assert last.prompt_tokens == 12 and last.completion_tokens == 7
 
 
 def test_a_stop_token_id_ends_the_request_and_is_returned(engine):
-    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    greedy = Sampling(temperature=0, max_tokens=10, ignore_eos=True)
     tokens, _ = run(engine, "b", prompt(), greedy)
     stop_at = tokens[3]
     first = tokens.index(stop_at)
@@ -49,30 +49,30 @@ def test_a_stop_token_id_ends_the_request_and_is_returned(engine):
         engine,
         "c",
         prompt(),
-        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
+        Sampling(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
     )
     assert stopped == tokens[: first + 1]
-    assert last.finish_reason is FinishReason.STOP
+    assert last.finish_reason == "stop"
 
 
 def test_min_tokens_holds_back_stop_tokens(engine):
-    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    greedy = Sampling(temperature=0, max_tokens=10, ignore_eos=True)
     tokens, _ = run(engine, "d", prompt(), greedy)
     stop = tokens[0]
     held, _ = run(
         engine,
         "e",
         prompt(),
-        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop], min_tokens=4),
+        Sampling(temperature=0, max_tokens=10, stop_token_ids=[stop], min_tokens=4),
     )
     assert len(held) >= 4 and stop not in held[:4]
 
 
 def test_the_same_seed_gives_the_same_tokens_whatever_the_batch(engine):
-    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=42, ignore_eos=True)
+    seeded = Sampling(temperature=1.0, max_tokens=12, seed=42, ignore_eos=True)
     alone, _ = run(engine, "f", prompt(), seeded)
     engine.add_request("g", prompt(), seeded)
-    engine.add_request("noise", prompt(30, 300), SamplingParams(temperature=1.0, max_tokens=12))
+    engine.add_request("noise", prompt(30, 300), Sampling(temperature=1.0, max_tokens=12))
     together = []
     for out in engine.run_until_idle():
         if out.request_id == "g":
@@ -82,25 +82,21 @@ def test_the_same_seed_gives_the_same_tokens_whatever_the_batch(engine):
         engine,
         "h",
         prompt(),
-        SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True),
+        Sampling(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True),
     )
     assert other_seed != alone
 
 
 def test_generation_stops_at_the_context_length(engine):
     p = prompt(250)
-    tokens, last = run(
-        engine, "i", p, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    )
+    tokens, last = run(engine, "i", p, Sampling(temperature=0, max_tokens=100, ignore_eos=True))
     assert len(p.token_ids) + len(tokens) == engine.max_model_len
-    assert last.finish_reason is FinishReason.LENGTH
+    assert last.finish_reason == "length"
 
 
 def test_abort_mid_generation_returns_every_page(engine):
     pool = engine.kv_cache.pool
-    engine.add_request(
-        "j", prompt(40), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    )
+    engine.add_request("j", prompt(40), Sampling(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
     assert pool.num_free < pool.num_pages
@@ -120,14 +116,14 @@ def test_abort_mid_generation_returns_every_page(engine):
 def test_bad_prompts_are_rejected_and_cost_nothing(engine, bad_prompt, message):
     pool = engine.kv_cache.pool
     with pytest.raises(ValueError, match=message):
-        engine.add_request("bad", bad_prompt, SamplingParams())
+        engine.add_request("bad", bad_prompt, Sampling())
     assert pool.num_free == pool.num_pages and not engine.has_unfinished_requests()
-    tokens, _ = run(engine, "after-bad", prompt(), SamplingParams(temperature=0, max_tokens=3))
+    tokens, _ = run(engine, "after-bad", prompt(), Sampling(temperature=0, max_tokens=3))
     assert len(tokens) >= 1
 
 
 def test_duplicate_request_ids_are_rejected(engine):
-    engine.add_request("dup", prompt(), SamplingParams(max_tokens=2))
+    engine.add_request("dup", prompt(), Sampling(max_tokens=2))
     with pytest.raises(ValueError, match="already running"):
-        engine.add_request("dup", prompt(), SamplingParams(max_tokens=2))
+        engine.add_request("dup", prompt(), Sampling(max_tokens=2))
     list(engine.run_until_idle())

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.request import EnginePrompt
-from iris_serve.scheduler.sampling import SamplingParams
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity as assert_parity_with
 from tests.reference import chat_prompt as chat
@@ -20,7 +20,7 @@ from tests.reference import make_image
 
 torch.set_num_threads(2)
 MAX_NEW = 24
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW)
 
 
 def assert_parity(model_dir: str, prompts: list[EnginePrompt], outputs: list[list[int]]) -> None:

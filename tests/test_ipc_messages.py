@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from pathlib import Path
 
@@ -40,7 +39,6 @@ from iris_serve.ipc.sockets import (
     PushSocket,
     ipc_address,
 )
-from iris_serve.scheduler.sampling import SamplingParams
 
 RECV_TIMEOUT_S = 10.0
 IMAGE_PAD = 151655  # Qwen2-VL's <|image_pad|>: above 65535, so 5 bytes as a msgpack int
@@ -158,16 +156,6 @@ def test_invalid_messages_are_refused_on_decode() -> None:
     )
     with pytest.raises(MessageError, match="exceeds 2 tokens"):
         TOKENIZER_TO_SCHEDULER.decode(bad_span)
-
-
-def test_sampling_fields_match_the_schedulers_params() -> None:
-    wire = msgspec.structs.fields(Sampling)
-    engine = dataclasses.fields(SamplingParams)
-    assert [(f.name, f.default) for f in wire] == [
-        (f.name, () if f.name == "stop_token_ids" else f.default) for f in engine
-    ]
-    params = Sampling(max_tokens=4, top_k=5, stop_token_ids=(1,))
-    assert SamplingParams(**msgspec.structs.asdict(params)).top_k == 5
 
 
 # --- sockets -----------------------------------------------------------------------

@@ -1,23 +1,24 @@
 """Invariants 3 and 4 at the engine: per-image embedding cache, lazy chunk-aware encoding.
 
-What the vision tower ran is read from `engine.image_encoder.call_log` (the cache keys of
-each call) and the counters; every answer is checked against transformers `generate`.
+What the vision tower ran is recorded by `engine()` below (the cache keys of each call,
+read off the model's `encode_images` and the embedding cache's `put`) and the counters; every answer is checked against transformers `generate`.
 The prefix cache, when the tree has one, is switched off wherever it would hide the
 embedding cache's work (its hits skip images altogether).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import pytest
 import torch
 from PIL import Image
 
+from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.engine import Engine
 from iris_serve.scheduler.process import SchedulerLoop
 from iris_serve.scheduler.request import EnginePrompt, ImageInput
-from iris_serve.scheduler.sampling import SamplingParams
 from iris_serve.tokenizer_worker.image_key import image_key
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity as assert_parity_with
@@ -25,7 +26,7 @@ from tests.reference import cpu_engine, make_image
 
 torch.set_num_threads(2)
 MAX_NEW = 12
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW)
 NO_PREFIX = {"enable_prefix_caching": False}
 PREFIX_SETTINGS = [False, True]
 
@@ -40,10 +41,32 @@ def builder(model_dir) -> PromptBuilder:
     return PromptBuilder(model_dir)
 
 
+_VISION_CALLS: weakref.WeakKeyDictionary[Engine, list[list]] = weakref.WeakKeyDictionary()
+
+
 def engine(model_dir: str, **overrides) -> Engine:
+    """A CPU engine that records the cache keys of each vision-tower call: a call opens a
+    new list, and every entry filled from its output (`put`, in batch order) joins it."""
     iris = cpu_engine(model_dir, **overrides)
-    iris.image_encoder.call_log = []  # record which image keys each ViT call encodes
+    calls: list[list] = []
+    encode_images, put = iris.model.encode_images, iris.embedding_cache.put
+
+    def recording_encode_images(*args, **kwargs):
+        calls.append([])
+        return encode_images(*args, **kwargs)
+
+    def recording_put(key, embedding) -> None:
+        calls[-1].append(key)
+        put(key, embedding)
+
+    iris.model.encode_images = recording_encode_images
+    iris.embedding_cache.put = recording_put
+    _VISION_CALLS[iris] = calls
     return iris
+
+
+def vision_calls(iris: Engine) -> list[list]:
+    return _VISION_CALLS[iris]
 
 
 def prompt(builder: PromptBuilder, *parts: str | Image.Image) -> EnginePrompt:
@@ -62,8 +85,7 @@ def assert_parity(
 
 
 def encoded(iris: Engine) -> list:
-    assert iris.image_encoder.call_log is not None
-    return [key for call in iris.image_encoder.call_log for key in call]
+    return [key for call in vision_calls(iris) for key in call]
 
 
 FILLER = " ".join(f"word{i}" for i in range(40))
@@ -101,7 +123,7 @@ def test_vision_calls_respect_the_encoder_budget(model_dir, builder, budget, cal
     iris = engine(model_dir, max_num_encoder_tokens=budget)
     [out] = iris.generate([p], GREEDY)
     keys = [image.key for image in p.images]
-    assert iris.image_encoder.call_log == [[keys[i] for i in call] for call in calls]
+    assert vision_calls(iris) == [[keys[i] for i in call] for call in calls]
     seconds = iris.drain_encoder_seconds()
     assert len(seconds) == len(calls) and all(s > 0 for s in seconds)
     assert iris.drain_encoder_seconds() == []
@@ -116,7 +138,7 @@ def test_eight_concurrent_requests_with_one_new_image_encode_it_once(
     overrides = {"enable_prefix_caching": prefix_caching}
     iris = engine(model_dir, **overrides)
     outputs = iris.generate(prompts, GREEDY)
-    assert iris.image_encoder.call_log == [[prompts[0].images[0].key]]
+    assert vision_calls(iris) == [[prompts[0].images[0].key]]
     assert iris.images_encoded == 1
     assert (iris.mm_embedding_cache_misses, iris.mm_embedding_cache_hits) == (1, 7)
     assert iris.mm_embedding_cache_usage_bytes == 20 * iris.model.config.hidden_size * 4
@@ -139,7 +161,7 @@ def conversation(builder: PromptBuilder, rounds: int) -> EnginePrompt:
 def test_a_conversation_adding_one_image_per_round(model_dir, builder, granularity, prefix_caching):
     overrides = {"enable_prefix_caching": prefix_caching}
     iris = engine(model_dir, mm_cache_granularity=granularity, **overrides)
-    short = SamplingParams(temperature=0.0, max_tokens=2)
+    short = Sampling(temperature=0.0, max_tokens=2)
     for rounds in range(1, 9):
         before = iris.images_encoded
         p = conversation(builder, rounds)
@@ -170,7 +192,7 @@ def test_the_baseline_switches_change_the_work_not_the_answers(model_dir, builde
     iris = engine(model_dir, max_num_batched_tokens=16, **switch, **NO_PREFIX)
     outputs = iris.generate(prompts, GREEDY)
     if "chunked_mm_encoding" in switch:  # the first chunk of the first request does both
-        assert iris.image_encoder.call_log == [[a, b]]
+        assert vision_calls(iris) == [[a, b]]
     else:  # per-request entries: the second request encodes A again, nothing is kept
         assert iris.images_encoded == 3 and len(iris.embedding_cache) == 0
         assert sorted(key for _, key in encoded(iris)) == sorted([a, b, a])
@@ -212,7 +234,7 @@ def test_preemption_recomputes_without_encoding_or_pixels(model_dir, builder):
         )
         for i in range(4)
     ]
-    longer = SamplingParams(temperature=0.0, max_tokens=24)
+    longer = Sampling(temperature=0.0, max_tokens=24)
     longest = max(len(p.token_ids) for p in prompts) + longer.max_tokens
     iris = engine(model_dir, page_size=8, num_kv_pages=-(-longest // 8) + 2, **NO_PREFIX)
     outputs = iris.generate(prompts, longer)

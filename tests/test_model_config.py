@@ -163,10 +163,15 @@ def test_transformers_reads_the_same_numbers(raw):
     assert nested.tie_word_embeddings == ours.tie_word_embeddings
 
 
-def test_generation_config_eos_ids_are_merged(tmp_path):
+def test_eos_ids_follow_generate_generation_config_first(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN2_VL_2B))
+    assert VLModelConfig.from_pretrained(tmp_path).eos_token_ids == (151645,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     assert VLModelConfig.from_pretrained(tmp_path).eos_token_ids == (151645, 151643)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 151643}))
+    assert VLModelConfig.from_pretrained(tmp_path).eos_token_ids == (151643,)  # not merged
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert VLModelConfig.from_pretrained(tmp_path).eos_token_ids == (151645,)
 
 
 def test_tie_word_embeddings_inside_text_config_is_honoured():

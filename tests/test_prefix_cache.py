@@ -6,11 +6,11 @@ import random
 
 import torch
 
+from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.batch_planner import BatchPlanner
 from iris_serve.scheduler.kv_cache import PagePool
 from iris_serve.scheduler.prefix_cache import PrefixCache, image_overlaps, page_key, token_bytes
 from iris_serve.scheduler.request import ImageInput, Request
-from iris_serve.scheduler.sampling import SamplingParams
 
 PAGE = 4
 IMAGE = 99  # placeholder token id
@@ -21,12 +21,8 @@ def image(key: bytes, offset: int, length: int) -> ImageInput:
     return ImageInput(key, offset, length, (1, 2, 2 * length), torch.empty(0))
 
 
-def request(
-    name: str, tokens: list[int], images: list[ImageInput] | None = None, order: int = 0
-) -> Request:
-    return Request(
-        name, list(tokens), SamplingParams(max_tokens=100), images or [], arrival_order=order
-    )
+def request(name: str, tokens: list[int], images: list[ImageInput] | None = None) -> Request:
+    return Request(name, list(tokens), Sampling(max_tokens=100), images or [])
 
 
 def planner(num_pages: int, budget: int = 100, seqs: int = 8) -> BatchPlanner:
@@ -131,8 +127,8 @@ def test_only_full_computed_pages_are_registered_decode_pages_included():
 def test_the_last_token_is_never_served_from_the_cache():
     p = planner(16)
     computed_and_finished(p, request("warm", list(range(8))))
-    exact = request("exact", list(range(8)), order=1)
-    longer = request("longer", list(range(9)), order=2)
+    exact = request("exact", list(range(8)))
+    longer = request("longer", list(range(9)))
     p.add(exact)
     p.add(longer)
     # 8 cached tokens: `exact` recomputes its whole last page to get logits.
@@ -158,7 +154,7 @@ def test_shared_pages_are_counted_and_outlive_one_holder():
     p = planner(8)
     pool = p.pool
     computed_and_finished(p, request("warm", list(range(9))))
-    b, c = request("b", list(range(9)), order=1), request("c", list(range(9)), order=2)
+    b, c = request("b", list(range(9))), request("c", list(range(9)))
     p.add(b)
     p.add(c)
     assert run_step(p) == {"b": (8, 1), "c": (8, 1)}
@@ -205,7 +201,7 @@ def test_preempting_a_request_frees_no_page_another_request_holds():
     pool = p.pool
     prefix = [10, 11, 12, 13, 14, 15, 16, 17]
     computed_and_finished(p, request("warm", prefix))
-    a, b = request("a", [*prefix, 1], order=1), request("b", [*prefix, 2, 3], order=2)
+    a, b = request("a", [*prefix, 1]), request("b", [*prefix, 2, 3])
     p.add(a)
     p.add(b)
     assert run_step(p) == {"a": (8, 1), "b": (8, 2)}
@@ -257,8 +253,8 @@ def test_200_random_requests_with_constant_evictions_leak_nothing():
         if len(tokens) >= 10 and rng.random() < 0.6:
             tokens[3:9] = [IMAGE] * 6
             images = [image(rng.choice([KEY_A, KEY_B]), 3, 6)]
-        r = request(f"r{i}", tokens, images, order=i)
-        r.sampling = SamplingParams(max_tokens=rng.randrange(1, 7))
+        r = request(f"r{i}", tokens, images)
+        r.sampling = Sampling(max_tokens=rng.randrange(1, 7))
         return r
 
     def check_refcounts() -> None:

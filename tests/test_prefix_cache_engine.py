@@ -12,9 +12,9 @@ import dataclasses
 
 import torch
 
+from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.engine import Engine
 from iris_serve.scheduler.request import EnginePrompt
-from iris_serve.scheduler.sampling import SamplingParams
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt as chat
 from tests.reference import cpu_engine as engine
@@ -22,7 +22,7 @@ from tests.reference import hf_generate, make_image
 
 torch.set_num_threads(2)
 MAX_NEW = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW)
 
 
 def next_turn(
@@ -50,7 +50,7 @@ def run(iris: Engine, request_id: str, prompt: EnginePrompt) -> tuple[list[int],
     tokens, cached = [], -1
     for out in iris.run_until_idle():
         tokens += out.new_token_ids
-        cached = out.num_cached_tokens
+        cached = out.cached_tokens
     return tokens, cached
 
 

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from iris_serve.scheduler.sampling import Sampler, SamplingParams, SamplingRow
+from iris_serve.ipc.messages import Sampling
+from iris_serve.scheduler.sampling import Sampler, SamplingRow, check_sampling
 
 torch.set_num_threads(2)
 
 
-def rows(*params: SamplingParams, suppress=()) -> list[SamplingRow]:
+def rows(*params: Sampling, suppress=()) -> list[SamplingRow]:
     return [
         SamplingRow(
             p, torch.Generator().manual_seed(p.seed) if p.seed is not None else None, suppress
@@ -19,13 +20,13 @@ def rows(*params: SamplingParams, suppress=()) -> list[SamplingRow]:
 
 def test_greedy_takes_the_argmax_of_every_row():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
-    tokens = Sampler()(logits, rows(*[SamplingParams(temperature=0.0)] * 5))
+    tokens = Sampler()(logits, rows(*[Sampling(temperature=0.0)] * 5))
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy_even_at_high_temperature():
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6)]
+    params = [Sampling(temperature=5.0, top_k=1), Sampling(temperature=5.0, top_p=1e-6)]
     for p in params:
         tokens = Sampler()(logits, rows(*[p] * 4))
         assert tokens.tolist() == logits.argmax(dim=-1).tolist()
@@ -33,13 +34,11 @@ def test_top_k_one_and_tiny_top_p_are_greedy_even_at_high_temperature():
 
 def test_a_seeded_row_does_not_depend_on_its_batch_neighbours():
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(2))
-    seeded = SamplingParams(temperature=1.0, seed=1234)
+    seeded = Sampling(temperature=1.0, seed=1234)
     alone = [Sampler()(logits, rows(seeded)).item() for _ in range(3)]
     neighbours = torch.randn(3, 1000)
     batch = torch.cat([neighbours[:2], logits, neighbours[2:]])
-    in_batch = Sampler()(
-        batch, rows(SamplingParams(), SamplingParams(temperature=0), seeded, SamplingParams(seed=9))
-    )
+    in_batch = Sampler()(batch, rows(Sampling(), Sampling(temperature=0), seeded, Sampling(seed=9)))
     assert alone == [alone[0]] * 3
     assert in_batch[2].item() == alone[0]
 
@@ -47,15 +46,14 @@ def test_a_seeded_row_does_not_depend_on_its_batch_neighbours():
 def test_different_seeds_draw_different_sequences():
     logits = torch.zeros(1, 1000)  # uniform
     draws = {
-        tuple(Sampler()(logits, rows(SamplingParams(seed=s))).item() for _ in range(1))
-        for s in range(20)
+        tuple(Sampler()(logits, rows(Sampling(seed=s))).item() for _ in range(1)) for s in range(20)
     }
     assert len(draws) > 10
 
 
 def test_sampling_frequencies_follow_the_softmax():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3).contiguous()
-    tokens = Sampler()(logits, rows(*[SamplingParams(seed=i) for i in range(4000)]))
+    tokens = Sampler()(logits, rows(*[Sampling(seed=i) for i in range(4000)]))
     frequencies = torch.bincount(tokens, minlength=3).float() / 4000
     assert torch.allclose(frequencies, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
 
@@ -63,9 +61,7 @@ def test_sampling_frequencies_follow_the_softmax():
 def test_top_k_never_draws_outside_the_k_best():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3)).expand(500, 50)
     top3 = set(logits[0].topk(3).indices.tolist())
-    tokens = Sampler()(
-        logits.contiguous(), rows(*[SamplingParams(top_k=3, seed=i) for i in range(500)])
-    )
+    tokens = Sampler()(logits.contiguous(), rows(*[Sampling(top_k=3, seed=i) for i in range(500)]))
     assert set(tokens.tolist()) <= top3
     assert len(set(tokens.tolist())) == 3
 
@@ -73,13 +69,13 @@ def test_top_k_never_draws_outside_the_k_best():
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log().expand(1000, 4).contiguous()
-    tokens = Sampler()(logits, rows(*[SamplingParams(top_p=0.75, seed=i) for i in range(1000)]))
+    tokens = Sampler()(logits, rows(*[Sampling(top_p=0.75, seed=i) for i in range(1000)]))
     assert set(tokens.tolist()) == {0, 1}
 
 
 def test_suppressed_tokens_are_never_drawn():
     logits = torch.tensor([[10.0, 0.0, 0.0]])
-    greedy = Sampler()(logits, rows(SamplingParams(temperature=0), suppress=[0]))
+    greedy = Sampler()(logits, rows(Sampling(temperature=0), suppress=[0]))
     assert greedy.item() != 0
 
 
@@ -95,4 +91,4 @@ def test_suppressed_tokens_are_never_drawn():
 )
 def test_invalid_parameters_are_rejected(bad):
     with pytest.raises(ValueError):
-        SamplingParams(**bad)
+        check_sampling(Sampling(**bad))

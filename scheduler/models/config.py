@@ -89,16 +89,12 @@ class VLModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> VLModelConfig:
-        """Reads `config.json`; EOS ids from `generation_config.json` are added when present."""
+        """Reads `config.json`; EOS ids follow `generate` (see `generation_eos_token_ids`)."""
         model_dir = Path(model_dir)
         raw = json.loads((model_dir / "config.json").read_text())
         config = cls.from_dict(raw)
-        generation = model_dir / "generation_config.json"
-        if generation.exists():
-            extra = _as_id_tuple(json.loads(generation.read_text()).get("eos_token_id"))
-            merged = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
-            config = replace(config, eos_token_ids=merged)
-        return config
+        eos = generation_eos_token_ids(model_dir, config.eos_token_ids)
+        return replace(config, eos_token_ids=eos)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> VLModelConfig:
@@ -228,6 +224,17 @@ def _scalar(value: Any) -> int:
             raise NotImplementedError(f"non-square patch size {value}")
         value = value[0]
     return int(value)
+
+
+def generation_eos_token_ids(model_dir: str | Path, fallback: tuple[int, ...]) -> tuple[int, ...]:
+    """EOS ids as transformers' `generate` uses them: `generation_config.json`'s when it
+    names any, else `fallback` (config.json's). The one place Iris reads them."""
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.exists():
+        ids = _as_id_tuple(json.loads(generation.read_text()).get("eos_token_id"))
+        if ids:
+            return ids
+    return fallback
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
