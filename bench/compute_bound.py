@@ -86,7 +86,6 @@ def compute_bound(
             in_flight += 1
         in_flight -= sum(out.finished for out in engine.step())
     engine_s = time.perf_counter() - started
-    engine.pop_pixels_done()
     return Bound(
         w.name,
         len(prompts),

@@ -20,22 +20,22 @@ from pathlib import Path
 import torch
 
 from bench.results_io import markdown_table, write_result
+from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.request import EnginePrompt
 from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import make_image
 
 
-def text_prompt(builder: PromptBuilder, num_tokens: int, seed: int) -> EnginePrompt:
+def text_prompt(builder: PromptBuilder, num_tokens: int, seed: int) -> PromptInput:
     words = " ".join(f"word{(seed * 131 + i) % 997}" for i in range(num_tokens))
     ids = builder.tokenizer.encode(words, add_special_tokens=False)[:num_tokens]
-    return EnginePrompt(token_ids=ids)
+    return PromptInput.text(ids)
 
 
-def timed_prefill(engine: Engine, prompts: list[EnginePrompt]) -> float:
+def timed_prefill(engine: Engine, prompts: list[PromptInput]) -> float:
     """Seconds to prefill all prompts (each samples one token)."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, Sampling(temperature=0.0, max_tokens=1))
@@ -45,7 +45,7 @@ def timed_prefill(engine: Engine, prompts: list[EnginePrompt]) -> float:
     return time.perf_counter() - started
 
 
-def timed_decode(engine: Engine, prompts: list[EnginePrompt], new_tokens: int) -> float:
+def timed_decode(engine: Engine, prompts: list[PromptInput], new_tokens: int) -> float:
     """Seconds spent in decode-only steps once every prompt has been prefilled."""
     params = Sampling(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -103,7 +103,7 @@ def bench_size(size: str, quick: bool) -> list[list[object]]:
         builder.render_chat([{"role": "user", "content": [{"type": "image"}] * 4}]),
         [make_image(width, height, seed=s) for s in range(4)],
     )
-    pixels = [image.pixel_values.to(iris.device, iris.dtype) for image in prompt.images]
+    pixels = [pixels.to(iris.device, iris.dtype) for pixels in prompt.pixels]
     grids = [torch.tensor([image.grid_thw], device=iris.device) for image in prompt.images]
 
     def batched() -> None:

@@ -121,6 +121,23 @@ class ImageRef(_Frozen):
     def end(self) -> int:
         return self.offset + self.length
 
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether tokens `start..end` hold some of this image's tokens."""
+        return self.offset < end and start < self.end
+
+
+class Prompt(_Struct):
+    """The prompt descriptor a tokenizer worker hands the scheduler: expanded token ids
+    and its images, in order. The scheduler turns it into its own `Request`.
+
+    A served request carries the same fields in `EngineRequest` (token ids packed, every
+    image's pixels a `ShmPointer`); in one process (`ipc.local.PromptInput`) the pointers
+    are None and the pixels travel beside the descriptor.
+    """
+
+    token_ids: list[int]
+    images: list[ImageRef] = []
+
 
 # --- server → tokenizer worker ----------------------------------------------------
 
@@ -184,6 +201,9 @@ class EngineRequest(_Message, tag=_ENGINE_REQUEST):
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) // 4
+
+    def prompt(self) -> Prompt:
+        return Prompt(unpack_token_ids(self.token_ids), list(self.images))
 
 
 class AbortEngineRequest(_Message, tag=_ABORT_ENGINE):

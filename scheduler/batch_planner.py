@@ -170,4 +170,3 @@ class BatchPlanner:
         self.pool.free(request.pages)
         request.pages = []
         request.num_registered_pages = 0
-        request.image_embeddings.clear()

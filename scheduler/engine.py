@@ -1,7 +1,8 @@
 """The in-process engine: add requests, step, read outputs.
 
-One `step()` reads as the whole loop: plan the batch, run it, account the results.
-The scheduler process (server issue) drives exactly this object from its socket loop.
+One `step()` reads as the whole loop: plan the batch, encode the images its chunks need,
+run the model, account the results. The scheduler process drives exactly this object
+from its socket loop; `iris generate`, the tests and the benchmarks call it directly.
 """
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass
 
+import msgspec
 import torch
 
+from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import (
     FinishReason,
+    ImageRef,
     RequestOutput,
     Sampling,
     context_length_error,
@@ -27,11 +31,31 @@ from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.model_runner import ModelRunner
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.scheduler.models.registry import load_model
+from iris_serve.scheduler.pixels import Pin, PixelStore
 from iris_serve.scheduler.prefix_cache import PrefixCache
-from iris_serve.scheduler.request import EnginePrompt, ImageInput, Request
+from iris_serve.scheduler.request import Request
 from iris_serve.scheduler.sampling import check_sampling
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges and counters at one moment (names as in `ipc.EngineStats`)."""
+
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    pinned_images: int  # shared-memory pins held (none in process)
+    num_preemptions: int
+    images_encoded: int  # images run through the vision tower
+    prompt_tokens: int  # of the requests admitted
+    generation_tokens: int
+    prefix_cache_hit_tokens: int  # prompt tokens found in the prefix cache
+    mm_embedding_cache_hits: int  # images a request got without the vision tower
+    mm_embedding_cache_misses: int
+    mm_embedding_cache_usage_bytes: int
 
 
 class Engine:
@@ -80,50 +104,57 @@ class Engine:
         self.embedding_cache = EmbeddingCache(
             config.mm_embedding_cache_bytes if config.enable_mm_embedding_cache else 0
         )
+        self.pixels = PixelStore()
         self.image_encoder = ImageEncoder(
             self.model,
             self.embedding_cache,
+            self.pixels,
             self.device,
             self.dtype,
             config.max_num_encoder_tokens,
             chunked=config.chunked_mm_encoding,
             shared=config.enable_mm_embedding_cache,
         )
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, self.device, self.dtype, self.image_encoder
-        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.dtype)
         self.requests: dict[str, Request] = {}
-        self._arrivals = itertools.count()
+        self._generate_ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
 
     # -- the public surface -------------------------------------------------------------
 
     def add_request(
         self,
         request_id: str,
-        prompt: EnginePrompt,
+        prompt: PromptInput,
         sampling: Sampling,
+        pins: Sequence[Pin | None] = (),
     ) -> None:
+        """Admits a prompt descriptor and its pixels; `pins` (one per image, None for an
+        image without one) are released through `pop_released_pins` once its pixels are
+        no longer needed. On ValueError nothing was taken: the caller keeps its pins."""
+        token_ids = prompt.token_ids
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         check_sampling(sampling)
-        if not prompt.token_ids:
+        if not token_ids:
             raise ValueError("the prompt is empty")
         # max_tokens is a cap here (a request stops at the context length), not a demand
-        too_long = context_length_error(self.max_model_len, len(prompt.token_ids), 0)
+        too_long = context_length_error(self.max_model_len, len(token_ids), 0)
         if too_long is not None:
             raise ValueError(too_long)
         vocab = self.model.config.vocab_size
-        if max(prompt.token_ids) >= vocab or min(prompt.token_ids) < 0:
+        if max(token_ids) >= vocab or min(token_ids) < 0:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         positions, rope_delta = mrope_positions(
-            len(prompt.token_ids),
+            len(token_ids),
             [(image.offset, image.length) for image in prompt.images],
             [image.grid_thw for image in prompt.images],
             self.model.config.spatial_merge_size,
         )
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt.token_ids),
+            prompt_token_ids=list(token_ids),
             sampling=sampling,
             images=self._own_images(prompt.images),
             eos_token_ids=self.eos_token_ids,
@@ -132,76 +163,73 @@ class Engine:
         )
         if sampling.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self.pixels.add(request_id, prompt.pixels, pins)
         self.requests[request_id] = request
         self.planner.add(request)
+        self._prompt_tokens += len(token_ids)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.planner.finish(request)
             request.finish_reason = "abort"
-            self.embedding_cache.release(request_id)
-            self.image_encoder.forget(request_id)  # the caller releases all its pins now
+            self.image_encoder.release(request_id)  # its pins wait in `pop_released_pins`
 
-    @property
-    def prefix_cache_hit_tokens(self) -> int:
-        """Prompt tokens found in the prefix cache, summed over requests."""
-        return self.prefix_cache.hit_tokens if self.prefix_cache is not None else 0
-
-    # -- images: shared-memory pins and metrics -----------------------------------------
-
-    def pop_pixels_done(self) -> list[tuple[str, int]]:
-        """(request id, image index) of images whose pixels no step will read again: the
-        request holds their embeddings until it ends. The owner of the shared-memory pins
-        pops this after every step and releases those pins at once; each image is reported
-        at most once (never for an image the request never needed, e.g. a prefix-cache hit,
-        nor after an abort: those pins go with the request)."""
-        return self.image_encoder.pop_pixels_done()
+    def pop_released_pins(self) -> list[Pin]:
+        """Shared-memory pins whose pixels no step will read again, each exactly once: an
+        image's as soon as its request holds the embedding, the rest when the request
+        finishes or is aborted. The scheduler process sends them back after every step."""
+        return self.pixels.pop_released()
 
     def drain_encoder_seconds(self) -> list[float]:
         """Durations of the vision-tower calls since the previous drain."""
         return self.image_encoder.drain_seconds()
 
-    @property
-    def mm_embedding_cache_hits(self) -> int:
-        """Images a request got without running the vision tower for them."""
-        return self.embedding_cache.hits
-
-    @property
-    def mm_embedding_cache_misses(self) -> int:
-        return self.embedding_cache.misses
-
-    @property
-    def mm_embedding_cache_usage_bytes(self) -> int:
-        return self.embedding_cache.usage_bytes
-
-    @property
-    def images_encoded(self) -> int:
-        """Images run through the vision tower."""
-        return self.image_encoder.images_encoded
+    def stats(self) -> EngineSnapshot:
+        pool = self.kv_cache.pool
+        cache = self.embedding_cache
+        return EngineSnapshot(
+            num_running=len(self.planner.running),
+            num_waiting=len(self.planner.waiting),
+            kv_pages_used=pool.num_pages - pool.num_free,
+            kv_pages_total=pool.num_pages,
+            pinned_images=self.pixels.num_pinned,
+            num_preemptions=self.planner.num_preemptions,
+            images_encoded=self.image_encoder.images_encoded,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            prefix_cache_hit_tokens=(
+                self.prefix_cache.hit_tokens if self.prefix_cache is not None else 0
+            ),
+            mm_embedding_cache_hits=cache.hits,
+            mm_embedding_cache_misses=cache.misses,
+            mm_embedding_cache_usage_bytes=cache.usage_bytes,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.planner.has_work()
 
     def step(self) -> list[RequestOutput]:
         plan = self.planner.schedule()
+        for request in plan.preempted:
+            self.image_encoder.forget(request.request_id)
         if not plan.chunks:
             return []
-        sampled = self.runner.execute(plan)
+        images = self.image_encoder.encode(plan.chunks)  # only what these chunks overlap
+        sampled = self.runner.execute(plan, images)
         return self._account(plan, sampled)
 
     def generate(
-        self, prompts: Sequence[EnginePrompt], sampling: Sampling | Sequence[Sampling]
+        self, prompts: Sequence[PromptInput], sampling: Sampling | Sequence[Sampling]
     ) -> list[list[int]]:
         """Runs prompts to completion (all added at once) and returns their output ids."""
         params = [sampling] * len(prompts) if isinstance(sampling, Sampling) else sampling
-        ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+        ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
         for request_id, prompt, p in zip(ids, prompts, params, strict=True):
             self.add_request(request_id, prompt, p)
         outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
         for output in self.run_until_idle():
             outputs[output.request_id].extend(output.new_token_ids)
-        self.pop_pixels_done()  # in process, nobody holds shared-memory pins
         return [outputs[request_id] for request_id in ids]
 
     def run_until_idle(self) -> Iterable[RequestOutput]:
@@ -220,11 +248,12 @@ class Engine:
                 continue
             token = next(tokens)
             request.output_token_ids.append(token)
+            self._generation_tokens += 1
             reason = self._finish_reason(request, token)
             if reason is not None:
                 request.finish_reason = reason
                 self.planner.finish(request)
-                self.embedding_cache.release(request.request_id)
+                self.image_encoder.release(request.request_id)
                 del self.requests[request.request_id]
             outputs.append(
                 RequestOutput(
@@ -252,13 +281,16 @@ class Engine:
             return "length"
         return None
 
-    def _own_images(self, images: Sequence[ImageInput]) -> list[ImageInput]:
-        """The request's own copies (it drops their pixels), re-keyed per request when
-        the cache granularity is "request"."""
+    def _own_images(self, images: Sequence[ImageRef]) -> list[ImageRef]:
+        """The request's image spans, re-keyed per request when the cache granularity is
+        "request"."""
         if self.config.mm_cache_granularity == "request":
             keys = request_scoped_keys([image.key for image in images])
-            return [replace(image, key=key) for image, key in zip(images, keys, strict=True)]
-        return [replace(image) for image in images]
+            return [
+                msgspec.structs.replace(image, key=key)
+                for image, key in zip(images, keys, strict=True)
+            ]
+        return list(images)
 
     def _kv_budget_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -1,18 +1,25 @@
 """Lazy, chunk-aware image encoding (invariant 4) on top of the shared embedding cache.
 
-For each step, `prepare(chunks)` makes `request.image_embeddings[i]` hold the embedding
-of every image `i` a prefill chunk needs: with chunked encoding the images whose spans
-overlap the chunk, otherwise every image from the chunk on (all of them in the first
-chunk). An image whose entry is cached, or already being encoded for another request in
-this step, costs a pin; the rest go through the vision tower in calls of at most
-`max_num_encoder_tokens` image tokens (an image larger than that goes alone).
+The encoder owns what a request's images hold in the scheduler: the embedding-cache pins
+(through `EmbeddingCache`), the embeddings a request has in hand for its later chunks,
+and (through `PixelStore`) the pixels and their shared-memory pins. `release(request_id)`
+lets go of all of them when the request ends; `forget(request_id)` drops only the
+embeddings in hand when it is preempted (its cache pins stay, so nothing is re-encoded).
+
+For each step, `encode(chunks)` gets the embedding of every image a prefill chunk needs:
+with chunked encoding the images whose spans overlap the chunk, otherwise every image
+from the chunk on (all of them in the first chunk). An image whose entry is cached, or
+already being encoded for another request in this step, costs a pin; the rest go through
+the vision tower in calls of at most `max_num_encoder_tokens` image tokens (an image
+larger than that goes alone). It returns, per chunk, the images the chunk overlaps with
+their embeddings, and keeps the rest for the request's later chunks.
 
 Pixels. Once a request pins an image's entry, the entry outlives any preemption of the
-request (see `EmbeddingCache`), so the request drops its `pixel_values` and reports
-`(request_id, image_index)` through `pop_pixels_done()`: the scheduler process releases
-those shared-memory pins at once. An image a request never needs (its tokens came from
-the prefix cache) keeps its pixels until the request finishes or is aborted, and so does
-one whose key hit an entry of another token count (encoded for its request alone).
+request (see `EmbeddingCache`), so the request's pixels of that image are dropped at once
+(`PixelStore.drop`: the scheduler process releases the shared-memory pin after the
+step). An image a request never needs (its tokens came from the prefix cache) keeps its
+pixels until the request finishes or is aborted, and so does one whose key hit an entry
+of another token count (encoded for its request alone).
 
 Baselines: `shared=False` keys entries by (request id, image key) in a cache of capacity
 0, so an embedding lives exactly as long as the request that computed it; "request"
@@ -29,11 +36,16 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from iris_serve.ipc.messages import ImageRef
 from iris_serve.scheduler.batch_planner import ScheduledChunk
 from iris_serve.scheduler.embedding_cache import CacheKey, EmbeddingCache, Lookup
-from iris_serve.scheduler.request import ImageInput, Request
+from iris_serve.scheduler.pixels import PixelStore
+from iris_serve.scheduler.request import Request
 
 MAX_TIMINGS = 4096  # encoder durations kept until drained (a histogram feed, not a log)
+
+# Per chunk of a step, the images it overlaps and each one's whole embedding.
+ChunkImages = list[tuple[ImageRef, torch.Tensor]]
 
 
 @dataclass
@@ -41,7 +53,8 @@ class _Job:
     """One image to run through the vision tower and the (request, index) pairs it serves."""
 
     key: CacheKey | None  # None: uncacheable, for its one waiter alone
-    image: ImageInput
+    image: ImageRef
+    source: tuple[str, int]  # (request id, image index) whose pixels are encoded
     waiters: list[tuple[Request, int]] = field(default_factory=list)
 
 
@@ -50,6 +63,7 @@ class ImageEncoder:
         self,
         model: torch.nn.Module,
         cache: EmbeddingCache,
+        pixels: PixelStore,
         device: torch.device,
         dtype: torch.dtype,
         max_num_encoder_tokens: int,
@@ -58,6 +72,7 @@ class ImageEncoder:
     ) -> None:
         self.model = model
         self.cache = cache
+        self.pixels = pixels
         self.device = device
         self.dtype = dtype
         self.max_num_encoder_tokens = max_num_encoder_tokens
@@ -67,7 +82,8 @@ class ImageEncoder:
         self._timings: deque[float | tuple[torch.cuda.Event, torch.cuda.Event]] = deque(
             maxlen=MAX_TIMINGS
         )
-        self._pixels_done: dict[str, list[int]] = {}
+        # request id -> image index -> embedding the request still needs for a later chunk
+        self._in_hand: dict[str, dict[int, torch.Tensor]] = {}
 
     # -- the engine's surface ---------------------------------------------------------------
 
@@ -75,36 +91,43 @@ class ImageEncoder:
         key = request.images[index].key
         return key if self.shared else (request.request_id, key)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> None:
-        """Fills `request.image_embeddings` with what the step's chunks need (see above)."""
+    def encode(self, chunks: list[ScheduledChunk]) -> list[ChunkImages]:
+        """Gets the embeddings the step's chunks need (see above); per chunk, the images it
+        overlaps with their embeddings."""
         jobs: dict[CacheKey, _Job] = {}
         private: list[_Job] = []
         for chunk in chunks:
             request = chunk.request
+            in_hand = self._in_hand.get(request.request_id, {})
             for index in self._needed(chunk):
-                if index in request.image_embeddings:
+                if index in in_hand:
                     continue
                 image = request.images[index]
                 key = self.cache_key(request, index)
                 found = self.cache.lookup(key, image.length, request.request_id)
                 cached = self.cache.get(key) if found is Lookup.HIT else None
+                source = (request.request_id, index)
                 if found is Lookup.UNCACHEABLE:
-                    private.append(_Job(None, image, [(request, index)]))
+                    private.append(_Job(None, image, source, [(request, index)]))
                 elif cached is None:  # a miss, or a hit on an encode pending this step
-                    jobs.setdefault(key, _Job(key, image)).waiters.append((request, index))
+                    job = jobs.setdefault(key, _Job(key, image, source))
+                    job.waiters.append((request, index))
                 else:
                     self._deliver(request, index, key, cached)
         for batch in _batches([*jobs.values(), *private], self.max_num_encoder_tokens):
             self._encode(batch)
-
-    def pop_pixels_done(self) -> list[tuple[str, int]]:
-        done = [(rid, index) for rid, indices in self._pixels_done.items() for index in indices]
-        self._pixels_done.clear()
-        return done
+        return [self._take(chunk) for chunk in chunks]
 
     def forget(self, request_id: str) -> None:
-        """Drops unreported pixel releases of an aborted request (its pins go anyway)."""
-        self._pixels_done.pop(request_id, None)
+        """A preempted request lets go of the embeddings in hand; its cache pins stay, so
+        its recompute gets them back without the vision tower (or the pixels)."""
+        self._in_hand.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """A finished or aborted request lets go of everything its images hold."""
+        self._in_hand.pop(request_id, None)
+        self.cache.release(request_id)
+        self.pixels.drop_request(request_id)
 
     def drain_seconds(self) -> list[float]:
         seconds = []
@@ -120,6 +143,20 @@ class ImageEncoder:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _take(self, chunk: ScheduledChunk) -> ChunkImages:
+        """The chunk's images; those that end within it are no longer kept in hand."""
+        request = chunk.request
+        in_hand = self._in_hand.get(request.request_id, {})
+        images = [
+            (image, in_hand[index])
+            for index, image in enumerate(request.images)
+            if image.overlaps(chunk.start, chunk.end)
+        ]
+        for index in list(in_hand):
+            if request.images[index].end <= chunk.end:
+                del in_hand[index]
+        return images
+
     def _needed(self, chunk: ScheduledChunk) -> list[int]:
         request = chunk.request
         if chunk.start >= request.prompt_len or not request.images:
@@ -129,7 +166,7 @@ class ImageEncoder:
 
     def _encode(self, batch: list[_Job]) -> None:
         images = [job.image for job in batch]
-        pixel_values = torch.cat([_pixels(image) for image in images])
+        pixel_values = torch.cat([self.pixels.get(*job.source) for job in batch])
         pixel_values = pixel_values.to(self.device, self.dtype)
         grid_thw = torch.tensor([image.grid_thw for image in images], device=self.device)
         with self._timed():
@@ -141,7 +178,7 @@ class ImageEncoder:
         for job, part in zip(batch, parts, strict=True):
             if job.key is None:
                 [(request, index)] = job.waiters
-                request.image_embeddings[index] = part  # keeps its pixels (may re-encode)
+                self._in_hand.setdefault(request.request_id, {})[index] = part  # keeps pixels
                 continue
             self.cache.put(job.key, part)
             for request, index in job.waiters:
@@ -149,14 +186,14 @@ class ImageEncoder:
 
     def _deliver(self, request: Request, index: int, key: CacheKey, part: torch.Tensor) -> None:
         """Hands a pinned entry to the request and lets go of the pixels it covers."""
-        request.image_embeddings[index] = part
+        request_id = request.request_id
+        self._in_hand.setdefault(request_id, {})[index] = part
         length = request.images[index].length
         for i, image in enumerate(request.images):
-            if image.pixel_values is None or image.length != length:
+            if not self.pixels.has(request_id, i) or image.length != length:
                 continue
             if i == index or self.cache_key(request, i) == key:
-                image.pixel_values = None  # never read again: the shm pin goes now
-                self._pixels_done.setdefault(request.request_id, []).append(i)
+                self.pixels.drop(request_id, i)  # never read again: the shm pin goes now
 
     def _timed(self) -> _Timer:
         return _Timer(self._timings, self.device)
@@ -183,12 +220,6 @@ class _Timer:
             self.sink.append((self.start, end))
         else:
             self.sink.append(time.perf_counter() - self.began)
-
-
-def _pixels(image: ImageInput) -> torch.Tensor:
-    if image.pixel_values is None:
-        raise RuntimeError(f"image {image.key!r} is to be encoded but its pixels were released")
-    return image.pixel_values
 
 
 def _batches(jobs: list[_Job], budget: int) -> Iterator[list[_Job]]:

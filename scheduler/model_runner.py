@@ -1,4 +1,5 @@
-"""Turns a step plan into one forward pass: inputs, image embeddings, attention, sampling."""
+"""Turns a step plan and its image embeddings into one forward pass: inputs, attention,
+sampling. The embeddings come ready from the image encoder (`Engine.step`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 
 from iris_serve.scheduler.attention import PagedAttention, SequenceChunk
 from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
-from iris_serve.scheduler.image_encoder import ImageEncoder
+from iris_serve.scheduler.image_encoder import ChunkImages
 from iris_serve.scheduler.kv_cache import KVCache
 from iris_serve.scheduler.sampling import Sampler, SamplingRow
 
@@ -18,26 +19,24 @@ class ModelRunner:
         kv_cache: KVCache,
         device: torch.device,
         dtype: torch.dtype,
-        image_encoder: ImageEncoder,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler()
-        self.image_encoder = image_encoder
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[int]:
-        """Runs the step; returns one sampled token per chunk that completes its sequence."""
+    def execute(self, plan: StepPlan, images: list[ChunkImages]) -> list[int]:
+        """Runs the step, splicing in each chunk's `images` (parallel to `plan.chunks`);
+        returns one sampled token per chunk that completes its sequence."""
         chunks = plan.chunks
         token_ids = [t for c in chunks for t in c.request.token_ids(c.start, c.end)]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         positions = torch.cat([c.request.positions(c.start, c.end) for c in chunks], dim=1)
 
         embeddings = self.model.embed_tokens(input_ids)
-        self.image_encoder.prepare(chunks)
-        self._splice_images(embeddings, chunks)
+        self._splice_images(embeddings, chunks, images)
 
         attention = PagedAttention(
             self.kv_cache,
@@ -47,7 +46,6 @@ class ModelRunner:
         hidden = self.model(embeddings, positions.to(self.device), attention)
 
         sampling_chunks = [c for c in chunks if c.completes_sequence]
-        self._drop_consumed_images(chunks)
         if not sampling_chunks:
             return []
         last_rows = torch.tensor(
@@ -61,26 +59,17 @@ class ModelRunner:
         return self.sampler(logits, rows).tolist()
 
     @staticmethod
-    def _splice_images(embeddings: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+    def _splice_images(
+        embeddings: torch.Tensor, chunks: list[ScheduledChunk], images: list[ChunkImages]
+    ) -> None:
         row = 0
-        for chunk in chunks:
-            for index, image in enumerate(chunk.request.images):
-                if not image.overlaps(chunk.start, chunk.end):
-                    continue
+        for chunk, chunk_images in zip(chunks, images, strict=True):
+            for image, source in chunk_images:
                 first = max(chunk.start, image.offset)
                 last = min(chunk.end, image.end)
-                source = chunk.request.image_embeddings[index]
                 rows = slice(row + first - chunk.start, row + last - chunk.start)
                 embeddings[rows] = source[first - image.offset : last - image.offset]
             row += chunk.num_tokens
-
-    @staticmethod
-    def _drop_consumed_images(chunks: list[ScheduledChunk]) -> None:
-        for chunk in chunks:
-            embeddings = chunk.request.image_embeddings
-            for index in list(embeddings):
-                if chunk.request.images[index].end <= chunk.end:
-                    del embeddings[index]
 
 
 def _last_row_indices(chunks: list[ScheduledChunk], sampling: list[ScheduledChunk]) -> list[int]:

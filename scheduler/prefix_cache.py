@@ -26,8 +26,9 @@ from array import array
 
 import xxhash
 
+from iris_serve.ipc.messages import ImageRef
 from iris_serve.scheduler.kv_cache import PagePool
-from iris_serve.scheduler.request import ImageInput, Request
+from iris_serve.scheduler.request import Request
 
 assert array("i").itemsize == 4, "token ids are hashed as int32"
 
@@ -50,7 +51,7 @@ def token_bytes(token_ids: list[int]) -> bytes:
     return array("i", token_ids).tobytes()
 
 
-def image_overlaps(images: list[ImageInput], start: int, end: int) -> list[tuple[bytes, int, int]]:
+def image_overlaps(images: list[ImageRef], start: int, end: int) -> list[tuple[bytes, int, int]]:
     """`(key, start, end)` of the part of each image inside tokens `start..end`, relative
     to the image's first token."""
     return [

@@ -4,14 +4,16 @@
 
 Every tokenizer worker pushes `EngineRequest`s and `AbortEngineRequest`s into one PULL
 socket; a worker forwards an abort after the request it aborts, so the two never race.
-Pixels are zero-copy views of the owning worker's arena. An image's pin is released
-(`ReleaseImages` to that worker) as soon as the request holds the image's embedding
-(`Engine.pop_pixels_done` after every step); whatever is left goes when the request
-finishes or is aborted.
+An `EngineRequest` becomes the engine's prompt descriptor plus zero-copy views of the
+owning worker's arena, and the engine holds each image's pin (its `ShmPointer`) from then
+on (`scheduler.pixels.PixelStore`). What `Engine.pop_released_pins` hands back after every
+step or abort goes to the owning worker as `ReleaseImages`: an image's pin as soon as the
+request holds its embedding, whatever is left when the request finishes or is aborted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -24,6 +26,7 @@ from typing import Any
 import msgspec
 import torch
 
+from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     TO_SERVER,
@@ -36,16 +39,15 @@ from iris_serve.ipc.messages import (
     RequestOutput,
     Sampling,
     ShmHandle,
+    ShmPointer,
     TokenBatch,
     ToServer,
     context_length_error,
-    unpack_token_ids,
 )
 from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.request import EnginePrompt, ImageInput
 
 logger = logging.getLogger("iris.scheduler")
 IDLE_POLL_SECONDS = 0.1
@@ -74,11 +76,7 @@ class SchedulerLoop:
             for i in range(num_workers)
         ]
         self.reader = ShmReader()
-        # request id -> image index -> (worker id, handle) of the pins not yet released
-        self.pins: dict[str, dict[int, tuple[int, ShmHandle]]] = {}
         self.stopping = False
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self._last_stats: EngineStats | None = None
         self._encoder_seconds: list[float] = []
         self._last_stats_time = 0.0
@@ -94,15 +92,16 @@ class SchedulerLoop:
             outputs: list[RequestOutput] = []
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
-                self._account(outputs)
+                self._release_pins()  # pixels the step no longer needs, finished requests'
             # Stats before outputs on the one socket: when a client has its answer,
             # /metrics already shows the step that produced it.
             self._send_stats()
             self._send_outputs(outputs)
 
     def close(self) -> None:
-        for request_id in list(self.pins):
-            self._release(request_id)
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        self._release_pins()
         for socket in (self.inbox, self.to_server, *self.to_workers):
             socket.close()
         self.reader.close()
@@ -112,57 +111,36 @@ class SchedulerLoop:
     def _handle(self, message: EngineRequest | AbortEngineRequest) -> None:
         if isinstance(message, AbortEngineRequest):
             self.engine.abort(message.request_id)
-            self._release(message.request_id)
+            self._release_pins()
             return
-        self.pins[message.request_id] = {
-            index: (image.pixels.worker_id, image.pixels.handle)
-            for index, image in enumerate(message.images)
-            if image.pixels is not None
-        }
+        pins = [image.pixels for image in message.images]
         try:
             prompt, sampling = self._admission(message)
-            self.engine.add_request(message.request_id, prompt, sampling)
-            self.prompt_tokens += len(prompt.token_ids)
-        except ValueError as error:
-            self._release(message.request_id)
+            self.engine.add_request(message.request_id, prompt, sampling, pins)
+        except ValueError as error:  # the engine took nothing: the pins are still ours
+            self._send_releases(pin for pin in pins if pin is not None)
             self._send(RequestError(message.request_id, 400, str(error), param=_param_of(error)))
 
-    def _admission(self, message: EngineRequest) -> tuple[EnginePrompt, Sampling]:
-        token_ids = unpack_token_ids(message.token_ids)
+    def _admission(self, message: EngineRequest) -> tuple[PromptInput, Sampling]:
+        """The descriptor with views of the worker's arena, and max_tokens filled in."""
+        prompt = message.prompt()
         max_model_len = self.engine.max_model_len
         wanted = message.sampling.max_tokens
-        too_long = context_length_error(max_model_len, len(token_ids), wanted)
+        too_long = context_length_error(max_model_len, len(prompt.token_ids), wanted)
         if too_long is not None:
             raise _ContextLengthError(too_long, param="max_tokens" if wanted else "messages")
-        images = []
-        for image in message.images:
+        pixels = []
+        for image in prompt.images:
             if image.pixels is None:
                 raise ValueError("an image arrived without pixels")
-            images.append(
-                ImageInput(
-                    key=image.key,
-                    offset=image.offset,
-                    length=image.length,
-                    grid_thw=image.grid_thw,
-                    pixel_values=self.reader.view(image.pixels),
-                )
-            )
-        max_tokens = wanted or max_model_len - len(token_ids)
+            pixels.append(self.reader.view(image.pixels))
+        max_tokens = wanted or max_model_len - len(prompt.token_ids)
         sampling = msgspec.structs.replace(
             message.sampling,
             max_tokens=max_tokens,
             min_tokens=min(message.sampling.min_tokens, max_tokens),
         )
-        return EnginePrompt(token_ids=token_ids, images=images), sampling
-
-    def _account(self, outputs: list[RequestOutput]) -> None:
-        """After a step: counts its tokens, hands back the pixels it no longer needs and
-        the pins of the requests it finished."""
-        self.generation_tokens += sum(len(output.new_token_ids) for output in outputs)
-        self._release_images(self.engine.pop_pixels_done())
-        for output in outputs:
-            if output.finished:
-                self._release(output.request_id)
+        return PromptInput(prompt, tuple(pixels)), sampling
 
     # -- messages out ---------------------------------------------------------------------
 
@@ -180,22 +158,7 @@ class SchedulerLoop:
         (read only for a message that goes out: it changes at every step)."""
         engine = self.engine
         self._encoder_seconds.extend(engine.drain_encoder_seconds())
-        pool = engine.kv_cache.pool
-        stats = EngineStats(
-            num_running=len(engine.planner.running),
-            num_waiting=len(engine.planner.waiting),
-            kv_pages_used=pool.num_pages - pool.num_free,
-            kv_pages_total=pool.num_pages,
-            pinned_images=sum(len(pins) for pins in self.pins.values()),
-            num_preemptions=engine.planner.num_preemptions,
-            images_encoded=engine.images_encoded,
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
-            prefix_cache_hit_tokens=engine.prefix_cache_hit_tokens,
-            mm_embedding_cache_hits=engine.mm_embedding_cache_hits,
-            mm_embedding_cache_misses=engine.mm_embedding_cache_misses,
-            mm_embedding_cache_usage_bytes=engine.mm_embedding_cache_usage_bytes,
-        )
+        stats = EngineStats(**dataclasses.asdict(engine.stats()))
         now = time.monotonic()
         idle = not engine.has_unfinished_requests()
         changed = stats != self._last_stats or self._encoder_seconds
@@ -215,21 +178,14 @@ class SchedulerLoop:
         except TimeoutError:
             logger.error("the server took no message for 5 s; dropping %s", type(message).__name__)
 
-    def _release(self, request_id: str) -> None:
-        self._send_releases(self.pins.pop(request_id, {}).values())
+    def _release_pins(self) -> None:
+        self._send_releases(self.engine.pop_released_pins())
 
-    def _release_images(self, done: list[tuple[str, int]]) -> None:
-        """Releases the pins of images whose pixels the engine no longer reads."""
-        self._send_releases(
-            pin
-            for request_id, index in done
-            if (pin := self.pins.get(request_id, {}).pop(index, None)) is not None
-        )
-
-    def _send_releases(self, pins: Iterable[tuple[int, ShmHandle]]) -> None:
+    def _send_releases(self, pins: Iterable[ShmPointer]) -> None:
+        """`ReleaseImages` to each pin's worker (the engine hands back each pin once)."""
         by_worker: dict[int, list[ShmHandle]] = {}
-        for worker_id, handle in pins:
-            by_worker.setdefault(worker_id, []).append(handle)
+        for pin in pins:
+            by_worker.setdefault(pin.worker_id, []).append(pin.handle)
         for worker_id, handles in by_worker.items():
             try:
                 self.to_workers[worker_id].send(ReleaseImages(handles))

@@ -1,4 +1,7 @@
-"""A request as the scheduler sees it: token ids, image spans, progress and pages."""
+"""A request as the scheduler sees it: token ids, image spans, progress and pages.
+
+What a request's images hold (pixels, shared-memory pins, embeddings) is the image
+encoder's, keyed by request id, not the request's (see image_encoder.py)."""
 
 from __future__ import annotations
 
@@ -7,40 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from iris_serve.ipc.messages import FinishReason, Sampling
-
-
-@dataclass
-class ImageInput:
-    """One image of a prompt: where its tokens sit and how to get its pixels.
-
-    `key` is the 128-bit content hash computed by the tokenizer worker (the scheduler
-    never hashes). `pixel_values` are the image processor's patches,
-    `[t*h*w, channels * temporal_patch * patch * patch]`; the scheduler reads them only
-    when a prefill chunk overlaps `[offset, offset + length)`, and sets them to None once
-    the request holds the image's embedding (its shared-memory pin is released then).
-    """
-
-    key: bytes
-    offset: int
-    length: int
-    grid_thw: tuple[int, int, int]
-    pixel_values: torch.Tensor | None
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
-
-    def overlaps(self, start: int, end: int) -> bool:
-        return self.offset < end and start < self.end
-
-
-@dataclass
-class EnginePrompt:
-    """A prompt ready for the engine: expanded token ids and its images, in order."""
-
-    token_ids: list[int]
-    images: list[ImageInput] = field(default_factory=list)
+from iris_serve.ipc.messages import FinishReason, ImageRef, Sampling
 
 
 class RequestStatus(enum.Enum):
@@ -56,7 +26,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
-    images: list[ImageInput] = field(default_factory=list)
+    images: list[ImageRef] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()
 
     # M-RoPE: prompt positions [3, prompt_len]; token i >= prompt_len sits at i + rope_delta.
@@ -76,10 +46,6 @@ class Request:
     num_cached_tokens: int = 0
     page_keys: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0
-
-    # Embeddings of this request's images still needed by a later chunk: references to
-    # embedding-cache entries the request pins until it finishes (see image_encoder.py).
-    image_embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from iris_serve.ipc.local import PromptInput
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.request import EnginePrompt
 
 
 @functools.lru_cache(maxsize=4)
@@ -22,7 +22,7 @@ def hf_model(model_dir: str):
     return model.eval()
 
 
-def hf_generate(model_dir: str | Path, prompt: EnginePrompt, max_new_tokens: int) -> list[int]:
+def hf_generate(model_dir: str | Path, prompt: PromptInput, max_new_tokens: int) -> list[int]:
     """Greedy `generate` on exactly the engine's token ids and pixel values."""
     model = hf_model(str(model_dir))
     input_ids = torch.tensor([prompt.token_ids])
@@ -31,7 +31,7 @@ def hf_generate(model_dir: str | Path, prompt: EnginePrompt, max_new_tokens: int
         "attention_mask": torch.ones_like(input_ids),
     }
     if prompt.images:
-        inputs["pixel_values"] = torch.cat([image.pixel_values for image in prompt.images])
+        inputs["pixel_values"] = torch.cat(prompt.pixels)
         inputs["image_grid_thw"] = torch.tensor([image.grid_thw for image in prompt.images])
         inputs["mm_token_type_ids"] = (input_ids == model.config.image_token_id).int()
     with torch.inference_mode():
@@ -62,7 +62,7 @@ def cpu_engine(model_dir: str | Path, **overrides) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **overrides))
 
 
-def chat_prompt(builder, text: str, images=()) -> EnginePrompt:
+def chat_prompt(builder, text: str, images=()) -> PromptInput:
     """One user turn: the images first, then the text, through the chat template."""
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
     return builder.build(builder.render_chat([{"role": "user", "content": content}]), images)
@@ -72,7 +72,7 @@ _HF_OUTPUTS: dict[tuple, list[int]] = {}
 
 
 def assert_parity(
-    model_dir: str | Path, prompts: list[EnginePrompt], outputs: list[list[int]], max_new: int
+    model_dir: str | Path, prompts: list[PromptInput], outputs: list[list[int]], max_new: int
 ) -> None:
     """Each output equals transformers' greedy `generate` on the same prompt."""
     for i, (prompt, got) in enumerate(zip(prompts, outputs, strict=True)):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.request import EnginePrompt
 
 torch.set_num_threads(2)
 
@@ -18,11 +18,11 @@ def engine(qwen2_5_vl_tiny) -> Engine:
     return Engine(EngineConfig(model=str(qwen2_5_vl_tiny), device="cpu", max_model_len=256))
 
 
-def prompt(n: int = 12, start: int = 100) -> EnginePrompt:
-    return EnginePrompt(token_ids=list(range(start, start + n)))
+def prompt(n: int = 12, start: int = 100) -> PromptInput:
+    return PromptInput.text(range(start, start + n))
 
 
-def run(engine: Engine, request_id: str, p: EnginePrompt, params: Sampling):
+def run(engine: Engine, request_id: str, p: PromptInput, params: Sampling):
     engine.add_request(request_id, p, params)
     tokens, last = [], None
     for out in engine.run_until_idle():
@@ -108,9 +108,9 @@ def test_abort_mid_generation_returns_every_page(engine):
 @pytest.mark.parametrize(
     ("bad_prompt", "message"),
     [
-        (EnginePrompt(token_ids=[]), "empty"),
-        (EnginePrompt(token_ids=list(range(256))), "context length"),
-        (EnginePrompt(token_ids=[1, 2, 10**7]), "token ids"),
+        (PromptInput.text([]), "empty"),
+        (PromptInput.text(range(256)), "context length"),
+        (PromptInput.text([1, 2, 10**7]), "token ids"),
     ],
 )
 def test_bad_prompts_are_rejected_and_cost_nothing(engine, bad_prompt, message):

@@ -9,16 +9,17 @@ embedding cache's work (its hits skip images altogether).
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
 
+import msgspec
 import pytest
 import torch
 from PIL import Image
 
-from iris_serve.ipc.messages import Sampling
+from iris_serve.ipc.local import PromptInput
+from iris_serve.ipc.messages import ImageRef, Prompt, Sampling, ShmPointer
 from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.pixels import PixelStore
 from iris_serve.scheduler.process import SchedulerLoop
-from iris_serve.scheduler.request import EnginePrompt, ImageInput
 from iris_serve.tokenizer_worker.image_key import image_key
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity as assert_parity_with
@@ -69,7 +70,7 @@ def vision_calls(iris: Engine) -> list[list]:
     return _VISION_CALLS[iris]
 
 
-def prompt(builder: PromptBuilder, *parts: str | Image.Image) -> EnginePrompt:
+def prompt(builder: PromptBuilder, *parts: str | Image.Image) -> PromptInput:
     """One user turn: text and images in the order given."""
     content = [
         {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
@@ -79,7 +80,7 @@ def prompt(builder: PromptBuilder, *parts: str | Image.Image) -> EnginePrompt:
 
 
 def assert_parity(
-    model_dir: str, prompts: list[EnginePrompt], outputs: list[list[int]], max_new: int = MAX_NEW
+    model_dir: str, prompts: list[PromptInput], outputs: list[list[int]], max_new: int = MAX_NEW
 ) -> None:
     assert_parity_with(model_dir, prompts, outputs, max_new)
 
@@ -111,7 +112,7 @@ def test_a_chunk_encodes_only_the_images_it_overlaps(model_dir, builder):
         assert new == first_overlap and not set(straddling) & set(new), (start, end)
         steps_that_encoded += bool(new)
     assert steps_that_encoded == 3 and encoded(iris) == [image.key for image in p.images]
-    assert iris.images_encoded == 3 and iris.mm_embedding_cache_misses == 3
+    assert iris.stats().images_encoded == 3 and iris.stats().mm_embedding_cache_misses == 3
     assert_parity(model_dir, [p], [tokens])
 
 
@@ -139,13 +140,13 @@ def test_eight_concurrent_requests_with_one_new_image_encode_it_once(
     iris = engine(model_dir, **overrides)
     outputs = iris.generate(prompts, GREEDY)
     assert vision_calls(iris) == [[prompts[0].images[0].key]]
-    assert iris.images_encoded == 1
-    assert (iris.mm_embedding_cache_misses, iris.mm_embedding_cache_hits) == (1, 7)
-    assert iris.mm_embedding_cache_usage_bytes == 20 * iris.model.config.hidden_size * 4
+    assert iris.stats().images_encoded == 1
+    assert (iris.stats().mm_embedding_cache_misses, iris.stats().mm_embedding_cache_hits) == (1, 7)
+    assert iris.stats().mm_embedding_cache_usage_bytes == 20 * iris.model.config.hidden_size * 4
     assert_parity(model_dir, prompts[:2], outputs[:2])
 
 
-def conversation(builder: PromptBuilder, rounds: int) -> EnginePrompt:
+def conversation(builder: PromptBuilder, rounds: int) -> PromptInput:
     messages = []
     for k in range(rounds):
         image = {"type": "image"}
@@ -163,10 +164,10 @@ def test_a_conversation_adding_one_image_per_round(model_dir, builder, granulari
     iris = engine(model_dir, mm_cache_granularity=granularity, **overrides)
     short = Sampling(temperature=0.0, max_tokens=2)
     for rounds in range(1, 9):
-        before = iris.images_encoded
+        before = iris.stats().images_encoded
         p = conversation(builder, rounds)
         [out] = iris.generate([p], GREEDY if rounds == 8 else short)
-        new = iris.images_encoded - before
+        new = iris.stats().images_encoded - before
         assert new == (1 if granularity == "image" else rounds), f"round {rounds}"
     assert_parity(model_dir, [p], [out])
 
@@ -176,10 +177,10 @@ def test_a_cache_too_small_for_one_image_evicts_after_every_request(model_dir, b
     together = [prompt(builder, A, "One?"), prompt(builder, A, B, "Two?")]
     later = [prompt(builder, B, A, "Again?")]
     outputs = iris.generate(together, GREEDY)
-    assert iris.images_encoded == 2  # pinned while both run: shared although over capacity
-    assert len(iris.embedding_cache) == 0 and iris.mm_embedding_cache_usage_bytes == 0
+    assert iris.stats().images_encoded == 2  # pinned while both run: shared although over capacity
+    assert len(iris.embedding_cache) == 0 and iris.stats().mm_embedding_cache_usage_bytes == 0
     outputs += iris.generate(later, GREEDY)
-    assert iris.images_encoded == 4 and len(iris.embedding_cache) == 0
+    assert iris.stats().images_encoded == 4 and len(iris.embedding_cache) == 0
     assert_parity(model_dir, together + later, outputs)
 
 
@@ -194,12 +195,12 @@ def test_the_baseline_switches_change_the_work_not_the_answers(model_dir, builde
     if "chunked_mm_encoding" in switch:  # the first chunk of the first request does both
         assert vision_calls(iris) == [[a, b]]
     else:  # per-request entries: the second request encodes A again, nothing is kept
-        assert iris.images_encoded == 3 and len(iris.embedding_cache) == 0
+        assert iris.stats().images_encoded == 3 and len(iris.embedding_cache) == 0
         assert sorted(key for _, key in encoded(iris)) == sorted([a, b, a])
     assert_parity(model_dir, prompts, outputs)
 
 
-def sized_prompt(builder: PromptBuilder, image: Image.Image, max_pixels: int) -> EnginePrompt:
+def sized_prompt(builder: PromptBuilder, image: Image.Image, max_pixels: int) -> PromptInput:
     """`PromptBuilder.build` with a request's max_pixels (as the tokenizer worker does)."""
     size = builder.image_size(max_pixels=max_pixels)
     content = [{"type": "image"}, {"type": "text", "text": "Describe it."}]
@@ -208,8 +209,8 @@ def sized_prompt(builder: PromptBuilder, image: Image.Image, max_pixels: int) ->
     length = builder.num_image_tokens(grid)
     token_ids, [offset] = builder.expand(ids, [length])
     key = image_key(image.tobytes(), builder.image_settings(size))
-    return EnginePrompt(
-        token_ids, [ImageInput(key, offset, length, grid, torch.from_numpy(pixels))]
+    return PromptInput(
+        Prompt(token_ids, [ImageRef(key, offset, length, grid)]), (torch.from_numpy(pixels),)
     )
 
 
@@ -219,9 +220,9 @@ def test_one_image_at_two_max_pixels_settings_is_two_entries(model_dir, builder)
     assert few.key != many.key and few.grid_thw != many.grid_thw and few.length < many.length
     iris = engine(model_dir, **NO_PREFIX)
     outputs = iris.generate([small, large], GREEDY)
-    assert len(iris.embedding_cache) == 2 and iris.images_encoded == 2
+    assert len(iris.embedding_cache) == 2 and iris.stats().images_encoded == 2
     assert iris.generate([large, small], GREEDY) == outputs[::-1]
-    assert iris.images_encoded == 2 and iris.mm_embedding_cache_hits == 2
+    assert iris.stats().images_encoded == 2 and iris.stats().mm_embedding_cache_hits == 2
     assert_parity(model_dir, [small, large], outputs)
 
 
@@ -238,7 +239,7 @@ def test_preemption_recomputes_without_encoding_or_pixels(model_dir, builder):
     longest = max(len(p.token_ids) for p in prompts) + longer.max_tokens
     iris = engine(model_dir, page_size=8, num_kv_pages=-(-longest // 8) + 2, **NO_PREFIX)
     outputs = iris.generate(prompts, longer)
-    assert iris.planner.num_preemptions > 0, "the pool was meant to force preemption"
+    assert iris.stats().num_preemptions > 0, "the pool was meant to force preemption"
     # each image went through the vision tower once; a recompute read no pixels (they
     # were dropped at the first use, so reading them would have failed)
     assert sorted(encoded(iris)) == sorted(p.images[0].key for p in prompts)
@@ -254,35 +255,57 @@ def test_pixels_are_reported_done_once_each_and_nothing_stays_pinned(model_dir, 
     }
     iris = engine(model_dir, max_num_batched_tokens=24, **NO_PREFIX)
     for request_id, p in prompts.items():
-        iris.add_request(request_id, p, GREEDY)
+        pins = [(request_id, i) for i in range(len(p.images))]
+        iris.add_request(request_id, p, GREEDY, pins)
     requests = dict(iris.requests)
     reported: list[tuple[str, int]] = []
     while iris.has_unfinished_requests():
-        iris.step()
-        done = iris.pop_pixels_done()
+        finished = {out.request_id for out in iris.step() if out.finished}
+        done = iris.pop_released_pins()
         for request_id, index in done:
             request = requests[request_id]
-            assert request.images[index].pixel_values is None
+            assert not iris.pixels.has(request_id, index)
+            assert request_id not in finished  # released at first use, not left for the end
             image = request.images[index]
             first = request.images[[i.key for i in request.images].index(image.key)]
             assert request.num_computed_tokens > first.offset  # not before it was needed
         reported += done
     expected = [(rid, i) for rid, p in prompts.items() for i in range(len(p.images))]
     assert sorted(reported) == sorted(expected) and len(set(reported)) == len(reported)
-    assert all(image.pixel_values is not None for p in prompts.values() for image in p.images)
+    assert iris.stats().pinned_images == 0
     assert iris.embedding_cache.num_pinned == 0 and iris.embedding_cache.pending_keys() == []
-    assert iris.images_encoded == 3
+    assert iris.stats().images_encoded == 3
 
 
-def test_an_abort_unpins_and_reports_nothing_more(model_dir, builder):
+def test_an_abort_unpins_and_releases_each_pin_once(model_dir, builder):
     iris = engine(model_dir, max_num_batched_tokens=16, **NO_PREFIX)
-    iris.add_request("gone", prompt(builder, A, FILLER, B, "?"), GREEDY)
-    while iris.images_encoded == 0:
+    iris.add_request("gone", prompt(builder, A, FILLER, B, "?"), GREEDY, ["a", "b"])
+    while iris.stats().images_encoded == 0:
         iris.step()
-    assert iris.embedding_cache.num_pinned == 1
+    assert iris.embedding_cache.num_pinned == 1 and iris.pop_released_pins() == ["a"]
     iris.abort("gone")
-    assert iris.pop_pixels_done() == [] and iris.embedding_cache.num_pinned == 0
+    assert iris.pop_released_pins() == ["b"] and iris.embedding_cache.num_pinned == 0
+    assert iris.pop_released_pins() == [] and iris.stats().pinned_images == 0
     assert len(iris.embedding_cache) == 1  # kept for whoever sends A next
+
+
+def test_the_pixel_store_releases_each_pin_once():
+    store = PixelStore()
+    store.add("r", [torch.zeros(1)] * 3, ["h0", None, "h2"])
+    store.add("s", [torch.zeros(1)], ["k0"])
+    store.drop("r", 2)
+    store.drop("r", 2)
+    store.drop("s", 0)
+    store.drop("gone", 0)
+    assert store.pop_released() == ["h2", "k0"] and store.num_pinned == 1
+    assert store.has("r", 1) and not store.has("r", 2) and not store.has("s", 0)
+    store.drop_request("r")
+    store.drop_request("r")
+    store.drop_request("s")
+    assert store.pop_released() == ["h0"] and store.pop_released() == []
+    assert store.num_pinned == 0
+    with pytest.raises(RuntimeError, match="released"):
+        store.get("r", 0)
 
 
 class _Recorder:
@@ -293,35 +316,41 @@ class _Recorder:
         self.sent.append(message.handles)
 
 
-def test_the_scheduler_process_releases_each_pin_once():
+def test_the_scheduler_process_sends_each_release_to_its_worker():
+    def pointer(worker_id: int, offset: int) -> ShmPointer:
+        return ShmPointer(worker_id, f"seg-{worker_id}", offset, 4, "float32", (1,), offset)
+
     loop = object.__new__(SchedulerLoop)
     loop.to_workers = [_Recorder(), _Recorder()]
-    loop.pins = {"r": {0: (0, "h0"), 1: (1, "h1"), 2: (0, "h2")}, "s": {0: (1, "k0")}}
-    loop._release_images([("r", 1), ("s", 0), ("r", 1), ("gone", 0)])
-    assert loop.to_workers[1].sent == [["h1", "k0"]] and loop.to_workers[0].sent == []
-    loop._release("r")
-    loop._release("r")
-    loop._release("s")
-    assert loop.to_workers[0].sent == [["h0", "h2"]] and loop.to_workers[1].sent == [["h1", "k0"]]
-    assert loop.pins == {}
+    pins = [pointer(0, 0), pointer(1, 8), pointer(0, 16)]
+    loop._send_releases(pins)
+    assert loop.to_workers[0].sent == [[pins[0].handle, pins[2].handle]]
+    assert loop.to_workers[1].sent == [[pins[1].handle]]
 
 
 def test_a_key_whose_entry_has_another_token_count_is_never_a_hit(model_dir, builder, caplog):
     large = sized_prompt(builder, A, 28 * 28 * 80)
     small = sized_prompt(builder, A, 28 * 28 * 4)
-    forged = EnginePrompt(small.token_ids, [replace(small.images[0], key=large.images[0].key)])
+    forged_image = msgspec.structs.replace(small.images[0], key=large.images[0].key)
+    forged = PromptInput(Prompt(small.token_ids, [forged_image]), small.pixels)
     iris = engine(model_dir, **NO_PREFIX)
-    iris.add_request("large", large, GREEDY)
-    iris.add_request("forged", forged, GREEDY)  # same step: the entry is in use, encode apart
+    iris.add_request("large", large, GREEDY, ["large"])
+    iris.add_request("forged", forged, GREEDY, ["forged"])  # same step: in use, encode apart
     outputs: dict[str, list[int]] = {"large": [], "forged": []}
     done = []
     while iris.has_unfinished_requests():
+        finished = set()
         for out in iris.step():
             outputs[out.request_id] += out.new_token_ids
-        done += iris.pop_pixels_done()
-    assert iris.images_encoded == 2 and done == [("large", 0)]  # the private one keeps pixels
+            if out.finished:
+                finished.add(out.request_id)
+        released = iris.pop_released_pins()
+        assert "forged" not in released or "forged" in finished  # the private one keeps pixels
+        done += released
+    assert iris.stats().images_encoded == 2 and done[0] == "large"
+    assert sorted(done) == ["forged", "large"]
     wrong = f"has {large.images[0].length} tokens but the image spans {small.images[0].length}"
     assert wrong in caplog.text
     [again] = iris.generate([forged], GREEDY)  # unused now: replaced by the right one
-    assert iris.images_encoded == 3 and iris.embedding_cache.hits == 0
+    assert iris.stats().images_encoded == 3 and iris.embedding_cache.hits == 0
     assert_parity(model_dir, [large, forged, forged], [outputs["large"], outputs["forged"], again])

@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import random
 
-import torch
-
-from iris_serve.ipc.messages import Sampling
+from iris_serve.ipc.messages import ImageRef, Sampling
 from iris_serve.scheduler.batch_planner import BatchPlanner
 from iris_serve.scheduler.kv_cache import PagePool
 from iris_serve.scheduler.prefix_cache import PrefixCache, image_overlaps, page_key, token_bytes
-from iris_serve.scheduler.request import ImageInput, Request
+from iris_serve.scheduler.request import Request
 
 PAGE = 4
 IMAGE = 99  # placeholder token id
 KEY_A, KEY_B = b"A" * 16, b"B" * 16
 
 
-def image(key: bytes, offset: int, length: int) -> ImageInput:
-    return ImageInput(key, offset, length, (1, 2, 2 * length), torch.empty(0))
+def image(key: bytes, offset: int, length: int) -> ImageRef:
+    return ImageRef(key, offset, length, (1, 2, 2 * length))
 
 
-def request(name: str, tokens: list[int], images: list[ImageInput] | None = None) -> Request:
+def request(name: str, tokens: list[int], images: list[ImageRef] | None = None) -> Request:
     return Request(name, list(tokens), Sampling(max_tokens=100), images or [])
 
 

@@ -8,13 +8,12 @@ that ends inside an image.
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import torch
 
-from iris_serve.ipc.messages import Sampling
+from iris_serve.ipc.local import PromptInput
+from iris_serve.ipc.messages import Prompt, Sampling
 from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.request import EnginePrompt
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt as chat
 from tests.reference import cpu_engine as engine
@@ -26,8 +25,8 @@ GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW)
 
 
 def next_turn(
-    builder: PromptBuilder, previous: EnginePrompt, answer: list[int], text: str, image
-) -> EnginePrompt:
+    builder: PromptBuilder, previous: PromptInput, answer: list[int], text: str, image
+) -> PromptInput:
     """The previous prompt, its answer token for token, and a new user turn with an image
     (built on ids, so the previous turn's KV is an exact prefix of this one)."""
     assert all(t < builder.image_token_id - 12 for t in answer), "answer holds special tokens"
@@ -37,14 +36,16 @@ def next_turn(
         [image],
     )
     shift = len(previous.token_ids) + len(answer)
-    return EnginePrompt(
-        token_ids=previous.token_ids + answer + user.token_ids,
-        images=previous.images
-        + [dataclasses.replace(i, offset=i.offset + shift) for i in user.images],
+    images = previous.images + [
+        msgspec.structs.replace(i, offset=i.offset + shift) for i in user.images
+    ]
+    return PromptInput(
+        Prompt(previous.token_ids + answer + user.token_ids, images),
+        previous.pixels + user.pixels,
     )
 
 
-def run(iris: Engine, request_id: str, prompt: EnginePrompt) -> tuple[list[int], int]:
+def run(iris: Engine, request_id: str, prompt: PromptInput) -> tuple[list[int], int]:
     """Runs one request to completion; returns its tokens and its `num_cached_tokens`."""
     iris.add_request(request_id, prompt, GREEDY)
     tokens, cached = [], -1
@@ -65,13 +66,13 @@ def test_a_four_turn_conversation_reuses_every_previous_turn(each_arch_dir, each
         engine(each_arch_dir, enable_prefix_caching=False),
     )
     prompt = chat(each_arch_builder, "Describe this picture.", [make_image(112, 84, seed=20)])
-    previous: tuple[EnginePrompt, list[int]] | None = None
+    previous: tuple[PromptInput, list[int]] | None = None
     total_prompt = 0
     for turn in range(4):
         if previous is not None:
             image = make_image(84 + 28 * turn, 112, seed=20 + turn)
             prompt = next_turn(each_arch_builder, *previous, f"And turn {turn}?", image)
-        encoded = iris.runner.images_encoded
+        encoded = iris.stats().images_encoded
         tokens, cached = run(iris, f"turn-{turn}", prompt)
         assert tokens == hf_generate(each_arch_dir, prompt, MAX_NEW), f"turn {turn}"
         assert run(plain, f"turn-{turn}", prompt) == (tokens, 0)
@@ -82,14 +83,16 @@ def test_a_four_turn_conversation_reuses_every_previous_turn(each_arch_dir, each
             assert cached == floor_pages(last_kv, page)
             # Every earlier image lies inside the hit, so no chunk needs it again.
             assert all(image.end <= cached for image in previous[0].images)
-            assert iris.runner.images_encoded - encoded == 1  # only the new image
+            assert iris.stats().images_encoded - encoded == 1  # only the new image
         total_prompt += len(prompt.token_ids)
         previous = (prompt, tokens)
     pool = iris.kv_cache.pool
     assert pool.num_free == pool.num_pages and pool.num_cached > 0
     # Figures for the report: prompt tokens served from the cache over the four turns.
-    print(f"\n{each_arch_dir}: {iris.prefix_cache_hit_tokens}/{total_prompt} prompt tokens cached")
-    assert iris.prefix_cache_hit_tokens > total_prompt // 3
+    print(
+        f"\n{each_arch_dir}: {iris.stats().prefix_cache_hit_tokens}/{total_prompt} prompt tokens cached"
+    )
+    assert iris.stats().prefix_cache_hit_tokens > total_prompt // 3
 
 
 def test_prompts_that_differ_only_in_the_image_share_no_image_page(
@@ -135,8 +138,8 @@ def test_a_small_pool_that_evicts_all_the_time_changes_no_token(each_arch_dir, e
     first = iris.generate(prompts, GREEDY)
     again = iris.generate(prompts[::-1], GREEDY)[::-1]  # evicts and hits in another order
     pool = iris.kv_cache.pool
-    assert iris.planner.num_preemptions > 0 and pool.num_evictions > 0
-    assert iris.prefix_cache_hit_tokens > 0
+    assert iris.stats().num_preemptions > 0 and pool.num_evictions > 0
+    assert iris.stats().prefix_cache_hit_tokens > 0
     assert again == first
     for prompt, tokens in zip(prompts, first, strict=True):
         assert tokens == hf_generate(each_arch_dir, prompt, MAX_NEW)

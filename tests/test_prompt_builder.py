@@ -38,9 +38,7 @@ def test_token_ids_pixels_and_spans_match_the_hf_processor(arch, tiny_checkpoint
     reference = reference_processor(model_dir)
     expected = reference(text=[text], images=images, return_tensors="pt")
     assert prompt.token_ids == expected["input_ids"][0].tolist()
-    torch.testing.assert_close(
-        torch.cat([image.pixel_values for image in prompt.images]), expected["pixel_values"]
-    )
+    torch.testing.assert_close(torch.cat(prompt.pixels), expected["pixel_values"])
     assert [image.grid_thw for image in prompt.images] == [
         tuple(g) for g in expected["image_grid_thw"].tolist()
     ]

@@ -1,11 +1,12 @@
-"""From chat messages or text plus images to an engine prompt (token ids + image spans).
+"""From chat messages or text plus images to a prompt descriptor (token ids + image spans).
 
 Iris does not need transformers' `AutoProcessor` (which needs torchvision for Qwen-VL):
 it takes the tokenizer and the image processor, and expands every `<|image_pad|>`
 into as many ids as the image has tokens after the patch merger.
 
-`PromptBuilder.build` is the in-process path (tests, `iris generate`, benchmarks); the
-tokenizer worker uses the same pieces (`encode`, `image_size`, `image_settings`,
+`PromptBuilder.build` is the in-process path (tests, `iris generate`, benchmarks): the
+descriptor is the wire `Prompt`, and the pixels travel beside it (`ipc.local.PromptInput`).
+The tokenizer worker uses the same pieces (`encode`, `image_size`, `image_settings`,
 `process_image`, `expand`) with its own image fetching, cache and arena.
 """
 
@@ -22,7 +23,8 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
-from iris_serve.scheduler.request import EnginePrompt, ImageInput
+from iris_serve.ipc.local import PromptInput
+from iris_serve.ipc.messages import ImageRef, Prompt
 from iris_serve.tokenizer_worker.image_key import image_key
 
 ImageSize = tuple[int, int]  # (min_pixels, max_pixels): the processor's shortest/longest_edge
@@ -133,7 +135,7 @@ class PromptBuilder:
 
     # --- in process --------------------------------------------------------------
 
-    def build(self, text: str, images: Sequence[Image.Image] = ()) -> EnginePrompt:
+    def build(self, text: str, images: Sequence[Image.Image] = ()) -> PromptInput:
         """Tokenizes `text` (already templated) and expands one placeholder per image."""
         ids = self.encode(text)
         count = ids.count(self.image_token_id)
@@ -145,19 +147,14 @@ class PromptBuilder:
         lengths = [self.num_image_tokens(grid) for _, grid in processed]
         token_ids, offsets = self.expand(ids, lengths)
         settings = self.image_settings()
-        inputs = [
-            ImageInput(
-                key=image_key(_image_bytes(image), settings),
-                offset=offset,
-                length=length,
-                grid_thw=grid,
-                pixel_values=torch.from_numpy(pixels),
-            )
-            for image, (pixels, grid), offset, length in zip(
+        refs = [
+            ImageRef(image_key(_image_bytes(image), settings), offset, length, grid)
+            for image, (_, grid), offset, length in zip(
                 images, processed, offsets, lengths, strict=True
             )
         ]
-        return EnginePrompt(token_ids=token_ids, images=inputs)
+        pixels = tuple(torch.from_numpy(pixels) for pixels, _ in processed)
+        return PromptInput(Prompt(token_ids, refs), pixels)
 
 
 def _image_bytes(image: Image.Image) -> bytes:

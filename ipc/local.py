@@ -1,0 +1,48 @@
+"""A prompt handed from the tokenizer side to the engine inside one process.
+
+`iris generate`, the tests and the benchmarks' compute bound run the worker's
+`PromptBuilder` and the scheduler's `Engine` in one process. The descriptor is the same
+`Prompt` a served request carries; the pixels, which a served request leaves in the
+worker's shared-memory arena, travel beside it. Never sent: pixels do not go into a
+message (invariant 1), so this is a plain dataclass, not a wire struct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from iris_serve.ipc.messages import ImageRef, Prompt
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A prompt descriptor and each image's `pixel_values`, in the order of its images.
+
+    The scheduler process builds one too, from an `EngineRequest` and views of the
+    worker's arena; the engine takes nothing else."""
+
+    prompt: Prompt
+    pixels: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pixels", tuple(self.pixels))
+        if len(self.pixels) != len(self.prompt.images):
+            raise ValueError(
+                f"{len(self.pixels)} pixel tensors for {len(self.prompt.images)} images"
+            )
+
+    @classmethod
+    def text(cls, token_ids: Sequence[int]) -> PromptInput:
+        """A prompt without images."""
+        return cls(Prompt(list(token_ids)))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt.token_ids
+
+    @property
+    def images(self) -> list[ImageRef]:
+        return self.prompt.images

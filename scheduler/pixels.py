@@ -1,0 +1,80 @@
+"""The one owner of every admitted image's pixels and of the pin that keeps them readable.
+
+A served request's pixels are views of a tokenizer worker's shared-memory arena, pinned
+for the request until the scheduler releases them (invariant 6); in one process they are
+plain tensors with no pin. Either way they are held here from admission until no step
+will read them again:
+
+- `drop(request_id, index)` once the request holds the image's embedding (the image
+  encoder calls it, see image_encoder.py), and
+- `drop_request(request_id)` when the request finishes or is aborted.
+
+A dropped image's pin (if it has one) is queued exactly once; the scheduler process
+sends what `pop_released()` returns back to the owning workers after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+Pin = Hashable  # what the caller needs to release a pin: a ShmPointer when served
+
+
+class PixelStore:
+    def __init__(self) -> None:
+        self._pixels: dict[str, dict[int, torch.Tensor]] = {}
+        self._pins: dict[str, dict[int, Pin]] = {}
+        self._released: list[Pin] = []
+
+    def add(
+        self, request_id: str, pixels: Sequence[torch.Tensor], pins: Sequence[Pin | None] = ()
+    ) -> None:
+        """Takes a new request's pixels (one per image) and their pins (none in process)."""
+        if pins and len(pins) != len(pixels):
+            raise ValueError(f"{len(pins)} pins for {len(pixels)} images")
+        if pixels:
+            self._pixels[request_id] = dict(enumerate(pixels))
+        held = {index: pin for index, pin in enumerate(pins) if pin is not None}
+        if held:
+            self._pins[request_id] = held
+
+    def has(self, request_id: str, index: int) -> bool:
+        return index in self._pixels.get(request_id, {})
+
+    def get(self, request_id: str, index: int) -> torch.Tensor:
+        try:
+            return self._pixels[request_id][index]
+        except KeyError:
+            raise RuntimeError(
+                f"image {index} of {request_id!r} is to be encoded but its pixels were released"
+            ) from None
+
+    def drop(self, request_id: str, index: int) -> None:
+        """No step reads these pixels again: they go, and their pin is queued for release."""
+        pixels = self._pixels.get(request_id, {})
+        pixels.pop(index, None)
+        if not pixels:
+            self._pixels.pop(request_id, None)
+        pins = self._pins.get(request_id, {})
+        pin = pins.pop(index, None)
+        if pin is not None:
+            self._released.append(pin)
+        if not pins:
+            self._pins.pop(request_id, None)
+
+    def drop_request(self, request_id: str) -> None:
+        """The request finished or was aborted: everything it still holds goes."""
+        self._pixels.pop(request_id, None)
+        self._released.extend(self._pins.pop(request_id, {}).values())
+
+    def pop_released(self) -> list[Pin]:
+        """Pins dropped since the previous call, each exactly once, in drop order."""
+        released, self._released = self._released, []
+        return released
+
+    @property
+    def num_pinned(self) -> int:
+        """Pins held and not yet dropped."""
+        return sum(len(pins) for pins in self._pins.values())
