@@ -4,6 +4,9 @@ The launcher owns every process it starts. It waits until all children report re
 runs uvicorn in this process, and watches the children: if one dies, it logs which and
 how and exits non-zero. On SIGINT/SIGTERM or a child's death it stops every child and
 sweeps this instance's shared-memory segments and socket folder, so nothing is left.
+
+It imports each role's public surface only (`iris_serve.scheduler`,
+`iris_serve.tokenizer_worker`: the config dataclass and the `run_*` entry point).
 """
 
 from __future__ import annotations
@@ -21,11 +24,9 @@ from typing import Any
 
 from iris_serve.ipc.shm_arena import instance_prefix, new_instance_id, sweep, sweep_orphans
 from iris_serve.ipc.sockets import new_run_dir
-from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.process import SchedulerProcessConfig, run_scheduler
+from iris_serve.scheduler import EngineConfig, SchedulerProcessConfig, run_scheduler
 from iris_serve.server.args import ServeArgs
-from iris_serve.tokenizer_worker.config import WorkerConfig
-from iris_serve.tokenizer_worker.process import run_worker
+from iris_serve.tokenizer_worker import WorkerConfig, run_worker
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -67,7 +68,7 @@ def serve(args: ServeArgs) -> int:
 def resolve_model_path(model: str | None) -> Path:
     """A local folder as is; None → the built-in tiny checkpoint; else a hub id."""
     if model is None:
-        from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+        from iris_serve.scheduler import builtin_checkpoint
 
         return builtin_checkpoint()
     path = Path(model).expanduser()
