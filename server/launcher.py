@@ -108,46 +108,22 @@ def _children(
 def worker_config(
     args: ServeArgs, worker_id: int, model_path: Path, instance: str, run_dir: Path
 ) -> WorkerConfig:
+    """Worker `worker_id`'s settings: the flags given (`args.worker`; the arena bounds
+    the processor cache), the rest `WorkerConfig`'s defaults."""
     return WorkerConfig(
         worker_id=worker_id,
         model_path=str(model_path),
         run_dir=str(run_dir),
         instance_id=instance,
-        arena_bytes=args.mm_processor_cache_bytes,  # the arena bounds the processor cache
-        enable_processor_cache=not args.disable_mm_processor_cache,
-        limit_mm_per_prompt=args.limit_mm_per_prompt,
-        allowed_local_media_path=args.allowed_local_media_path,
-        allowed_media_domains=tuple(args.allowed_media_domains)
-        if args.allowed_media_domains
-        else None,
-        media_timeout_s=args.media_timeout,
         log_level=args.log_level,
+        **args.worker,
     )
 
 
 def engine_config(args: ServeArgs, model_path: Path) -> EngineConfig:
-    """The scheduler's settings. A cache flag that was not given is left out, so that it
-    keeps `EngineConfig`'s default (the dataclass owns the defaults)."""
-    caches = {
-        "mm_embedding_cache_bytes": args.mm_embedding_cache_bytes,
-        "enable_mm_embedding_cache": False if args.disable_mm_embedding_cache else None,
-        "max_num_encoder_tokens": args.max_num_encoder_tokens,
-        "mm_cache_granularity": args.mm_cache_granularity,
-        "chunked_mm_encoding": False if args.disable_chunked_mm_encoding else None,
-        "enable_prefix_caching": False if args.disable_prefix_caching else None,
-    }
-    return EngineConfig(
-        model=str(model_path),
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        **{name: value for name, value in caches.items() if value is not None},
-    )
+    """The scheduler's settings: the flags given (`args.engine`), the rest
+    `EngineConfig`'s defaults (the dataclass owns the defaults)."""
+    return EngineConfig(model=str(model_path), **args.engine)
 
 
 class ReadyChannel:
