@@ -1,44 +1,137 @@
-"""The engine's settings: one frozen dataclass; CLI flags default to its fields."""
+"""The engine's settings: one frozen dataclass; `iris serve` derives its flags from it.
+
+A field's `metadata` names its command-line flag (vLLM's name where one exists), its
+help and, where the flag's unit differs from the field's, how to parse it; the server's
+`server.config_flags` reads it, so the default and the help live here, once. The keys:
+`flag`, `help`, `parse` ("size": bytes with a unit; "gib": GiB as a float, to bytes),
+`min`, `min_error`, `metavar`, `group` (a help section). A bool that defaults to True
+gets a `--disable-...` flag that sets it False. Fields without `flag` have no flag.
+
+torch is imported where a device or dtype is resolved, not at import: `iris serve`
+parses its flags (and `--help` answers) without loading torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
+_CACHES = "caches"  # the help section of the cache flags (`server.args`)
+
+
+def _flag(flag: str, help: str, **more: object) -> dict[str, object]:
+    """A field's command-line flag, for its `metadata` (keys: see the module docstring)."""
+    return {"flag": flag, "help": help, **more}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    page_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
-    gpu_memory_utilization: float = 0.9  # fraction of the GPU for weights + KV on CUDA
+    device: str = field(
+        default="auto",
+        metadata=_flag("--device", "auto (cuda when available, else cpu), cpu, cuda, cuda:N"),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_flag("--dtype", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"),
+    )
+    page_size: int = field(default=16, metadata=_flag("--block-size", "tokens per KV page"))
+    kv_cache_memory: int = field(
+        default=1 << 30,
+        metadata=_flag(
+            "--kv-cache-memory",
+            "bytes of KV cache on CPU (e.g. 4GiB, 512MB)",
+            parse="size",
+            metavar="SIZE",
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_flag(
+            "--gpu-memory-utilization", "fraction of the GPU for weights + KV cache on CUDA"
+        ),
+    )
     num_kv_pages: int | None = None  # overrides both budgets (tests force preemption with it)
-    max_num_batched_tokens: int = 2048  # token budget of one step: chunked-prefill size
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True  # reuse full KV pages keyed by tokens + image keys
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata=_flag(
+            "--max-num-batched-tokens", "token budget of one step: the chunked-prefill size"
+        ),
+    )
+    max_num_seqs: int = field(
+        default=64, metadata=_flag("--max-num-seqs", "requests running at once")
+    )
+    max_model_len: int | None = field(
+        default=None, metadata=_flag("--max-model-len", "context length (default: the model's)")
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=_flag(
+            "--disable-prefix-caching",
+            "do not reuse full KV pages (keyed by their tokens and image keys)",
+            group=_CACHES,
+        ),
+    )
     # Per-image vision-tower outputs shared by all requests, LRU-bounded in bytes; pinned
     # entries (images of running requests) are never evicted, so it may exceed the bound.
-    enable_mm_embedding_cache: bool = True  # off: an embedding lives only for its request
-    mm_embedding_cache_bytes: int = 1 << 30
+    enable_mm_embedding_cache: bool = field(
+        default=True,
+        metadata=_flag(
+            "--disable-mm-embedding-cache",
+            "an image's embedding lives only for its request",
+            group=_CACHES,
+        ),
+    )
+    mm_embedding_cache_bytes: int = field(
+        default=1 << 30,
+        metadata=_flag(
+            "--mm-embedding-cache-gb",
+            "the scheduler's per-image embedding cache, LRU-bounded on the device (images "
+            "of running requests stay, so it may briefly exceed the bound)",
+            parse="gib",
+            metavar="GIB",
+            group=_CACHES,
+        ),
+    )
     # "request": one key over all of a request's images (a new image invalidates them all).
-    mm_cache_granularity: Literal["image", "request"] = "image"
-    chunked_mm_encoding: bool = True  # off: every image of a request in its first chunk
-    max_num_encoder_tokens: int = 4096  # image tokens (after merging) per vision-tower call
+    mm_cache_granularity: Literal["image", "request"] = field(
+        default="image",
+        metadata=_flag(
+            "--mm-cache-granularity",
+            "cache keys per image, or one over all of a request's images (a new image then "
+            "invalidates them all; for comparison)",
+            group=_CACHES,
+        ),
+    )
+    chunked_mm_encoding: bool = field(
+        default=True,
+        metadata=_flag(
+            "--disable-chunked-mm-encoding",
+            "encode every image of a request in its first prefill chunk",
+            group=_CACHES,
+        ),
+    )
+    max_num_encoder_tokens: int = field(
+        default=4096,
+        metadata=_flag(
+            "--max-num-encoder-tokens",
+            "image tokens (after merging) per vision-encoder call",
+            min=1,
+            group=_CACHES,
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -55,15 +148,19 @@ class EngineConfig:
             raise ValueError("max_num_encoder_tokens must be positive")
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         try:
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         except KeyError:
             raise ValueError(
                 f"unknown dtype {self.dtype!r}; use one of {sorted(_DTYPES)}"

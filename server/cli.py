@@ -2,12 +2,19 @@
 
 Lazy imports keep `iris --help` instant and let each subcommand pull in only what it
 needs (the generator needs transformers' model classes, `generate` needs the engine).
+
+Like the launcher, this module composes the roles, through their public surfaces only
+(`iris_serve.scheduler`, `iris_serve.tokenizer_worker`): `generate` is the scheduler's
+command, handed the tokenizer worker's `PromptBuilder` to build its prompt (see
+`scheduler.generate` for why the scheduler does not import it itself).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,17 +33,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command == "tiny-model":
-        from iris_serve.scheduler.tiny_checkpoint import main_tiny_model
+        from iris_serve.scheduler import main_tiny_model
 
         return main_tiny_model(rest)
     if command == "serve":
         from iris_serve.server.args import parse_serve_args
+
+        args = parse_serve_args(rest)  # before the launcher's imports: `--help` stays quick
         from iris_serve.server.launcher import serve
 
-        return serve(parse_serve_args(rest))
-    from iris_serve.server.generate_cli import main_generate
+        return serve(args)
+    from iris_serve.scheduler import main_generate
 
-    return main_generate(rest)
+    return main_generate(rest, _prompt_builder)
+
+
+def _prompt_builder(model_dir: Path) -> Any:
+    """The tokenizer worker's prompt builder for `model_dir`, imported only once
+    `iris generate` has parsed its flags."""
+    from iris_serve.tokenizer_worker import PromptBuilder
+
+    return PromptBuilder(model_dir)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from typing import Any
 
 import xxhash
 
-from iris_serve.tokenizer_worker.chat import IMAGE_PART_TYPES, image_part_url
+from iris_serve.ipc.content_parts import IMAGE_PART_TYPES, image_part_url
 
 AFFINITY_EDGE_CHARS = 4096  # a long URL (data:) is hashed on its two ends and its length
 DEFAULT_CAPACITY = 1 << 16  # image URLs remembered (about 100 bytes each)
@@ -88,7 +88,7 @@ class ImageRouter:
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     """The URLs of the image parts of chat messages, in order, read as the worker reads
-    them (`tokenizer_worker.chat.image_part_url`). Malformed parts are skipped here: the
+    them (`ipc.content_parts.image_part_url`). Malformed parts are skipped here: the
     worker rejects them."""
     urls = []
     for message in messages:

@@ -4,6 +4,9 @@ The launcher owns every process it starts. It waits until all children report re
 runs uvicorn in this process, and watches the children: if one dies, it logs which and
 how and exits non-zero. On SIGINT/SIGTERM or a child's death it stops every child and
 sweeps this instance's shared-memory segments and socket folder, so nothing is left.
+
+It imports each role's public surface only (`iris_serve.scheduler`,
+`iris_serve.tokenizer_worker`: the config dataclass and the `run_*` entry point).
 """
 
 from __future__ import annotations
@@ -21,11 +24,9 @@ from typing import Any
 
 from iris_serve.ipc.shm_arena import instance_prefix, new_instance_id, sweep, sweep_orphans
 from iris_serve.ipc.sockets import new_run_dir
-from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.process import SchedulerProcessConfig, run_scheduler
+from iris_serve.scheduler import EngineConfig, SchedulerProcessConfig, run_scheduler
 from iris_serve.server.args import ServeArgs
-from iris_serve.tokenizer_worker.config import WorkerConfig
-from iris_serve.tokenizer_worker.process import run_worker
+from iris_serve.tokenizer_worker import WorkerConfig, run_worker
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -67,7 +68,7 @@ def serve(args: ServeArgs) -> int:
 def resolve_model_path(model: str | None) -> Path:
     """A local folder as is; None → the built-in tiny checkpoint; else a hub id."""
     if model is None:
-        from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+        from iris_serve.scheduler import builtin_checkpoint
 
         return builtin_checkpoint()
     path = Path(model).expanduser()
@@ -107,46 +108,22 @@ def _children(
 def worker_config(
     args: ServeArgs, worker_id: int, model_path: Path, instance: str, run_dir: Path
 ) -> WorkerConfig:
+    """Worker `worker_id`'s settings: the flags given (`args.worker`; the arena bounds
+    the processor cache), the rest `WorkerConfig`'s defaults."""
     return WorkerConfig(
         worker_id=worker_id,
         model_path=str(model_path),
         run_dir=str(run_dir),
         instance_id=instance,
-        arena_bytes=args.mm_processor_cache_bytes,  # the arena bounds the processor cache
-        enable_processor_cache=not args.disable_mm_processor_cache,
-        limit_mm_per_prompt=args.limit_mm_per_prompt,
-        allowed_local_media_path=args.allowed_local_media_path,
-        allowed_media_domains=tuple(args.allowed_media_domains)
-        if args.allowed_media_domains
-        else None,
-        media_timeout_s=args.media_timeout,
         log_level=args.log_level,
+        **args.worker,
     )
 
 
 def engine_config(args: ServeArgs, model_path: Path) -> EngineConfig:
-    """The scheduler's settings. A cache flag that was not given is left out, so that it
-    keeps `EngineConfig`'s default (the dataclass owns the defaults)."""
-    caches = {
-        "mm_embedding_cache_bytes": args.mm_embedding_cache_bytes,
-        "enable_mm_embedding_cache": False if args.disable_mm_embedding_cache else None,
-        "max_num_encoder_tokens": args.max_num_encoder_tokens,
-        "mm_cache_granularity": args.mm_cache_granularity,
-        "chunked_mm_encoding": False if args.disable_chunked_mm_encoding else None,
-        "enable_prefix_caching": False if args.disable_prefix_caching else None,
-    }
-    return EngineConfig(
-        model=str(model_path),
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        **{name: value for name, value in caches.items() if value is not None},
-    )
+    """The scheduler's settings: the flags given (`args.engine`), the rest
+    `EngineConfig`'s defaults (the dataclass owns the defaults)."""
+    return EngineConfig(model=str(model_path), **args.engine)
 
 
 class ReadyChannel:

@@ -1,0 +1,39 @@
+"""The tokenizer worker role: from a request's content to token ids and pixels in its
+shared-memory arena (chat template, media, image keys, the HF processor and its cache).
+
+Its public entry surface, the only names another role's launcher or CLI may import from
+it (`tests/test_import_boundaries.py` holds that):
+
+- `WorkerConfig`: one worker's settings; `iris serve` derives its flags from the fields;
+- `run_worker`: the worker process, started by the launcher;
+- `PromptBuilder`: the in-process prompt path (chat template, image processor, image
+  placeholders expanded), which `iris generate` composes with the scheduler's engine.
+
+The names resolve on first use (PEP 562), so importing the package loads nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from iris_serve.tokenizer_worker.config import WorkerConfig
+    from iris_serve.tokenizer_worker.process import run_worker
+    from iris_serve.tokenizer_worker.prompt import PromptBuilder
+
+__all__ = ["PromptBuilder", "WorkerConfig", "run_worker"]
+_HOMES = {"PromptBuilder": "prompt", "WorkerConfig": "config", "run_worker": "process"}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from iris_serve.ipc.content_parts import IMAGE_PART_TYPES, image_part_url
+
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -59,19 +61,6 @@ def parse_messages(messages: object) -> Chat:
         else:
             raise ChatError(f"{where}.content must be a string or a list of content parts")
     return Chat(rendered, urls)
-
-
-IMAGE_PART_TYPES = ("image_url", "image")
-
-
-def image_part_url(part: dict[str, Any]) -> object:
-    """What an image part (`type` in `IMAGE_PART_TYPES`) names as its URL, unchecked:
-    `image_url.url`, a bare `image_url` string, or `image` (the Qwen-style part). The
-    server's routing reads parts with this too, so it sees the URLs the worker loads."""
-    if part.get("type") == "image_url":
-        spec = part.get("image_url")
-        return spec.get("url") if isinstance(spec, dict) else spec
-    return part.get("image")
 
 
 def _part(part: object, where: str, urls: list[str]) -> dict[str, Any]:

@@ -1,8 +1,24 @@
-"""`WorkerConfig`: everything a tokenizer worker process is started with."""
+"""`WorkerConfig`: everything a tokenizer worker process is started with.
+
+`iris serve` derives its worker flags from the fields' `metadata` (the keys are those of
+`scheduler.config`'s; `aliases` adds more flags for the same field, the later one given
+wins); fields without a `flag` are set by the launcher.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+_CACHES = "caches"  # the help section of the cache flags (`server.args`)
+_ARENA_NOT_EMPTY = (
+    "must be positive: the arena also carries the images in flight "
+    "(--disable-mm-processor-cache turns the cache off)"
+)
+
+
+def _flag(flag: str, help: str, **more: object) -> dict[str, object]:
+    """A field's command-line flag, for its `metadata`."""
+    return {"flag": flag, "help": help, **more}
 
 
 @dataclass(frozen=True)
@@ -27,12 +43,61 @@ class WorkerConfig:
     model_path: str
     run_dir: str
     instance_id: str
-    arena_bytes: int = 1 << 30
-    enable_processor_cache: bool = True
-    limit_mm_per_prompt: int = 16
-    allowed_local_media_path: str | None = None
-    allowed_media_domains: tuple[str, ...] | None = None
-    media_timeout_s: float = 10.0
+    arena_bytes: int = field(
+        default=1 << 30,
+        metadata=_flag(
+            "--mm-processor-cache-gb",
+            "size of each tokenizer worker's arena: images in flight plus the processor cache",
+            parse="gib",
+            min=1,
+            min_error=_ARENA_NOT_EMPTY,
+            metavar="GIB",
+            group=_CACHES,
+            aliases=(
+                _flag(
+                    "--mm-shm-arena-bytes",
+                    "the same size in bytes (e.g. 512MiB); the later of the two flags wins",
+                    parse="size",
+                    min=1,
+                    min_error=_ARENA_NOT_EMPTY,
+                    metavar="SIZE",
+                ),
+            ),
+        ),
+    )
+    enable_processor_cache: bool = field(
+        default=True,
+        metadata=_flag(
+            "--disable-mm-processor-cache",
+            "decode and process every image; the arena only carries the images in flight",
+            group=_CACHES,
+        ),
+    )
+    limit_mm_per_prompt: int = field(
+        default=16,
+        metadata=_flag(
+            "--limit-mm-per-prompt",
+            "images per request: a number, or vLLM's JSON form '{\"image\": 4}'",
+            parse="mm_limit",
+        ),
+    )
+    allowed_local_media_path: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--allowed-local-media-path",
+            "read local image files only under this folder (default: none are read)",
+        ),
+    )
+    allowed_media_domains: tuple[str, ...] | None = field(
+        default=None,
+        metadata=_flag(
+            "--allowed-media-domains",
+            "fetch http(s) images only from these hosts (exact names; default: any)",
+        ),
+    )
+    media_timeout_s: float = field(
+        default=10.0, metadata=_flag("--media-timeout", "seconds per http(s) image fetch")
+    )
     max_image_bytes: int = 32 << 20
     max_image_pixels: int = 8192 * 8192
     log_level: str = "INFO"

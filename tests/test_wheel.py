@@ -1,0 +1,116 @@
+"""The built wheel installs one top-level package, `iris_serve`, and nothing else.
+
+The wheel is built offline from a copy of the sources (`pip wheel --no-build-isolation
+--no-index`, with this environment's setuptools), so the test writes nothing into the
+repository. It is then installed with pip into a fresh venv that has no pip and no
+dependencies (`pip --python`): what lands in site-packages is exactly what the wheel
+installs, and `iris serve --help` runs there, since parsing the flags needs only the
+standard library.
+"""
+
+from __future__ import annotations
+
+import configparser
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = ("pyproject.toml", "README.md", "server", "tokenizer_worker", "scheduler", "ipc")
+PACKAGE_DATA = ("chat_template.jinja", "corpus.txt")
+
+
+def pip(*args: str) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = tmp_path_factory.mktemp("source")
+    for name in SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(
+                REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        else:
+            shutil.copy(REPO / name, source / name)
+    out = tmp_path_factory.mktemp("wheel")
+    pip(
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-q",
+        "-w",
+        str(out),
+        str(source),
+    )
+    [built] = out.glob("iris_serve-*.whl")
+    return built
+
+
+def test_the_wheel_holds_only_the_iris_serve_namespace(wheel: Path):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names}
+    [dist_info] = [entry for entry in top if entry.endswith(".dist-info")]
+    assert top == {"iris_serve", dist_info}
+    assert "iris_serve/__init__.py" not in names  # a PEP 420 namespace package
+    for package in ("server", "tokenizer_worker", "scheduler", "ipc"):
+        assert f"iris_serve/{package}/__init__.py" in names
+    for data in PACKAGE_DATA:
+        assert f"iris_serve/scheduler/tiny_checkpoint/{data}" in names
+    record = zipfile.ZipFile(wheel).read(f"{dist_info}/RECORD").decode()
+    assert {line.split(",")[0] for line in record.splitlines()} == set(names)
+
+
+def test_the_console_script_is_the_servers_cli(wheel: Path):
+    with zipfile.ZipFile(wheel) as archive:
+        [entry_points] = [
+            n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")
+        ]
+        parser = configparser.ConfigParser()
+        parser.read_string(archive.read(entry_points).decode())
+    assert dict(parser["console_scripts"]) == {"iris": "iris_serve.server.cli:main"}
+
+
+def test_a_fresh_venv_gets_iris_serve_and_nothing_else_top_level(wheel: Path, tmp_path: Path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    pip("--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel))
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    installed = {path.name for path in Path(purelib).iterdir()}
+    assert {name for name in installed if not name.endswith(".dist-info")} == {"iris_serve"}
+
+    check = (
+        "import importlib.util, iris_serve.server.cli, iris_serve.ipc.content_parts; "
+        f"assert iris_serve.server.cli.__file__.startswith({purelib!r}); "
+        "assert [m for m in ('server', 'scheduler', 'ipc', 'tokenizer_worker') "
+        "if importlib.util.find_spec(m)] == []"
+    )
+    subprocess.run([str(python), "-c", check], check=True, cwd=tmp_path, timeout=60)
+    script = Path(sysconfig.get_path("scripts", vars={"base": str(venv)})) / "iris"
+    result = subprocess.run(
+        [str(script), "serve", "--help"],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert "--max-model-len" in result.stdout and "--mm-processor-cache-gb" in result.stdout
