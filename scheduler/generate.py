@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from iris_serve.ipc.local import PromptInput
+from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
 
 if TYPE_CHECKING:
     from PIL import Image
-
-    from iris_serve.scheduler.request import EnginePrompt
 
 
 class PromptSource(Protocol):
@@ -35,7 +35,7 @@ class PromptSource(Protocol):
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str: ...
 
-    def build(self, text: str, images: Sequence[Image.Image] = ()) -> EnginePrompt: ...
+    def build(self, text: str, images: Sequence[Image.Image] = ()) -> PromptInput: ...
 
 
 PromptBuilderFactory = Callable[[Path], PromptSource]  # model folder → its prompt builder
@@ -62,7 +62,6 @@ def main_generate(argv: list[str], prompt_builder: PromptBuilderFactory) -> int:
     from PIL import Image
 
     from iris_serve.scheduler.engine import Engine
-    from iris_serve.scheduler.sampling import SamplingParams
     from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
     model_dir = Path(args.model) if args.model else builtin_checkpoint()
@@ -72,9 +71,7 @@ def main_generate(argv: list[str], prompt_builder: PromptBuilderFactory) -> int:
     prompt = builder.build(builder.render_chat([{"role": "user", "content": content}]), images)
 
     engine = Engine(EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype))
-    sampling = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-    )
+    sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     started = time.perf_counter()
     [output_ids] = engine.generate([prompt], sampling)
     elapsed = time.perf_counter() - started
