@@ -12,6 +12,7 @@ Slot indices and masks are built once per step (`build`) and reused by every lay
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from iris_serve.scheduler.kv_cache import KVCache, slots_for
 class SequenceChunk:
     """One sequence's share of a step: `num_new` tokens after `num_cached` cached ones."""
 
-    pages: list[int]
+    pages: Sequence[int]
     num_cached: int
     num_new: int
 

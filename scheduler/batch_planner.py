@@ -13,6 +13,11 @@ from its prompt and the tokens it already produced, so nothing it returned chang
 With a prefix cache, a request being admitted (first time or after preemption) starts
 from the longest chain of cached full pages over its tokens, shared by reference; the
 pages a request fills are registered as it computes them and when it leaves.
+
+A request's pages and progress are its `PageTable`; the planner changes them (and the
+prefix cache its registration) through the table's methods. Progress advances here, as
+a chunk is planned, not when the step's results are accounted: admission and preemption
+set it here too, so all of it happens in one place (see page_table.py).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class StepPlan:
 
 
 class BatchPlanner:
-    """Owns the waiting queue, the running set and every request's pages."""
+    """Owns the waiting queue, the running set and every request's page table."""
 
     def __init__(
         self,
@@ -84,11 +89,11 @@ class BatchPlanner:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_tokens = min(_num_uncomputed(request), budget)
             fits = self._reserve_pages(request, num_tokens)
             if not fits and not self._preempt_until_fits(request, num_tokens, plan):
                 continue  # `request` itself was preempted; the list shrank under `index`
-            plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            _plan_chunk(plan, request, num_tokens)
             budget -= num_tokens
             index += 1
 
@@ -101,11 +106,11 @@ class BatchPlanner:
             request = self.waiting[0]
             if not self._admit(request, budget):
                 break
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_tokens = min(_num_uncomputed(request), budget)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            _plan_chunk(plan, request, num_tokens)
             budget -= num_tokens
         return plan
 
@@ -129,9 +134,7 @@ class BatchPlanner:
         if missing > self.pool.num_free - revived:
             return False
         self.pool.share(cached)  # before allocating, so no allocation evicts them
-        request.pages = cached + self.pool.allocate(missing)
-        request.num_computed_tokens = num_cached_tokens
-        request.num_registered_pages = len(cached)
+        request.page_table.admit(cached, num_cached_tokens, self.pool.allocate(missing))
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached_tokens
             if self.prefix_cache is not None:
@@ -139,22 +142,22 @@ class BatchPlanner:
         return True
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:
-        total_pages = -(-(request.num_computed_tokens + num_tokens) // self.page_size)
-        missing = total_pages - len(request.pages)
+        table = request.page_table
+        total_pages = -(-(table.num_computed_tokens + num_tokens) // self.page_size)
+        missing = total_pages - len(table.pages)
         if missing <= 0:
             return True
         if missing > self.pool.num_free:
             return False
-        request.pages.extend(self.pool.allocate(missing))
+        table.extend(self.pool.allocate(missing))
         return True
 
     def _preempt_until_fits(self, request: Request, num_tokens: int, plan: StepPlan) -> bool:
         """Preempt newest-first until `request` fits; False if `request` itself went."""
         while True:
             victim = self.running.pop()
-            self._release(victim)
+            self._release(victim)  # its progress too: it is recomputed from the start
             victim.status = RequestStatus.WAITING
-            victim.num_computed_tokens = 0
             victim.num_preemptions += 1
             self.num_preemptions += 1
             self.waiting.appendleft(victim)
@@ -167,6 +170,15 @@ class BatchPlanner:
     def _release(self, request: Request) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.register(request)  # what it computed outlives it
-        self.pool.free(request.pages)
-        request.pages = []
-        request.num_registered_pages = 0
+        self.pool.free(request.page_table.release())
+
+
+def _num_uncomputed(request: Request) -> int:
+    return request.num_tokens - request.page_table.num_computed_tokens
+
+
+def _plan_chunk(plan: StepPlan, request: Request, num_tokens: int) -> None:
+    """Puts the request's next `num_tokens` tokens (their pages reserved) in the step."""
+    table = request.page_table
+    plan.chunks.append(ScheduledChunk(request, table.num_computed_tokens, num_tokens))
+    table.advance(num_tokens)

@@ -242,8 +242,7 @@ class Engine:
         outputs = []
         tokens = iter(sampled)
         for chunk in plan.chunks:
-            request = chunk.request
-            request.num_computed_tokens = chunk.end
+            request = chunk.request  # its progress was advanced when the step was planned
             if not chunk.completes_sequence:
                 continue
             token = next(tokens)

@@ -11,6 +11,7 @@ preempted; a page another request still holds is never freed.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,7 +182,7 @@ class KVCache:
         return self.slots[layer, 0][slots], self.slots[layer, 1][slots]
 
 
-def slots_for(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
+def slots_for(pages: Sequence[int], start: int, end: int, page_size: int) -> torch.Tensor:
     """Slots of tokens `start..end` of a sequence whose pages are `pages`."""
     positions = torch.arange(start, end)
     page_ids = torch.tensor(pages, dtype=torch.long)[positions // page_size]

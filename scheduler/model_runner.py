@@ -40,7 +40,7 @@ class ModelRunner:
 
         attention = PagedAttention(
             self.kv_cache,
-            [SequenceChunk(c.request.pages, c.start, c.num_tokens) for c in chunks],
+            [SequenceChunk(c.request.page_table.pages, c.start, c.num_tokens) for c in chunks],
             self.device,
         )
         hidden = self.model(embeddings, positions.to(self.device), attention)

@@ -23,6 +23,7 @@ turn of a conversation contains the previous answer).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import xxhash
 
@@ -83,19 +84,21 @@ class PrefixCache:
     def register(self, request: Request) -> None:
         """Caches the request's pages that its computed tokens have filled since the last
         call. A page whose content is already cached elsewhere stays private."""
-        full = min(request.num_computed_tokens // self.page_size, len(request.pages))
-        first = request.num_registered_pages
+        table = request.page_table
+        full = min(table.num_computed_tokens // self.page_size, len(table.pages))
+        first = table.num_registered_pages
         if full <= first:
             return
         keys = self.page_keys(request, full)
         for index in range(first, full):
-            self.pool.cache(request.pages[index], keys[index], self._page_tokens(request, index))
-        request.num_registered_pages = full
+            self.pool.cache(table.pages[index], keys[index], self._page_tokens(request, index))
+        table.mark_registered(full)
 
-    def page_keys(self, request: Request, num_pages: int) -> list[bytes]:
-        """The keys of the request's first `num_pages` full pages, extending the chain
-        kept on the request (tokens only ever append, so a key never changes)."""
-        keys = request.page_keys
+    def page_keys(self, request: Request, num_pages: int) -> Sequence[bytes]:
+        """The keys of the request's first `num_pages` full pages (or more), extending
+        the chain its page table keeps (tokens only ever append, so a key never changes)."""
+        table = request.page_table
+        keys = table.keys
         size = self.page_size
         while len(keys) < num_pages:
             index = len(keys)
@@ -104,7 +107,7 @@ class PrefixCache:
             images = (
                 image_overlaps(request.images, start, end) if start < request.prompt_len else []
             )
-            keys.append(page_key(parent, self._page_tokens(request, index), images))
+            table.add_key(page_key(parent, self._page_tokens(request, index), images))
         return keys
 
     def _page_tokens(self, request: Request, index: int) -> bytes:

@@ -1,7 +1,9 @@
-"""A request as the scheduler sees it: token ids, image spans, progress and pages.
+"""A request as the scheduler sees it: token ids, image spans, sampling, outputs, status.
 
-What a request's images hold (pixels, shared-memory pins, embeddings) is the image
-encoder's, keyed by request id, not the request's (see image_encoder.py)."""
+Its KV state (pages, progress, prefix keys) is its `PageTable`, written only by the
+planner and the prefix cache (see page_table.py). What a request's images hold (pixels,
+shared-memory pins, embeddings) is the image encoder's, keyed by request id, not the
+request's (see image_encoder.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from iris_serve.ipc.messages import FinishReason, ImageRef, Sampling
+from iris_serve.scheduler.page_table import PageTable
 
 
 class RequestStatus(enum.Enum):
@@ -19,9 +22,10 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
-    """Mutable per-request state owned by the scheduler process."""
+    """The scheduler's record of one request. The planner keeps its status, preemption
+    count and prefix-cache hit; the engine its outputs and finish reason."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -35,17 +39,12 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    pages: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None  # "stop": EOS or a stop id; "length"; "abort"
     num_preemptions: int = 0
     generator: torch.Generator | None = None
 
-    # Prefix cache: tokens found cached at the first admission (usage's cached_tokens),
-    # the key chain of the full pages known so far, how many of `pages` are registered.
-    num_cached_tokens: int = 0
-    page_keys: list[bytes] = field(default_factory=list)
-    num_registered_pages: int = 0
+    num_cached_tokens: int = 0  # found in the prefix cache at the first admission (usage)
+    page_table: PageTable = field(default_factory=PageTable)
 
     @property
     def prompt_len(self) -> int:
@@ -54,10 +53,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         prompt_len = self.prompt_len

@@ -16,7 +16,6 @@ def run_step(planner: BatchPlanner) -> dict[str, int]:
     """Schedules one step and pretends the model ran it, sampling token 7 where due."""
     plan = planner.schedule()
     for chunk in plan.chunks:
-        chunk.request.num_computed_tokens = chunk.end
         if chunk.end == chunk.request.num_tokens:
             chunk.request.output_token_ids.append(7)
     return {c.request.request_id: c.num_tokens for c in plan.chunks}
@@ -48,13 +47,13 @@ def test_pages_follow_tokens_and_return_on_finish():
     r = request("r", 5)
     planner.add(r)
     run_step(planner)
-    assert len(r.pages) == 2  # 5 tokens in pages of 4
+    assert len(r.page_table.pages) == 2  # 5 tokens in pages of 4
     run_step(planner)  # computes token 6 of 6
     run_step(planner)  # token 7
     run_step(planner)  # token 8: still two pages
-    assert len(r.pages) == 2
+    assert len(r.page_table.pages) == 2
     run_step(planner)  # token 9 needs a third page
-    assert len(r.pages) == 3 and pool.num_free == 7
+    assert len(r.page_table.pages) == 3 and pool.num_free == 7
     planner.finish(r)
     assert pool.num_free == 10 and r.status is RequestStatus.FINISHED
 
@@ -68,14 +67,14 @@ def test_newest_request_is_preempted_when_pages_run_out_and_resumes_later():
     assert run_step(planner) == {"old": 8, "new": 7}  # 2 + 2 pages, none free
     # old (9 tokens) needs a third page: new is preempted, its pages freed.
     assert run_step(planner) == {"old": 1}
-    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
-    assert new.pages == [] and new.num_preemptions == 1
+    assert new.status is RequestStatus.WAITING and new.page_table.num_computed_tokens == 0
+    assert new.page_table.pages == [] and new.num_preemptions == 1
     assert new.output_token_ids == [7]  # what it produced is kept and recomputed later
     planner.finish(old)
     # new is recomputed from prompt plus its output so far, then decodes.
     assert run_step(planner) == {"new": 8}
     assert run_step(planner) == {"new": 1}
-    assert pool.num_free == pool.num_pages - len(new.pages)
+    assert pool.num_free == pool.num_pages - len(new.page_table.pages)
 
 
 def test_a_request_that_cannot_grow_preempts_itself_rather_than_older_ones():
@@ -88,7 +87,7 @@ def test_a_request_that_cannot_grow_preempts_itself_rather_than_older_ones():
     # Both need a second page; a takes b's, b (the newest) goes back to waiting.
     assert run_step(planner) == {"a": 1}
     assert [r.request_id for r in planner.waiting] == ["b"]
-    assert pool.num_free == 0 and len(a.pages) == 2
+    assert pool.num_free == 0 and len(a.page_table.pages) == 2
 
 
 def test_abort_of_a_waiting_request_frees_nothing_twice():

@@ -101,9 +101,9 @@ def test_a_chunk_encodes_only_the_images_it_overlaps(model_dir, builder):
     tokens: list[int] = []
     steps_that_encoded = 0
     while iris.has_unfinished_requests():
-        start, logged = request.num_computed_tokens, len(encoded(iris))
+        start, logged = request.page_table.num_computed_tokens, len(encoded(iris))
         tokens += [t for out in iris.step() for t in out.new_token_ids]
-        end = request.num_computed_tokens
+        end = request.page_table.num_computed_tokens
         new = encoded(iris)[logged:]
         first_overlap = [
             image.key for image in p.images if image.overlaps(start, end) and image.offset >= start
@@ -268,7 +268,7 @@ def test_pixels_are_reported_done_once_each_and_nothing_stays_pinned(model_dir, 
             assert request_id not in finished  # released at first use, not left for the end
             image = request.images[index]
             first = request.images[[i.key for i in request.images].index(image.key)]
-            assert request.num_computed_tokens > first.offset  # not before it was needed
+            assert request.page_table.num_computed_tokens > first.offset  # not before it was needed
         reported += done
     expected = [(rid, i) for rid, p in prompts.items() for i in range(len(p.images))]
     assert sorted(reported) == sorted(expected) and len(set(reported)) == len(reported)

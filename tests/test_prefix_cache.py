@@ -32,7 +32,6 @@ def run_step(planner: BatchPlanner) -> dict[str, tuple[int, int]]:
     """Schedules one step and pretends the model ran it, sampling token 7 where due."""
     plan = planner.schedule()
     for chunk in plan.chunks:
-        chunk.request.num_computed_tokens = chunk.end
         if chunk.end == chunk.request.num_tokens:
             chunk.request.output_token_ids.append(7)
     return {c.request.request_id: (c.start, c.num_tokens) for c in plan.chunks}
@@ -41,7 +40,7 @@ def run_step(planner: BatchPlanner) -> dict[str, tuple[int, int]]:
 def computed_and_finished(planner: BatchPlanner, r: Request) -> Request:
     """Runs `r` alone through its prefill, then finishes it (its full pages stay cached)."""
     planner.add(r)
-    while r.num_computed_tokens < r.prompt_len:
+    while r.page_table.num_computed_tokens < r.prompt_len:
         run_step(planner)
     planner.finish(r)
     return r
@@ -104,7 +103,7 @@ def test_same_tokens_with_another_image_share_only_the_pages_before_it():
     assert other.num_cached_tokens == 4
     # The image pages of the two requests are different pages.
     first_image_pages = set(p.prefix_cache.match(same)[1:3])
-    assert first_image_pages.isdisjoint(other.pages)
+    assert first_image_pages.isdisjoint(other.page_table.pages)
 
 
 def test_only_full_computed_pages_are_registered_decode_pages_included():
@@ -156,8 +155,8 @@ def test_shared_pages_are_counted_and_outlive_one_holder():
     p.add(b)
     p.add(c)
     assert run_step(p) == {"b": (8, 1), "c": (8, 1)}
-    shared = b.pages[:2]
-    assert c.pages[:2] == shared and [pool.refcount(x) for x in shared] == [2, 2]
+    shared = b.page_table.pages[:2]
+    assert c.page_table.pages[:2] == shared and [pool.refcount(x) for x in shared] == [2, 2]
     assert pool.num_free == 8 - 4  # two shared pages + one private page each
     p.finish(b)
     assert [pool.refcount(x) for x in shared] == [1, 1] and pool.num_free == 5
@@ -203,17 +202,16 @@ def test_preempting_a_request_frees_no_page_another_request_holds():
     p.add(a)
     p.add(b)
     assert run_step(p) == {"a": (8, 1), "b": (8, 2)}
-    shared = a.pages[:2]
-    assert b.pages[:2] == shared
+    shared = a.page_table.pages[:2]
+    assert b.page_table.pages[:2] == shared
     for _ in range(3):  # b crosses into its fourth page and takes the last free one
         run_step(p)
-    assert len(b.pages) == 4 and pool.num_free == 0
+    assert len(b.page_table.pages) == 4 and pool.num_free == 0
     plan = p.schedule()  # a needs a fourth page: b, the newest, is preempted
-    assert plan.preempted == [b] and b.pages == []
-    assert [pool.refcount(x) for x in shared] == [1, 1] and a.pages[:2] == shared
-    assert len(a.pages) == 4 and pool.num_free == 1  # b's full third page, now evictable
+    assert plan.preempted == [b] and b.page_table.pages == []
+    assert [pool.refcount(x) for x in shared] == [1, 1] and a.page_table.pages[:2] == shared
+    assert len(a.page_table.pages) == 4 and pool.num_free == 1  # b's full third page, now evictable
     for chunk in plan.chunks:
-        chunk.request.num_computed_tokens = chunk.end
         chunk.request.output_token_ids.append(7)
 
     p.finish(a)
@@ -258,7 +256,7 @@ def test_200_random_requests_with_constant_evictions_leak_nothing():
     def check_refcounts() -> None:
         holders = [0] * pool.num_pages
         for r in p.running:
-            for page in r.pages:
+            for page in r.page_table.pages:
                 holders[page] += 1
         assert holders == [pool.refcount(x) for x in range(pool.num_pages)]
         assert pool.num_free == pool.num_pages - sum(1 for h in holders if h)
@@ -278,14 +276,13 @@ def test_200_random_requests_with_constant_evictions_leak_nothing():
         for chunk in plan.chunks:
             r, expected = chunk.request, fingerprints(chunk.request)
             for i in range(chunk.end):
-                page = r.pages[i // PAGE]
+                page = r.page_table.pages[i // PAGE]
                 slot = page * PAGE + i % PAGE
                 if i < chunk.start:
                     assert kv[slot] == expected[i], f"{r.request_id} reads wrong KV at {i}"
                 else:
                     assert pool.refcount(page) == 1 and not pool.is_cached(page)
                     kv[slot] = expected[i]
-            r.num_computed_tokens = chunk.end
             if chunk.completes_sequence:
                 r.output_token_ids.append(rng.randrange(50))
                 if len(r.output_token_ids) >= r.sampling.max_tokens:

@@ -108,7 +108,7 @@ def test_prompts_that_differ_only_in_the_image_share_no_image_page(
 
     iris.add_request("a", a, GREEDY)
     iris.step()  # the whole prompt in one chunk
-    a_pages = iris.requests["a"].pages[: len(a.token_ids) // page]
+    a_pages = iris.requests["a"].page_table.pages[: len(a.token_ids) // page]
     outputs = {"a": list(iris.requests["a"].output_token_ids)}
     iris.add_request("b", b, GREEDY)
     request_b = iris.requests["b"]
@@ -116,11 +116,13 @@ def test_prompts_that_differ_only_in_the_image_share_no_image_page(
         outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         if out.request_id == "b" and len(outputs["b"]) == 1:
             shared = [
-                i for i, p in enumerate(request_b.pages) if i < len(a_pages) and p == a_pages[i]
+                i
+                for i, p in enumerate(request_b.page_table.pages)
+                if i < len(a_pages) and p == a_pages[i]
             ]
             assert shared == list(range(image.offset // page))  # text before the image only
             a_image_pages = {a_pages[i] for i in image_pages if i < len(a_pages)}
-            assert a_image_pages and not a_image_pages & set(request_b.pages)
+            assert a_image_pages and not a_image_pages & set(request_b.page_table.pages)
     assert request_b.num_cached_tokens == floor_pages(image.offset, page)
     assert outputs["a"] == hf_generate(each_arch_dir, a, MAX_NEW)
     assert outputs["b"] == hf_generate(each_arch_dir, b, MAX_NEW)

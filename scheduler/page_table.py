@@ -1,0 +1,86 @@
+"""One request's KV state: its pages, how many of its tokens they hold, its prefix keys.
+
+The `BatchPlanner` and the `PrefixCache` are the only writers, through the methods
+below; the model runner and the attention code only read `pages`. Page ids are plain
+ints into the one preallocated KV tensor (`kv_cache.py`); a page's references are the
+`PagePool`'s, the table only lists the pages this request holds one on.
+
+`num_computed_tokens` counts the tokens whose KV is in the pages *once the planned step
+has run*: the planner advances it when it plans a chunk, and the step runs before the
+next `schedule`, so between steps it is exact. The planner is the one place that sets
+progress because it is also where progress is reset: a prefix-cache hit starts it at
+the cached tokens, a preemption drops it to zero with the pages.
+
+The table lives as long as its request, across preemptions, so per-sequence state that
+only grows with it (the prefix key chain now; a slot mapping extended per step later)
+can be kept here rather than rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class PageTable:
+    def __init__(self) -> None:
+        self._pages: list[int] = []
+        self._num_computed_tokens = 0
+        self._keys: list[bytes] = []
+        self._num_registered_pages = 0
+
+    @property
+    def pages(self) -> Sequence[int]:
+        """The pages holding the request's tokens in order: page `i` holds tokens
+        `i * page_size ..`; the last ones may be reserved for the step being planned."""
+        return self._pages
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._num_computed_tokens
+
+    @property
+    def keys(self) -> Sequence[bytes]:
+        """The prefix-cache key chain of the request's first full pages. Tokens only ever
+        append, so a key never changes and the chain survives preemption."""
+        return self._keys
+
+    @property
+    def num_registered_pages(self) -> int:
+        """How many leading pages are registered in the prefix cache (or found there)."""
+        return self._num_registered_pages
+
+    # -- the planner --------------------------------------------------------------------
+
+    def admit(self, cached: list[int], num_cached_tokens: int, new: list[int]) -> None:
+        """Starts an empty table from a prefix-cache hit: the `cached` full pages hold
+        `num_cached_tokens` computed tokens and are registered already; `new` follow."""
+        assert not self._pages, "a table is admitted only while it holds no pages"
+        self._pages = cached + new
+        self._num_computed_tokens = num_cached_tokens
+        self._num_registered_pages = len(cached)
+
+    def extend(self, pages: list[int]) -> None:
+        self._pages.extend(pages)
+
+    def advance(self, num_tokens: int) -> None:
+        """Counts `num_tokens` more as computed: the planner has put them in the step."""
+        self._num_computed_tokens += num_tokens
+
+    def release(self) -> list[int]:
+        """Empties the table (nothing computed, nothing registered) and returns the pages
+        it held, for the caller to drop its references on. The key chain stays."""
+        pages, self._pages = self._pages, []
+        self._num_computed_tokens = 0
+        self._num_registered_pages = 0
+        return pages
+
+    # -- the prefix cache ---------------------------------------------------------------
+
+    def add_key(self, key: bytes) -> None:
+        """Appends the key of the next full page to the chain."""
+        self._keys.append(key)
+
+    def mark_registered(self, num_pages: int) -> None:
+        """Records that the first `num_pages` pages are now registered."""
+        assert num_pages >= self._num_registered_pages, "registration only grows"
+        self._num_registered_pages = num_pages
