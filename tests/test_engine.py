@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
 from iris_serve.scheduler.request import EnginePrompt, FinishReason
 from iris_serve.scheduler.sampling import SamplingParams
+from tests.reference import cpu_engine
 
 torch.set_num_threads(2)
 
@@ -55,17 +59,48 @@ def test_a_stop_token_id_ends_the_request_and_is_returned(engine):
     assert last.finish_reason is FinishReason.STOP
 
 
-def test_min_tokens_holds_back_stop_tokens(engine):
-    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    tokens, _ = run(engine, "d", prompt(), greedy)
-    stop = tokens[0]
-    held, _ = run(
-        engine,
-        "e",
-        prompt(),
-        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop], min_tokens=4),
+def test_min_tokens_holds_back_stop_tokens_and_eos_then_lets_them_stop(
+    engine, qwen2_5_vl_tiny, tmp_path
+):
+    """A stop token (or EOS) the model would emit inside the first `min_tokens` is not
+    drawn there, and once `min_tokens` are out the first one drawn ends the request."""
+    k = 4
+    free, _ = run(
+        engine, "d", prompt(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     )
-    assert len(held) >= 4 and stop not in held[:4]
+    stop = free[k - 1]  # greedy's k-th token: without min_tokens the request ends right there
+    assert stop not in free[: k - 1], "choose a prompt whose k-th token is new"
+    held_params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop], min_tokens=k)
+    held, _ = run(engine, "e", prompt(), held_params)
+    assert held[: k - 1] == free[: k - 1]  # nothing else is suppressed
+    assert held[k - 1] != stop and stop not in held[:k]
+    # A second stop token that greedy draws after the first k (and not within them, so
+    # banning it there changes nothing): the request must end on the first of the two.
+    later = next(t for t in held[k:] if t not in held[:k])
+    end = next(j for j in range(k, len(held)) if held[j] in (stop, later))
+    both = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop, later], min_tokens=k)
+    stopped, last = run(engine, "e2", prompt(), both)
+    assert stopped == held[: end + 1] and len(stopped) > k
+    assert last.finish_reason is FinishReason.STOP
+    # The same two tokens as EOS ids of the checkpoint: the same suppression, the same stop.
+    checkpoint = shutil.copytree(qwen2_5_vl_tiny, tmp_path / "eos")
+    generation_config = checkpoint / "generation_config.json"
+    config = json.loads(generation_config.read_text())
+    config["eos_token_id"] = [*config["eos_token_id"], stop, later]
+    generation_config.write_text(json.dumps(config))
+    eos_engine = cpu_engine(checkpoint, max_model_len=256)
+    by_eos, last = run(
+        eos_engine, "e3", prompt(), SamplingParams(temperature=0, max_tokens=16, min_tokens=k)
+    )
+    assert by_eos == stopped and last.finish_reason is FinishReason.STOP
+    # ignore_eos lifts both: greedy runs on past them to max_tokens.
+    ignored, last = run(
+        eos_engine,
+        "e4",
+        prompt(),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=k, ignore_eos=True),
+    )
+    assert ignored == free and last.finish_reason is FinishReason.LENGTH
 
 
 def test_the_same_seed_gives_the_same_tokens_whatever_the_batch(engine):
