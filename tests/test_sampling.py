@@ -95,6 +95,14 @@ def test_suppressed_tokens_are_never_drawn():
     logits = torch.tensor([[10.0, 0.0, 0.0]])
     greedy = Sampler()(logits, rows(SamplingParams(temperature=0), suppress=[0]))
     assert greedy.item() != 0
+    # Sampled rows too, and only the rows that ask. Token 0 holds all but 4e-9 of the mass;
+    # fresh logits, since the sampler suppresses in place.
+    params = [SamplingParams(seed=i) for i in range(200)]
+    batch = rows(*params, suppress=[0]) + rows(*params)
+    fresh = torch.tensor([[20.0, 0.0, 0.0]]).expand(400, 3).contiguous()
+    tokens = Sampler()(fresh, batch).tolist()
+    assert 0 not in tokens[:200] and set(tokens[:200]) == {1, 2}
+    assert tokens[200:] == [0] * 200
 
 
 @pytest.mark.parametrize(
