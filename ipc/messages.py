@@ -49,8 +49,11 @@ class _Struct(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Base of every wire struct (`gc=False`: they never hold reference cycles)."""
 
 
-class _Frozen(_Struct, frozen=True):
-    """Base of value types (hashable, so usable as dict keys)."""
+class _Frozen(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """Base of value types (hashable, so usable as dict keys): `_Struct`'s options, frozen.
+
+    Not a `_Struct` subclass, and every subclass repeats `frozen=True`, because type
+    checkers treat structs as dataclasses, where frozen and non-frozen may not mix."""
 
 
 class _Message(_Struct, tag_field="kind"):
@@ -60,8 +63,9 @@ class _Message(_Struct, tag_field="kind"):
 # --- shared pieces ---------------------------------------------------------------
 
 
-class Sampling(_Frozen):
-    """Sampling parameters; field names equal `scheduler.sampling.Sampling`."""
+class Sampling(_Frozen, frozen=True):
+    """One request's sampling parameters; the scheduler samples with this very type
+    (`scheduler.sampling.check_sampling` validates it on admission)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -73,7 +77,7 @@ class Sampling(_Frozen):
     ignore_eos: bool = False
 
 
-class ShmHandle(_Frozen):
+class ShmHandle(_Frozen, frozen=True):
     """Names one allocation in a worker's arena; enough to pin or release it."""
 
     segment: str
@@ -81,7 +85,7 @@ class ShmHandle(_Frozen):
     generation: int
 
 
-class ShmPointer(_Frozen):
+class ShmPointer(_Frozen, frozen=True):
     """Where a tensor lies in a tokenizer worker's shared-memory arena.
 
     `offset` is the first data byte inside `segment`. `generation` is unique per
@@ -103,7 +107,7 @@ class ShmPointer(_Frozen):
         return ShmHandle(self.segment, self.offset, self.generation)
 
 
-class ImageRef(_Frozen):
+class ImageRef(_Frozen, frozen=True):
     """One image of a prompt: its key, its token span and where its pixels are.
 
     `key` is the 128-bit xxh3 of the encoded bytes and the processor settings; the
@@ -323,14 +327,21 @@ class MessageError(ValueError):
     """Bytes that are not a message of the expected union (a bug in the sender)."""
 
 
+def _int_tag(struct: type[msgspec.Struct]) -> int:
+    tag = struct.__struct_config__.tag
+    if not isinstance(tag, int):
+        raise TypeError(f"{struct.__name__} has no int tag (every message sets one)")
+    return tag
+
+
 class Codec(Generic[T]):
     """msgpack encoder/decoder for one union; refuses to send a message of another."""
 
     def __init__(self, union: Any, name: str) -> None:
         self.name = name
         self._encoder = msgspec.msgpack.Encoder()
-        self.types: tuple[type, ...] = get_args(union) or (union,)
-        self._tags = sorted(t.__struct_config__.tag for t in self.types)
+        self.types: tuple[type[msgspec.Struct], ...] = get_args(union) or (union,)
+        self._tags = sorted(_int_tag(t) for t in self.types)
         self._decoder = msgspec.msgpack.Decoder(union)
 
     def encode(self, msg: T) -> bytes:

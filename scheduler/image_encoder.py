@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -41,6 +42,9 @@ from iris_serve.scheduler.batch_planner import ScheduledChunk
 from iris_serve.scheduler.embedding_cache import CacheKey, EmbeddingCache, Lookup
 from iris_serve.scheduler.pixels import PixelStore
 from iris_serve.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
 
 MAX_TIMINGS = 4096  # encoder durations kept until drained (a histogram feed, not a log)
 
@@ -61,7 +65,7 @@ class _Job:
 class ImageEncoder:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Qwen2VLForCausalLM,
         cache: EmbeddingCache,
         pixels: PixelStore,
         device: torch.device,

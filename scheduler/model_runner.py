@@ -3,6 +3,8 @@ sampling. The embeddings come ready from the image encoder (`Engine.step`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from iris_serve.scheduler.attention import PagedAttention, SequenceChunk
@@ -11,11 +13,14 @@ from iris_serve.scheduler.image_encoder import ChunkImages
 from iris_serve.scheduler.kv_cache import KVCache
 from iris_serve.scheduler.sampling import Sampler, SamplingRow
 
+if TYPE_CHECKING:
+    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+
 
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Qwen2VLForCausalLM,
         kv_cache: KVCache,
         device: torch.device,
         dtype: torch.dtype,

@@ -15,11 +15,13 @@ sends what `pop_released()` returns back to the owning workers after every step.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-Pin = Hashable  # what the caller needs to release a pin: a ShmPointer when served
+from iris_serve.ipc.messages import ShmPointer
+
+Pin = ShmPointer  # an image of a served request; one in process has none
 
 
 class PixelStore:

@@ -102,7 +102,9 @@ class SchedulerLoop:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
         self._release_pins()
-        for socket in (self.inbox, self.to_server, *self.to_workers):
+        self.inbox.close()
+        self.to_server.close()
+        for socket in self.to_workers:
             socket.close()
         self.reader.close()
 

@@ -71,18 +71,18 @@ def chat_prompt(builder, text: str, images=()) -> PromptInput:
 _HF_OUTPUTS: dict[tuple, list[int]] = {}
 
 
+def reference_tokens(model_dir: str | Path, prompt: PromptInput, max_new: int) -> list[int]:
+    """`hf_generate`, memoised: several tests and scenarios ask about the same prompt."""
+    key = (str(model_dir), tuple(prompt.token_ids), tuple(im.key for im in prompt.images), max_new)
+    if key not in _HF_OUTPUTS:
+        _HF_OUTPUTS[key] = hf_generate(model_dir, prompt, max_new)
+    return _HF_OUTPUTS[key]
+
+
 def assert_parity(
     model_dir: str | Path, prompts: list[PromptInput], outputs: list[list[int]], max_new: int
 ) -> None:
     """Each output equals transformers' greedy `generate` on the same prompt."""
     for i, (prompt, got) in enumerate(zip(prompts, outputs, strict=True)):
-        key = (
-            str(model_dir),
-            tuple(prompt.token_ids),
-            tuple(im.key for im in prompt.images),
-            max_new,
-        )
-        if key not in _HF_OUTPUTS:  # several scenarios ask about the same prompt
-            _HF_OUTPUTS[key] = hf_generate(model_dir, prompt, max_new)
-        expected = _HF_OUTPUTS[key]
+        expected = reference_tokens(model_dir, prompt, max_new)
         assert got == expected, f"prompt {i}: Iris {got} != transformers {expected}"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.reference import make_image
+from PIL import Image
+
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
+from tests.reference import chat_prompt, make_image, reference_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +44,12 @@ def test_iris_generate_with_an_image(qwen2_vl_tiny, tmp_path):
         ],
         tmp_path,
     )
-    assert re.search(r"\[\d+ prompt tokens, 1 images, [1-5] output tokens", result.stdout)
+    builder = PromptBuilder(qwen2_vl_tiny)
+    prompt = chat_prompt(builder, "Describe the picture.", [Image.open(image)])  # the default
+    expected = reference_tokens(qwen2_vl_tiny, prompt, 5)
+    text = builder.tokenizer.decode(expected, skip_special_tokens=True)
+    summary = f"[{len(prompt.token_ids)} prompt tokens, 1 images, {len(expected)} output tokens"
+    assert result.stdout.startswith(f"{text}\n{summary} in "), result.stdout
 
 
 def test_engine_benchmark_writes_its_table(tmp_path):

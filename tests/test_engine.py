@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
+from tests.reference import cpu_engine, reference_tokens
 
 torch.set_num_threads(2)
 
@@ -55,17 +59,46 @@ def test_a_stop_token_id_ends_the_request_and_is_returned(engine):
     assert last.finish_reason == "stop"
 
 
-def test_min_tokens_holds_back_stop_tokens(engine):
-    greedy = Sampling(temperature=0, max_tokens=10, ignore_eos=True)
-    tokens, _ = run(engine, "d", prompt(), greedy)
-    stop = tokens[0]
-    held, _ = run(
-        engine,
-        "e",
-        prompt(),
-        Sampling(temperature=0, max_tokens=10, stop_token_ids=[stop], min_tokens=4),
+def test_min_tokens_holds_back_stop_tokens_and_eos_then_lets_them_stop(
+    engine, qwen2_5_vl_tiny, tmp_path
+):
+    """A stop token (or EOS) the model would emit inside the first `min_tokens` is not
+    drawn there, and once `min_tokens` are out the first one drawn ends the request."""
+    k = 4
+    free, _ = run(engine, "d", prompt(), Sampling(temperature=0, max_tokens=16, ignore_eos=True))
+    stop = free[k - 1]  # greedy's k-th token: without min_tokens the request ends right there
+    assert stop not in free[: k - 1], "choose a prompt whose k-th token is new"
+    held_params = Sampling(temperature=0, max_tokens=16, stop_token_ids=[stop], min_tokens=k)
+    held, _ = run(engine, "e", prompt(), held_params)
+    assert held[: k - 1] == free[: k - 1]  # nothing else is suppressed
+    assert held[k - 1] != stop and stop not in held[:k]
+    # A second stop token that greedy draws after the first k (and not within them, so
+    # banning it there changes nothing): the request must end on the first of the two.
+    later = next(t for t in held[k:] if t not in held[:k])
+    end = next(j for j in range(k, len(held)) if held[j] in (stop, later))
+    both = Sampling(temperature=0, max_tokens=16, stop_token_ids=[stop, later], min_tokens=k)
+    stopped, last = run(engine, "e2", prompt(), both)
+    assert stopped == held[: end + 1] and len(stopped) > k
+    assert last.finish_reason == "stop"
+    # The same two tokens as EOS ids of the checkpoint: the same suppression, the same stop.
+    checkpoint = shutil.copytree(qwen2_5_vl_tiny, tmp_path / "eos")
+    generation_config = checkpoint / "generation_config.json"
+    config = json.loads(generation_config.read_text())
+    config["eos_token_id"] = [*config["eos_token_id"], stop, later]
+    generation_config.write_text(json.dumps(config))
+    eos_engine = cpu_engine(checkpoint, max_model_len=256)
+    by_eos, last = run(
+        eos_engine, "e3", prompt(), Sampling(temperature=0, max_tokens=16, min_tokens=k)
     )
-    assert len(held) >= 4 and stop not in held[:4]
+    assert by_eos == stopped and last.finish_reason == "stop"
+    # ignore_eos lifts both: greedy runs on past them to max_tokens.
+    ignored, last = run(
+        eos_engine,
+        "e4",
+        prompt(),
+        Sampling(temperature=0, max_tokens=16, min_tokens=k, ignore_eos=True),
+    )
+    assert ignored == free and last.finish_reason == "length"
 
 
 def test_the_same_seed_gives_the_same_tokens_whatever_the_batch(engine):
@@ -113,13 +146,13 @@ def test_abort_mid_generation_returns_every_page(engine):
         (PromptInput.text([1, 2, 10**7]), "token ids"),
     ],
 )
-def test_bad_prompts_are_rejected_and_cost_nothing(engine, bad_prompt, message):
+def test_bad_prompts_are_rejected_and_cost_nothing(engine, qwen2_5_vl_tiny, bad_prompt, message):
     pool = engine.kv_cache.pool
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad", bad_prompt, Sampling())
     assert pool.num_free == pool.num_pages and not engine.has_unfinished_requests()
     tokens, _ = run(engine, "after-bad", prompt(), Sampling(temperature=0, max_tokens=3))
-    assert len(tokens) >= 1
+    assert tokens == reference_tokens(qwen2_5_vl_tiny, prompt(), 3)  # the next one is served right
 
 
 def test_duplicate_request_ids_are_rejected(engine):

@@ -126,9 +126,13 @@ def test_openai_client_streaming_and_not_with_an_image(server, builder, qwen2_5_
     with_file = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": [local, {"type": "text", "text": "hi"}]}],
-        max_tokens=4,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
     )
-    assert with_file.usage.prompt_tokens > 10
+    local_bytes = (media_dir / "local.png").read_bytes()
+    text, prompt_len, _ = reference_text(qwen2_5_vl_tiny, builder, "hi", [local_bytes])
+    assert with_file.choices[0].message.content == text
+    assert with_file.usage.prompt_tokens == prompt_len  # the file's image tokens included
 
 
 def test_sixteen_concurrent_requests_all_finish_correctly(server, builder, qwen2_5_vl_tiny):

@@ -148,7 +148,7 @@ class VLModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
             rope_theta=rope_theta,
-            mrope_section=mrope_section,  # type: ignore[arg-type]
+            mrope_section=mrope_section,
             tie_word_embeddings=tie,
             max_position_embeddings=int(get("max_position_embeddings", 32768)),
             image_token_id=int(raw.get("image_token_id", 151655)),
@@ -179,7 +179,7 @@ def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
         value = v.get(key)
         return default if value is None else value
 
-    common = dict(
+    common: dict[str, Any] = dict(  # VisionConfig's shared fields, of mixed types
         depth=int(get("depth", 32)),
         num_heads=int(get("num_heads", 16)),
         patch_size=_scalar(get("patch_size", 14)),

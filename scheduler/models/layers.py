@@ -119,6 +119,8 @@ def mrope_cos_sin(
 class MRotaryEmbedding(nn.Module):
     """Holds the LM's inverse frequencies as a non-persistent fp32 buffer."""
 
+    inv_freq: torch.Tensor  # registered as a buffer in __init__
+
     def __init__(self, head_dim: int, theta: float, mrope_section: Sequence[int]) -> None:
         super().__init__()
         self.head_dim = head_dim

@@ -63,10 +63,10 @@ def load_named_weights(
     unexpected: list[str] = []
     bad_shape: list[str] = []
     for ckpt_name, tensor in weights:
-        name = rename(ckpt_name)
-        if name is None:
+        renamed = rename(ckpt_name)
+        if renamed is None:
             continue
-        target, shard = _unpack(name, packed)
+        target, shard = _unpack(renamed, packed)
         param = params.get(target)
         if param is None:
             unexpected.append(ckpt_name)

@@ -13,6 +13,7 @@ Weights load by name from either layout a checkpoint may use:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
 
 
 class Qwen2VLForCausalLM(nn.Module):
-    vision_tower = Qwen2VisionTransformer
+    vision_tower: ClassVar[type[nn.Module]] = Qwen2VisionTransformer  # built from config.vision
 
     def __init__(self, config: VLModelConfig) -> None:
         super().__init__()
@@ -95,8 +96,9 @@ class Qwen2VLForCausalLM(nn.Module):
     def reset_buffers(self) -> None:
         """Recomputes non-persistent buffers (rotary frequencies), e.g. after `to_empty`."""
         for module in self.modules():
-            if module is not self and hasattr(module, "reset_buffers"):
-                module.reset_buffers()
+            reset = getattr(module, "reset_buffers", None)
+            if module is not self and callable(reset):
+                reset()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, rename=self._rename, packed=PACKED_SHARDS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,6 +17,9 @@ from iris_serve.scheduler.models.config import VLModelConfig, architecture_of
 from iris_serve.scheduler.models.layers import RMSNorm
 from iris_serve.scheduler.models.loader import iter_safetensors
 
+if TYPE_CHECKING:  # imported only when picked (below), so importing the registry is cheap
+    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+
 # config.architectures[0] -> "module:Class"
 ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "iris_serve.scheduler.models.qwen2_vl:Qwen2VLForCausalLM",
@@ -23,7 +27,8 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[Qwen2VLForCausalLM]:
+    """The class serving `architecture`; every one derives from Qwen2-VL's."""
     if architecture not in ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
@@ -45,7 +50,7 @@ def load_model(
     device: torch.device | str,
     *,
     dummy_weights: bool = False,
-) -> nn.Module:
+) -> Qwen2VLForCausalLM:
     """Builds the model on the meta device, materialises it on `device` in `dtype` and
     loads the checkpoint's weights (or, with `dummy_weights`, small random ones)."""
     config = load_config(model_dir)

@@ -49,6 +49,8 @@ def vision_rope_positions(
 class VisionRotaryEmbedding(nn.Module):
     """2-D rotary: the first half of each rotated pair follows the row, the second the column."""
 
+    inv_freq: torch.Tensor  # registered as a buffer in __init__
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.dim = head_dim // 2
@@ -74,16 +76,21 @@ def apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return (x * cos + rotate_half(x) * sin).to(dtype)
 
 
+class _ConvWeight(nn.Module):
+    """Holds the Conv3d's weight under the checkpoint's name, `proj.weight`."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+
 class PatchEmbed(nn.Module):
     """The checkpoint's Conv3d (kernel == stride) applied as one matmul over flat patches."""
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.proj = nn.Module()
         p, t = config.patch_size, config.temporal_patch_size
-        self.proj.weight = nn.Parameter(
-            torch.empty(config.hidden_size, config.in_channels, t, p, p)
-        )
+        self.proj = _ConvWeight(torch.empty(config.hidden_size, config.in_channels, t, p, p))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight

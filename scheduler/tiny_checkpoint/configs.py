@@ -133,7 +133,7 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
             "mlp_ratio": s.vit_intermediate // s.vit_width,
             "hidden_act": "quick_gelu",
         }
-        cls: type[PreTrainedConfig] = Qwen2VLConfig
+        cls: type[Qwen2VLConfig | Qwen2_5_VLConfig] = Qwen2VLConfig
     else:
         # Qwen2.5-VL: ViT width is `hidden_size`; `out_hidden_size` is the merger's output.
         vision = {

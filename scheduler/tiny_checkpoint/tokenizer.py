@@ -97,8 +97,10 @@ def build_tokenizer(processor_class: str | None = None) -> Qwen2Tokenizer:
     # ones; building with eos=<|endoftext|> puts every special at its Qwen2-VL position.
     tokenizer = Qwen2Tokenizer(
         vocab=dict(vocab),
-        merges=list(merges),
-        unk_token=None,
+        # transformers annotates merges as list[str] and unk_token as str; it takes
+        # (left, right) pairs and None (no unk token) as well.
+        merges=list(merges),  # type: ignore[arg-type]
+        unk_token=None,  # type: ignore[arg-type]
         bos_token=None,
         eos_token=PAD_TOKEN,
         pad_token=PAD_TOKEN,
