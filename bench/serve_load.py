@@ -122,8 +122,8 @@ class ProxyServer(IrisServer):
     label = "drop_fields_proxy"
     iris_metrics = False
 
-    def __init__(self, upstream: str) -> None:
-        super().__init__(REPO, ["--drop", "ignore_eos"], start_timeout=60.0)
+    def __init__(self, upstream: str, flags: Sequence[str] = ()) -> None:
+        super().__init__(REPO, ["--drop", "ignore_eos", *flags], start_timeout=60.0)
         self.upstream = upstream
 
     @property
