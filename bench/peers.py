@@ -115,7 +115,7 @@ def iris_peer(flags: Sequence[str]) -> Peer:
 
     return Peer(
         "iris", "Iris", f"{version('iris-serve')} (commit in the header)",
-        lambda _: f"`iris serve MODEL_DIR {shlex.join(flags)}`".replace(" `", "`"),
+        lambda _: f"`{shlex.join(['iris', 'serve', 'MODEL_DIR', *flags])}`",
         lambda model_dir, logs: IrisServer(model_dir, flags, log_path=logs / "iris.log"),
     )  # fmt: skip
 
