@@ -28,8 +28,13 @@ _HOP = (b"connection", b"keep-alive")
 _REPLACED = (*_HOP, b"content-length", b"host")
 
 
-def drop_fields(body: bytes, fields: frozenset[str]) -> bytes:
-    """`body` without the named top-level keys when it is a JSON object, else unchanged."""
+def drop_fields(body: bytes, fields: frozenset[str], min_new_tokens: bool = False) -> bytes:
+    """`body` without the named top-level keys when it is a JSON object, else unchanged.
+
+    `min_new_tokens`: a request with `ignore_eos` true gets `transformers serve`'s own way
+    of saying it, a `generation_config` of `{"min_new_tokens": its max tokens}` (EOS is
+    masked until then), so its answer has exactly that many tokens, as on a server that
+    honours `ignore_eos`."""
     if not body or not fields:
         return body
     try:
@@ -38,7 +43,11 @@ def drop_fields(body: bytes, fields: frozenset[str]) -> bytes:
         return body
     if not isinstance(payload, dict) or fields.isdisjoint(payload):
         return body
-    return json.dumps({k: v for k, v in payload.items() if k not in fields}).encode()
+    wanted = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    kept = {k: v for k, v in payload.items() if k not in fields}
+    if min_new_tokens and payload.get("ignore_eos") is True and wanted:
+        kept["generation_config"] = json.dumps({"min_new_tokens": int(wanted)})
+    return json.dumps(kept).encode()
 
 
 def _split_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
@@ -59,11 +68,12 @@ def _keep(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
 
 
 class DropFieldsProxy:
-    def __init__(self, upstream: str, fields: frozenset[str]) -> None:
+    def __init__(self, upstream: str, fields: frozenset[str], min_new_tokens: bool = False) -> None:
         url = urlsplit(upstream)
         self.host = url.hostname or "127.0.0.1"
         self.port = url.port or 80
         self.fields = fields
+        self.min_new_tokens = min_new_tokens
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -81,7 +91,8 @@ class DropFieldsProxy:
         if any(k.lower() == b"transfer-encoding" for k, _ in headers):
             writer.write(b"HTTP/1.1 411 Length Required\r\nConnection: close\r\n\r\n")
             return
-        body = drop_fields(await reader.readexactly(lengths[0]) if lengths else b"", self.fields)
+        body = await reader.readexactly(lengths[0]) if lengths else b""
+        body = drop_fields(body, self.fields, self.min_new_tokens)
         host = f"{self.host}:{self.port}".encode()
         head = [*_keep(headers), (b"Host", host), (b"Connection", b"close")]
         if lengths:
@@ -107,8 +118,10 @@ class DropFieldsProxy:
             up_writer.close()
 
 
-async def serve(upstream: str, host: str, port: int, fields: frozenset[str]) -> None:
-    proxy = DropFieldsProxy(upstream, fields)
+async def serve(
+    upstream: str, host: str, port: int, fields: frozenset[str], min_new_tokens: bool = False
+) -> None:
+    proxy = DropFieldsProxy(upstream, fields, min_new_tokens)
     server = await asyncio.start_server(proxy.handle, host, port, limit=_MAX_HEAD)
     async with server:
         await server.serve_forever()
@@ -120,9 +133,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--drop", nargs="+", default=["ignore_eos"], help="top-level fields")
+    parser.add_argument(
+        "--ignore-eos-as-min-new-tokens",
+        action="store_true",
+        help="turn `ignore_eos: true` into transformers serve's generation_config "
+        "min_new_tokens (see drop_fields)",
+    )
     args = parser.parse_args(argv)
+    fields = frozenset(args.drop)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.upstream, args.host, args.port, frozenset(args.drop)))
+        asyncio.run(
+            serve(args.upstream, args.host, args.port, fields, args.ignore_eos_as_min_new_tokens)
+        )
 
 
 if __name__ == "__main__":

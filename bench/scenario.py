@@ -15,7 +15,14 @@ import httpx
 
 from bench.images import image_part
 from bench.results_io import RESULTS_DIR, add_common_arguments, write_result
-from bench.server_process import IrisServer, delta, run_each, run_interleaved, stream_chat
+from bench.server_process import (
+    IrisServer,
+    StreamedChat,
+    delta,
+    run_each,
+    run_interleaved,
+    stream_chat,
+)
 from bench.worker_probe import ProbeResult, WorkerProbe
 from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
@@ -35,22 +42,38 @@ WARM_UP = [  # small images the workloads never send, each its own first image
 
 def warm_up(client: httpx.Client, server: IrisServer, body: dict[str, Any]) -> None:
     """First-call costs out of the measurement: `body` with each of `WARM_UP`'s messages
-    (different first images, so every tokenizer worker gets some). Returns once their
-    counts are in /metrics, so none lands in the first measured request's deltas."""
-    before = server.metrics()
+    (different first images, so every tokenizer worker gets some). For Iris, returns
+    once their counts are in /metrics, so none lands in the first measured request's
+    deltas (a peer without Iris's /metrics returns once it answered them)."""
+    before = server.metrics() if server.iris_metrics else {}
     generated = 0
     for messages in WARM_UP:
         generated += stream_chat(
             client, server.base_url, {**body, "messages": messages}
         ).completion_tokens
-    server.metrics_after(before, requests=len(WARM_UP), generated_tokens=generated)
+    if server.iris_metrics:
+        server.metrics_after(before, requests=len(WARM_UP), generated_tokens=generated)
+
+
+def client_costs(answer: StreamedChat) -> dict[str, Any]:
+    """What the client sees of one streamed answer: the row any server gets."""
+    return {
+        "prompt_tokens": answer.prompt_tokens,
+        "cached_tokens": answer.cached_tokens,
+        "completion_tokens": answer.completion_tokens,
+        "ttft_ms": 1e3 * answer.ttft,
+        "e2e_ms": 1e3 * answer.latency,
+    }
 
 
 def measured_chat(
     client: httpx.Client, server: IrisServer, body: dict[str, Any]
 ) -> tuple[str, dict[str, Any]]:
     """One streamed request: its answer text and a row of what it cost, from the client
-    (TTFT, end to end) and from /metrics deltas once its counts are in."""
+    (TTFT, end to end) and, for Iris, from /metrics deltas once its counts are in."""
+    if not server.iris_metrics:
+        answer = stream_chat(client, server.base_url, body)
+        return answer.text, client_costs(answer)
     before = server.metrics()
     answer = stream_chat(client, server.base_url, body)
     after = server.metrics_after(before, generated_tokens=answer.completion_tokens)
@@ -59,16 +82,13 @@ def measured_chat(
         return delta(after, before, name)
 
     return answer.text, {
-        "prompt_tokens": answer.prompt_tokens,
-        "cached_tokens": answer.cached_tokens,
+        **client_costs(answer),
         "hits": int(counted("iris_mm_processor_cache_hits_total")),
         "misses": int(counted("iris_mm_processor_cache_misses_total")),
         "processed": int(counted("iris_tokenizer_images_total")),
         "encoded": int(counted("iris_mm_images_encoded_total")),
         "vit_ms": 1e3 * counted("iris_mm_encoder_seconds_sum"),
-        "ttft_ms": 1e3 * answer.ttft,
         "server_ttft_ms": 1e3 * counted("iris_time_to_first_token_seconds_sum"),
-        "e2e_ms": 1e3 * answer.latency,
     }
 
 

@@ -74,7 +74,7 @@ from bench.load_client import (
 )
 from bench.results_io import add_common_arguments
 from bench.serve_load_report import PEER, PEER_NOTE, Plan, Run, report
-from bench.server_process import REPO, IrisServer
+from bench.server_process import REPO, IrisServer, group_processes
 
 STARTED = time.monotonic()
 
@@ -105,6 +105,9 @@ class PeerServer(IrisServer):
     """`transformers serve MODEL_DIR` through `bench.transformers_serve_launcher`, started,
     health-checked and stopped the way `IrisServer` does it."""
 
+    label = PEER
+    iris_metrics = False
+
     @property
     def command(self) -> list[str]:
         return [
@@ -116,8 +119,11 @@ class PeerServer(IrisServer):
 class ProxyServer(IrisServer):
     """`bench.drop_fields_proxy` in front of `upstream`, dropping `ignore_eos`."""
 
-    def __init__(self, upstream: str) -> None:
-        super().__init__(REPO, ["--drop", "ignore_eos"], start_timeout=60.0)
+    label = "drop_fields_proxy"
+    iris_metrics = False
+
+    def __init__(self, upstream: str, flags: Sequence[str] = ()) -> None:
+        super().__init__(REPO, ["--drop", "ignore_eos", *flags], start_timeout=60.0)
         self.upstream = upstream
 
     @property
@@ -164,18 +170,8 @@ class Target:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server's live processes so far."""
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == self.group:  # pgrp; utime and stime follow at 11, 12
-                total += int(fields[11]) + int(fields[12])
-        return total / tick
+        ticks = sum(int(f[11]) + int(f[12]) for _, f in group_processes(self.group))
+        return ticks / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

@@ -60,6 +60,23 @@ def parse_metrics(text: str) -> Metrics:
     return values
 
 
+def group_processes(group: int) -> list[tuple[int, list[str]]]:
+    """(pid, `/proc/PID/stat` fields after the command name) of every process in process
+    group `group`, zombies included: fields[0] is the state, [2] the group, [11] and
+    [12] user and system time in clock ticks."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:
+            found.append((int(entry.name), fields))
+    return found
+
+
 def delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
     """How much one sample grew between two scrapes (a missing sample reads 0)."""
     return after.get(name, 0.0) - before.get(name, 0.0)
@@ -71,7 +88,13 @@ class IrisServer:
     `flags` are passed as they are, after the model and `--port`. `log_path` defaults to
     a temporary file, removed when the server stops with exit status 0 and kept
     otherwise (its path is in the error, and in `log_path`).
+
+    Subclasses start other servers the same way (`command`); `label` names the server in
+    messages, and `iris_metrics` says whether `/metrics` has Iris's counters.
     """
+
+    label = "iris serve"
+    iris_metrics = True
 
     def __init__(
         self,
@@ -203,7 +226,7 @@ class IrisServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"iris serve exited with {self.process.returncode} (log: {self.log_path}):"
+                    f"{self.label} exited with {self.process.returncode} (log: {self.log_path}):"
                     f"\n{self.log[-4000:]}"
                 )
             with contextlib.suppress(httpx.HTTPError):
@@ -211,7 +234,7 @@ class IrisServer:
                     return
             time.sleep(0.1)  # polling another process's start-up, bounded above
         raise TimeoutError(
-            f"iris serve not healthy in {self.start_timeout} s (log: {self.log_path}):\n"
+            f"{self.label} not healthy in {self.start_timeout} s (log: {self.log_path}):\n"
             f"{self.log[-4000:]}"
         )
 
@@ -297,36 +320,56 @@ def run_each(
     common_flags: Sequence[str] = (),
     overlap_start: bool = False,
 ) -> dict[str, Any]:
-    """`measure(name, server)` for each `(name, flags)` variant, one server at a time,
-    each stopped before the next is measured; returns the results by name.
+    """`measure(name, server)` for each `(name, flags)` variant of `iris serve`, one
+    server at a time (`measure_each`); returns the results by name."""
+    servers = [(name, IrisServer(model_dir, [*common_flags, *flags])) for name, flags in variants]
+    return measure_each(servers, measure, overlap_start=overlap_start)
+
+
+def measure_each(
+    servers: Sequence[tuple[str, IrisServer]],
+    measure: Callable[[str, IrisServer], Any],
+    *,
+    overlap_start: bool = False,
+    keep_going: bool = False,
+) -> dict[str, Any]:
+    """`measure(name, server)` for each named server (not started yet: an `IrisServer`
+    or a peer's), one at a time, each stopped before the next is measured; returns the
+    results by name.
 
     By default each server starts only after the previous one stopped, so nothing else
     of ours runs while one is measured. `overlap_start=True` launches them all at once
     (their start-ups then share the cores) and still measures one after another, the
     others idle: for smoke tests, where start-up dominates and timings do not matter.
+    `keep_going=True`: a server that fails to start or to be measured (RuntimeError,
+    TimeoutError) gets that exception as its result, and the next one is measured.
     """
-    servers = [IrisServer(model_dir, [*common_flags, *flags]) for _, flags in variants]
     results: dict[str, Any] = {}
     try:
         if overlap_start:
-            for server in servers:
+            for _, server in servers:
                 server.launch()
-        for (name, _), server in zip(variants, servers, strict=True):
-            started = time.monotonic()
-            if server.process is None:
-                server.launch()
-            server.wait_ready()
-            _progress(f"{name}: iris serve ready in {time.monotonic() - started:.1f} s")
+        for name, server in servers:
             try:
+                started = time.monotonic()
+                if server.process is None:
+                    server.launch()
+                server.wait_ready()
+                _progress(f"{name}: {server.label} ready in {time.monotonic() - started:.1f} s")
                 started = time.monotonic()
                 results[name] = measure(name, server)
                 _progress(f"{name}: measured in {time.monotonic() - started:.1f} s")
+            except (RuntimeError, TimeoutError) as error:
+                if not keep_going:
+                    raise
+                _progress(f"{name}: failed: {str(error)[-2000:]}")
+                results[name] = error
             finally:
                 status = server.stop()
-                if status != 0:
-                    _progress(f"{name}: iris serve exited with {status}, log {server.log_path}")
+                if status not in (0, None):
+                    _progress(f"{name}: {server.label} exited with {status}, log {server.log_path}")
     finally:
-        for server in servers:
+        for _, server in servers:
             server.stop()
     return results
 

@@ -13,8 +13,18 @@ REPO = Path(__file__).resolve().parents[1]
 def run_bench(module: str, *args: str, cache_dir: Path, timeout: float) -> str:
     """`python -m module *args` from the repo root; fails the test with the script's
     output if it fails, else returns its stdout."""
+    result = bench_process(module, *args, cache_dir=cache_dir, timeout=timeout)
+    assert result.returncode == 0, f"{module} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def bench_process(
+    module: str, *args: str, cache_dir: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """`python -m module *args` from the repo root, as a user would run it (its own
+    process, a private checkpoint cache, no hub), whatever its exit status."""
     env = {"IRIS_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=REPO,
         env=env,
@@ -23,8 +33,6 @@ def run_bench(module: str, *args: str, cache_dir: Path, timeout: float) -> str:
         timeout=timeout,
         check=False,
     )
-    assert result.returncode == 0, f"{module} failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
 
 
 def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:

