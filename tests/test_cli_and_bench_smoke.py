@@ -9,6 +9,7 @@ from pathlib import Path
 from PIL import Image
 
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
+from tests.bench_smoke import markdown_tables, run_bench
 from tests.reference import chat_prompt, make_image, reference_tokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,3 +73,25 @@ def test_engine_benchmark_writes_its_table(tmp_path):
     for metric in ("prefill tok/s", "decode tok/s", "ViT img/s"):
         assert metric in table
     assert "- machine:" in table and "- command:" in table and "- commit:" in table
+
+
+def test_decode_profile_quick_accounts_for_the_step(tmp_path):
+    out = tmp_path / "results"
+    run_bench(
+        "bench.decode_profile",
+        "--quick",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        cache_dir=tmp_path / "cache",
+        timeout=600,
+    )
+    [(header, rows)] = markdown_tables((out / "decode_profile_tiny_quick.md").read_text())
+    assert [row[:2] for row in rows] == [["64", "1"], ["64", "2"]]
+    for row in rows:
+        ms = dict(zip(header, (float(cell) for cell in row), strict=True))
+        # every category found its ops (a renamed aten op would leave one at 0)
+        for name in ("K/V read (gather)", "K/V write", "attention kernel", "matmuls"):
+            assert ms[f"{name} ms"] > 0, name
+        assert ms["step ms"] > 0 and ms["attention metadata ms"] > 0 and ms["sampling ms"] > 0
