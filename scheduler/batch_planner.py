@@ -134,7 +134,8 @@ class BatchPlanner:
         if missing > self.pool.num_free - revived:
             return False
         self.pool.share(cached)  # before allocating, so no allocation evicts them
-        request.page_table.admit(cached, num_cached_tokens, self.pool.allocate(missing))
+        after = cached[-1] if cached else None
+        request.page_table.admit(cached, num_cached_tokens, self.pool.allocate(missing, after))
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached_tokens
             if self.prefix_cache is not None:
@@ -149,7 +150,7 @@ class BatchPlanner:
             return True
         if missing > self.pool.num_free:
             return False
-        table.extend(self.pool.allocate(missing))
+        table.extend(self.pool.allocate(missing, after=table.last_page))
         return True
 
     def _preempt_until_fits(self, request: Request, num_tokens: int, plan: StepPlan) -> bool:

@@ -23,6 +23,7 @@ from iris_serve.ipc.messages import (
     Sampling,
     context_length_error,
 )
+from iris_serve.scheduler.attention import create_backend
 from iris_serve.scheduler.batch_planner import BatchPlanner, StepPlan
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
@@ -115,7 +116,8 @@ class Engine:
             chunked=config.chunked_mm_encoding,
             shared=config.enable_mm_embedding_cache,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.dtype)
+        self.attention = create_backend(config.attention_backend, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.attention, self.device, self.dtype)
         self.requests: dict[str, Request] = {}
         self._generate_ids = itertools.count()
         self._prompt_tokens = 0

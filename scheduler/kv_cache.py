@@ -10,11 +10,12 @@ preempted; a page another request still holds is never freed.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from iris_serve.scheduler.free_pages import FreePages
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,9 @@ class PagePool:
       in least-recently-released order until an allocation needs the space;
     - *free*: unreferenced and holding nothing worth keeping.
 
-    `allocate` takes free pages first, then evicts the least recently used evictable
-    page (dropping its key). `num_free` counts both, i.e. what `allocate` can hand out,
+    `allocate` takes free pages first, placed so a sequence's pages stay consecutive
+    (`free_pages.py`), then evicts the least recently used evictable page (dropping its
+    key). `num_free` counts both, i.e. what `allocate` can hand out,
     so `num_free == num_pages` still means "no request holds a page".
     """
 
@@ -60,7 +62,7 @@ class PagePool:
         if num_pages < 1:
             raise ValueError("the KV cache needs at least one page; raise its memory budget")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free = FreePages(num_pages)
         self._refcounts = [0] * num_pages
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest release first
         self._page_of_key: dict[bytes, int] = {}
@@ -91,19 +93,20 @@ class PagePool:
     def is_cached(self, page: int) -> bool:
         return page in self._content
 
-    def allocate(self, count: int) -> list[int]:
-        """`count` pages, each with one reference; free pages first, then LRU evictions."""
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """`count` pages, each with one reference: free pages first (those right after
+        page `after` when they are free, so a sequence grows in place), then LRU
+        evictions."""
         if count > self.num_free:
             raise OutOfPages(f"asked for {count} pages, {self.num_free} free")
-        pages = []
-        for _ in range(count):
-            if self._free:
-                page = self._free.popleft()
-            else:
-                page, _ = self._evictable.popitem(last=False)
-                key, _ = self._content.pop(page)
-                del self._page_of_key[key]
-                self.num_evictions += 1
+        pages = self._free.take(count, after)
+        for page in pages:
+            self._refcounts[page] = 1
+        while len(pages) < count:
+            page, _ = self._evictable.popitem(last=False)
+            key, _ = self._content.pop(page)
+            del self._page_of_key[key]
+            self.num_evictions += 1
             self._refcounts[page] = 1
             pages.append(page)
         return pages
@@ -128,7 +131,7 @@ class PagePool:
                 if page in self._content:
                     self._evictable[page] = None
                 else:
-                    self._free.append(page)
+                    self._free.put(page)
 
     def cache(self, page: int, key: bytes, token_bytes: bytes) -> bool:
         """Register a held, full page's content under `key`. False (and nothing changes)
@@ -151,7 +154,11 @@ class PagePool:
 
 
 class KVCache:
-    """K and V for every layer: `[num_layers, 2, num_pages * page_size, kv_heads, head_dim]`."""
+    """K and V for every layer: `[num_layers, 2, kv_heads, num_pages * page_size, head_dim]`.
+
+    Head-major, so a run of consecutive pages is one strided view `[kv_heads, tokens,
+    head_dim]` per layer that attention kernels read in place (`scheduler/attention/`).
+    """
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
         self.layout = layout
@@ -160,8 +167,8 @@ class KVCache:
         self.slots = torch.zeros(
             layout.num_layers,
             2,
-            num_pages * layout.page_size,
             layout.num_kv_heads,
+            num_pages * layout.page_size,
             layout.head_dim,
             dtype=layout.dtype,
             device=device,
@@ -174,16 +181,10 @@ class KVCache:
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        self.slots[layer, 0].index_copy_(0, slot_mapping, k)
-        self.slots[layer, 1].index_copy_(0, slot_mapping, v)
+        """Stores `k`/`v` `[tokens, kv_heads, head_dim]` at `slot_mapping` `[tokens]`."""
+        self.slots[layer, 0].index_copy_(1, slot_mapping, k.transpose(0, 1))
+        self.slots[layer, 1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `slots` (any shape); returns `slots.shape + (kv_heads, head_dim)`."""
-        return self.slots[layer, 0][slots], self.slots[layer, 1][slots]
-
-
-def slots_for(pages: Sequence[int], start: int, end: int, page_size: int) -> torch.Tensor:
-    """Slots of tokens `start..end` of a sequence whose pages are `pages`."""
-    positions = torch.arange(start, end)
-    page_ids = torch.tensor(pages, dtype=torch.long)[positions // page_size]
-    return page_ids * page_size + positions % page_size
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each `[kv_heads, slots, head_dim]` (views)."""
+        return self.slots[layer, 0], self.slots[layer, 1]

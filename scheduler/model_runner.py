@@ -7,10 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iris_serve.scheduler.attention import PagedAttention, SequenceChunk
+from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk
 from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
 from iris_serve.scheduler.image_encoder import ChunkImages
-from iris_serve.scheduler.kv_cache import KVCache
 from iris_serve.scheduler.sampling import Sampler, SamplingRow
 
 if TYPE_CHECKING:
@@ -21,12 +20,12 @@ class ModelRunner:
     def __init__(
         self,
         model: Qwen2VLForCausalLM,
-        kv_cache: KVCache,
+        attention: AttentionBackend,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.attention = attention
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler()
@@ -43,10 +42,13 @@ class ModelRunner:
         embeddings = self.model.embed_tokens(input_ids)
         self._splice_images(embeddings, chunks, images)
 
-        attention = PagedAttention(
-            self.kv_cache,
-            [SequenceChunk(c.request.page_table.pages, c.start, c.num_tokens) for c in chunks],
-            self.device,
+        attention = self.attention.prepare(
+            [
+                SequenceChunk(
+                    c.request.page_table.pages, c.request.page_table.runs, c.start, c.num_tokens
+                )
+                for c in chunks
+            ]
         )
         hidden = self.model(embeddings, positions.to(self.device), attention)
 

@@ -13,17 +13,20 @@ the cached tokens, a preemption drops it to zero with the pages.
 
 The table lives as long as its request, across preemptions, so per-sequence state that
 only grows with it (the prefix key chain now; a slot mapping extended per step later)
-can be kept here rather than rebuilt.
+can be kept here rather than rebuilt: the runs of consecutive pages are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+PageRun = tuple[int, int]  # (first page, number of consecutive pages)
 
 
 class PageTable:
     def __init__(self) -> None:
         self._pages: list[int] = []
+        self._runs: list[PageRun] = []
         self._num_computed_tokens = 0
         self._keys: list[bytes] = []
         self._num_registered_pages = 0
@@ -33,6 +36,16 @@ class PageTable:
         """The pages holding the request's tokens in order: page `i` holds tokens
         `i * page_size ..`; the last ones may be reserved for the step being planned."""
         return self._pages
+
+    @property
+    def runs(self) -> Sequence[PageRun]:
+        """`pages` grouped into maximal runs of consecutive ids, kept as pages are added
+        (attention reads each run in place; `free_pages.py` keeps them few)."""
+        return self._runs
+
+    @property
+    def last_page(self) -> int | None:
+        return self._pages[-1] if self._pages else None
 
     @property
     def num_computed_tokens(self) -> int:
@@ -56,11 +69,13 @@ class PageTable:
         `num_cached_tokens` computed tokens and are registered already; `new` follow."""
         assert not self._pages, "a table is admitted only while it holds no pages"
         self._pages = cached + new
+        self._runs = page_runs(self._pages)
         self._num_computed_tokens = num_cached_tokens
         self._num_registered_pages = len(cached)
 
     def extend(self, pages: list[int]) -> None:
         self._pages.extend(pages)
+        _append_runs(self._runs, pages)
 
     def advance(self, num_tokens: int) -> None:
         """Counts `num_tokens` more as computed: the planner has put them in the step."""
@@ -70,6 +85,7 @@ class PageTable:
         """Empties the table (nothing computed, nothing registered) and returns the pages
         it held, for the caller to drop its references on. The key chain stays."""
         pages, self._pages = self._pages, []
+        self._runs = []
         self._num_computed_tokens = 0
         self._num_registered_pages = 0
         return pages
@@ -84,3 +100,18 @@ class PageTable:
         """Records that the first `num_pages` pages are now registered."""
         assert num_pages >= self._num_registered_pages, "registration only grows"
         self._num_registered_pages = num_pages
+
+
+def page_runs(pages: Iterable[int]) -> list[PageRun]:
+    """`pages` grouped into maximal runs of consecutive ids, in order."""
+    runs: list[PageRun] = []
+    _append_runs(runs, pages)
+    return runs
+
+
+def _append_runs(runs: list[PageRun], pages: Iterable[int]) -> None:
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))

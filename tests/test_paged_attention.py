@@ -1,10 +1,13 @@
 """Paged attention equals dense causal attention, for any mix of chunks and decodes."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from iris_serve.scheduler.attention import PagedAttention, SequenceChunk
+from iris_serve.scheduler.attention import SequenceChunk
+from iris_serve.scheduler.attention.sdpa import SdpaBackend
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.page_table import page_runs
 
 torch.set_num_threads(2)
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 8, 4
@@ -20,7 +23,8 @@ def dense_causal(q, k, v):
     return out.transpose(0, 1)
 
 
-def test_chunked_prefill_and_batched_decode_match_dense_attention():
+@pytest.mark.parametrize("layout", ["scattered pages", "one run per sequence"])
+def test_chunked_prefill_and_batched_decode_match_dense_attention(layout):
     g = torch.Generator().manual_seed(0)
     lengths = [11, 5, 17]
     seqs = [
@@ -34,19 +38,22 @@ def test_chunked_prefill_and_batched_decode_match_dense_attention():
     cache = KVCache(
         KVLayout(1, KV_HEADS, DIM, PAGE, torch.float32), num_pages=32, device=torch.device("cpu")
     )
-    # Scattered, non-contiguous pages for every sequence.
-    pages = [cache.pool.allocate(5)[::-1] for _ in lengths]
+    if layout == "scattered pages":  # every page its own run: the copy path
+        pages = [cache.pool.allocate(5)[::-1] for _ in lengths]
+    else:  # the views read in place
+        pages = [cache.pool.allocate(5) for _ in lengths]
+        assert all(len(page_runs(p)) == 1 for p in pages)
     # Feed each sequence in uneven steps; sequences share steps.
     schedules = [[3, 4, 1, 1, 1, 1], [5], [8, 1, 6, 1, 1]]
     done = [0, 0, 0]
     outputs = [[] for _ in lengths]
     for step in range(max(len(s) for s in schedules)):
         members = [i for i, s in enumerate(schedules) if step < len(s)]
-        chunks = [SequenceChunk(pages[i], done[i], schedules[i][step]) for i in members]
+        chunks = [SequenceChunk.of(pages[i], done[i], schedules[i][step]) for i in members]
         q = torch.cat([seqs[i][0][done[i] : done[i] + schedules[i][step]] for i in members])
         k = torch.cat([seqs[i][1][done[i] : done[i] + schedules[i][step]] for i in members])
         v = torch.cat([seqs[i][2][done[i] : done[i] + schedules[i][step]] for i in members])
-        out = PagedAttention(cache, chunks, torch.device("cpu")).attend(0, q, k, v)
+        out = SdpaBackend(cache, torch.device("cpu")).prepare(chunks).attend(0, q, k, v)
         row = 0
         for i in members:
             outputs[i].append(out[row : row + schedules[i][step]])

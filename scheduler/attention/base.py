@@ -1,0 +1,77 @@
+"""What every attention backend is handed, and what it hands the model.
+
+A step is a list of `SequenceChunk`s, one per scheduled sequence, flat in the order of
+the step's tokens. `AttentionBackend.prepare` turns it into the step's
+`AttentionContext` (`models/attention_api.py`): once per step it builds whatever
+metadata its kernels need, then every layer's `attend` writes that layer's new K/V into
+the pages and attends over each sequence's history plus its new tokens, causally.
+
+The KV cache is one tensor `[layers, 2, kv_heads, slots, head_dim]` (`kv_cache.py`):
+slot `page * page_size + offset`, so a page's tokens are consecutive rows of each head,
+and consecutive pages are one contiguous stretch. Each chunk carries its pages both as a
+list and as *runs* (maximal stretches of consecutive page ids) that the page table keeps
+as it grows, so no backend needs to walk a sequence's whole history on the host.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from iris_serve.scheduler.kv_cache import KVCache
+from iris_serve.scheduler.models.attention_api import AttentionContext
+from iris_serve.scheduler.page_table import PageRun, page_runs
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One sequence's share of a step: `num_new` tokens after `num_cached` cached ones.
+
+    `pages` hold the sequence's tokens in order (page `i`: tokens `i * page_size ..`);
+    `runs` are the same pages grouped into stretches of consecutive ids.
+    """
+
+    pages: Sequence[int]
+    runs: Sequence[PageRun]
+    num_cached: int
+    num_new: int
+
+    @classmethod
+    def of(cls, pages: Sequence[int], num_cached: int, num_new: int) -> SequenceChunk:
+        """A chunk whose runs are computed from `pages` (tests; the engine keeps them)."""
+        return cls(pages, page_runs(pages), num_cached, num_new)
+
+    @property
+    def context_len(self) -> int:
+        return self.num_cached + self.num_new
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new == 1 and self.num_cached > 0
+
+
+def new_token_slots(chunk: SequenceChunk, page_size: int) -> list[int]:
+    """The slots of the chunk's new tokens: O(new tokens), whatever the history."""
+    slots = []
+    for position in range(chunk.num_cached, chunk.context_len):
+        page = chunk.pages[position // page_size]
+        slots.append(page * page_size + position % page_size)
+    return slots
+
+
+class AttentionBackend(ABC):
+    """A way to run paged attention on a device; one instance per engine."""
+
+    name: ClassVar[str]
+
+    def __init__(self, kv_cache: KVCache, device: torch.device) -> None:
+        self.kv_cache = kv_cache
+        self.device = device
+
+    @abstractmethod
+    def prepare(self, chunks: Sequence[SequenceChunk]) -> AttentionContext:
+        """The step's attention: metadata built once here, reused by every layer."""

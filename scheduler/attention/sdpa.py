@@ -1,0 +1,139 @@
+"""The `sdpa` backend: torch's scaled_dot_product_attention over the paged cache in place.
+
+Nothing is gathered. The cache is head-major (`[kv_heads, slots, head_dim]` per layer),
+so a run of consecutive pages is a strided view that SDPA reads as it is, and the
+allocator keeps a sequence's pages in few runs (`free_pages.py`). Per sequence and layer:
+
+- a decode (one new token after cached ones) is one SDPA call over the view of its
+  context, with the query heads of each KV head packed as that head's query rows
+  (grouped-query attention without expanding K/V, and no mask: the token sees all);
+- a prefill chunk with no history attends causally over its own new k/v;
+- a prefill chunk after cached tokens attends over the view of its whole context with
+  a causal mask shifted by the cached tokens.
+
+A sequence whose context spans several runs has them concatenated (one copy of that
+sequence's K/V for that layer); with the allocator that is the exception: a prefix
+shared with another sequence, or a pool fragmented by evictions.
+
+Host work per step is O(new tokens + runs): the new tokens' slots and each chunk's runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from iris_serve.scheduler.attention.base import AttentionBackend, SequenceChunk, new_token_slots
+from iris_serve.scheduler.kv_cache import KVCache
+
+SlotSpan = tuple[int, int]  # (first slot, number of slots)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One chunk's attention in a step: its query rows and where its context lives."""
+
+    rows: slice
+    spans: tuple[SlotSpan, ...]  # the context's slots, in order; empty: no history read
+    is_decode: bool
+    mask: torch.Tensor | None  # [new, context] bool for a chunk after cached tokens
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def prepare(self, chunks: Sequence[SequenceChunk]) -> SdpaStep:
+        return SdpaStep(self.kv_cache, chunks, self.device)
+
+
+class SdpaStep:
+    """The `AttentionContext` of one step."""
+
+    def __init__(
+        self, kv_cache: KVCache, chunks: Sequence[SequenceChunk], device: torch.device
+    ) -> None:
+        self.kv_cache = kv_cache
+        page_size = kv_cache.page_size
+        slots = [slot for chunk in chunks for slot in new_token_slots(chunk, page_size)]
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)
+        self.items: list[_Item] = []
+        row = 0
+        for chunk in chunks:
+            rows = slice(row, row + chunk.num_new)
+            row += chunk.num_new
+            if chunk.num_cached == 0:
+                self.items.append(_Item(rows, (), is_decode=False, mask=None))
+                continue
+            spans = _context_spans(chunk, page_size)
+            mask = None
+            if not chunk.is_decode:
+                mask = torch.ones(chunk.num_new, chunk.context_len, dtype=torch.bool)
+                mask = mask.tril(diagonal=chunk.num_cached).to(device)
+            self.items.append(_Item(rows, spans, chunk.is_decode, mask))
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.kv_cache.write(layer_idx, self.slot_mapping, k, v)
+        keys, values = self.kv_cache.layer(layer_idx)  # [kv_heads, slots, head_dim]
+        num_kv_heads = keys.shape[0]
+        out = torch.empty_like(q)
+        for item in self.items:
+            query = q[item.rows]  # [new, heads, head_dim]
+            if not item.spans:
+                out[item.rows] = _causal(query, k[item.rows], v[item.rows])
+                continue
+            context_k = _context(keys, item.spans)  # [kv_heads, context, head_dim]
+            context_v = _context(values, item.spans)
+            if item.is_decode:
+                packed = query.view(num_kv_heads, -1, query.shape[-1])  # [kv, group, dim]
+                attended = F.scaled_dot_product_attention(
+                    packed.unsqueeze(0), context_k.unsqueeze(0), context_v.unsqueeze(0)
+                )
+                out[item.rows] = attended.reshape(query.shape)
+            else:
+                attended = F.scaled_dot_product_attention(
+                    query.transpose(0, 1).unsqueeze(0),
+                    context_k.unsqueeze(0),
+                    context_v.unsqueeze(0),
+                    attn_mask=item.mask,
+                    enable_gqa=num_kv_heads != query.shape[1],
+                )
+                out[item.rows] = attended[0].transpose(0, 1)
+        return out
+
+
+def _context_spans(chunk: SequenceChunk, page_size: int) -> tuple[SlotSpan, ...]:
+    """The slots of the chunk's first `context_len` tokens as spans, one per page run."""
+    spans = []
+    remaining = chunk.context_len
+    for first_page, num_pages in chunk.runs:
+        length = min(num_pages * page_size, remaining)
+        spans.append((first_page * page_size, length))
+        remaining -= length
+        if remaining == 0:
+            break
+    return tuple(spans)
+
+
+def _context(cache: torch.Tensor, spans: tuple[SlotSpan, ...]) -> torch.Tensor:
+    """`[kv_heads, context, head_dim]`: a view for one span, a copy for several."""
+    if len(spans) == 1:
+        start, length = spans[0]
+        return cache[:, start : start + length]
+    return torch.cat([cache[:, start : start + length] for start, length in spans], dim=1)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a chunk over itself: q `[n, heads, dim]`, k/v `[n, kv, dim]`."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out[0].transpose(0, 1)
