@@ -13,13 +13,18 @@ Two passes over `--steps` decode-only steps:
 
 - timed: `Engine.step()` wall time per step, and, with timers wrapped around them from
   here (production code carries no hooks), the planner, the per-step attention
-  metadata (`PagedAttention` construction: slot lists, padded decode slots and masks)
-  and the sampler;
+  metadata (the backend's `prepare`: slots of the new tokens, each chunk's runs) and
+  the sampler;
 - profiled (`torch.profiler`, CPU): each aten op's self time, grouped into K/V writes
-  (`index_copy_` into the pages), K/V reads (`index`: the per-layer gather of every
-  decoding sequence's whole history into a padded tensor), the attention kernel (SDPA),
-  matmuls (QKV, O, MLP, logits) and the rest; "python and framework" is the timed step
-  minus every op's self time (the profiler's own cost is left out that way).
+  (`index_copy_` into the pages), K/V copies (`index`, `cat`: before the in-place
+  backend, the per-layer gather of every decoding sequence's whole history into a
+  padded tensor; now only contexts split over several page runs in a prefill chunk),
+  the attention kernel (SDPA), matmuls (QKV, O, MLP, logits) and the rest; "python and
+  framework" is the timed step minus every op's self time (the profiler's own cost is
+  left out that way).
+
+The requests share their prompt's full pages (prefix cache), so each decoding
+sequence's context is two runs of pages: the shared prefix and its own tail.
 
 IPC and detokenizing are not in process: the served path adds them (compare the
 served time per output token in `bench/results/peers_small.md`).
@@ -42,8 +47,6 @@ from torch.profiler import ProfilerActivity, profile
 from bench.results_io import markdown_table, write_result
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler import model_runner
-from iris_serve.scheduler.attention import PagedAttention
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
 from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
@@ -51,7 +54,7 @@ from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 # aten op name -> category of the table (first match wins; the rest is "other ops")
 CATEGORIES: list[tuple[str, Callable[[str], bool]]] = [
     ("K/V write", lambda op: op == "aten::index_copy_"),
-    ("K/V read (gather)", lambda op: op == "aten::index"),
+    ("K/V copies", lambda op: op in {"aten::index", "aten::cat"}),
     ("attention kernel", lambda op: "scaled_dot_product" in op or "flash_attention" in op),
     ("matmuls", lambda op: op in {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul"}),
 ]
@@ -75,24 +78,17 @@ class StageTimers:
 
     @contextlib.contextmanager
     def around(self, engine: Engine) -> Iterator[None]:
-        timers = self
-
-        class TimedAttention(PagedAttention):
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                started = time.perf_counter()
-                super().__init__(*args, **kwargs)
-                timers.seconds["attention metadata"] += time.perf_counter() - started
-
         planner_schedule, sampler = engine.planner.schedule, engine.runner.sampler
+        prepare = engine.attention.prepare
         engine.planner.schedule = self.wrap("planner", planner_schedule)  # type: ignore[method-assign]
         engine.runner.sampler = self.wrap("sampling", sampler)  # type: ignore[assignment]
-        model_runner.PagedAttention = TimedAttention  # type: ignore[misc]
+        engine.attention.prepare = self.wrap("attention metadata", prepare)  # type: ignore[method-assign]
         try:
             yield
         finally:
             engine.planner.schedule = planner_schedule  # type: ignore[method-assign]
             engine.runner.sampler = sampler
-            model_runner.PagedAttention = PagedAttention  # type: ignore[misc]
+            engine.attention.prepare = prepare  # type: ignore[method-assign]
 
 
 def start_decoding(engine: Engine, context: int, batch: int, steps: int) -> None:
@@ -147,7 +143,7 @@ def profile_point(model_dir: str, context: int, batch: int, steps: int) -> dict[
 
 COLUMNS = [
     "step",
-    "K/V read (gather)",
+    "K/V copies",
     "K/V write",
     "attention kernel",
     "matmuls",

@@ -62,3 +62,26 @@ def test_chunked_prefill_and_batched_decode_match_dense_attention(layout):
     for i, (q, k, v) in enumerate(seqs):
         got = torch.cat(outputs[i])
         torch.testing.assert_close(got, dense_causal(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_each_decode_reads_its_own_context_in_place(monkeypatch):
+    """A long context does not pad the batch: each decode's SDPA sees exactly its own
+    context, as a view of the cache (no gather, no copy)."""
+    cache = KVCache(
+        KVLayout(1, KV_HEADS, DIM, PAGE, torch.float32), num_pages=64, device=torch.device("cpu")
+    )
+    lengths = [3, 41]  # contexts after this step: 4 and 42 tokens
+    pages = [cache.pool.allocate(-(-(n + 1) // PAGE)) for n in lengths]
+    chunks = [SequenceChunk.of(p, n, 1) for p, n in zip(pages, lengths, strict=True)]
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        seen.append((k.shape[-2], k.untyped_storage().data_ptr()))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    step = SdpaBackend(cache, torch.device("cpu")).prepare(chunks)
+    step.attend(0, *(torch.randn(2, h, DIM) for h in (HEADS, KV_HEADS, KV_HEADS)))
+    cache_storage = cache.slots.untyped_storage().data_ptr()
+    assert seen == [(4, cache_storage), (42, cache_storage)]

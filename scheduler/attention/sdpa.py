@@ -11,9 +11,10 @@ allocator keeps a sequence's pages in few runs (`free_pages.py`). Per sequence a
 - a prefill chunk after cached tokens attends over the view of its whole context with
   a causal mask shifted by the cached tokens.
 
-A sequence whose context spans several runs has them concatenated (one copy of that
-sequence's K/V for that layer); with the allocator that is the exception: a prefix
-shared with another sequence, or a pool fragmented by evictions.
+A context can span several runs: a prefix shared with other sequences, or a pool
+fragmented by evictions. A decode then attends to each run on its own and merges the
+results by their log-sum-exps (CPU; elsewhere the runs are concatenated); a prefill
+chunk concatenates them (one copy of the context per layer, spread over its tokens).
 
 Host work per step is O(new tokens + runs): the new tokens' slots and each chunk's runs.
 """
@@ -86,15 +87,12 @@ class SdpaStep:
             if not item.spans:
                 out[item.rows] = _causal(query, k[item.rows], v[item.rows])
                 continue
-            context_k = _context(keys, item.spans)  # [kv_heads, context, head_dim]
-            context_v = _context(values, item.spans)
             if item.is_decode:
-                packed = query.view(num_kv_heads, -1, query.shape[-1])  # [kv, group, dim]
-                attended = F.scaled_dot_product_attention(
-                    packed.unsqueeze(0), context_k.unsqueeze(0), context_v.unsqueeze(0)
-                )
-                out[item.rows] = attended.reshape(query.shape)
+                packed = query.view(1, num_kv_heads, -1, query.shape[-1])  # [1, kv, group, D]
+                out[item.rows] = _decode(packed, keys, values, item.spans).reshape(query.shape)
             else:
+                context_k = _context(keys, item.spans)  # [kv_heads, context, head_dim]
+                context_v = _context(values, item.spans)
                 attended = F.scaled_dot_product_attention(
                     query.transpose(0, 1).unsqueeze(0),
                     context_k.unsqueeze(0),
@@ -117,6 +115,27 @@ def _context_spans(chunk: SequenceChunk, page_size: int) -> tuple[SlotSpan, ...]
         if remaining == 0:
             break
     return tuple(spans)
+
+
+def _decode(
+    packed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, spans: tuple[SlotSpan, ...]
+) -> torch.Tensor:
+    """One decode over its context's spans, no mask. Several spans on the CPU: one
+    flash-attention call per span, merged by their log-sum-exps (no copy of K/V)."""
+    if len(spans) == 1 or packed.device.type != "cpu":
+        k, v = _context(keys, spans), _context(values, spans)
+        return F.scaled_dot_product_attention(packed, k.unsqueeze(0), v.unsqueeze(0))
+    outs, lses = [], []
+    for start, length in spans:
+        k = keys[:, start : start + length].unsqueeze(0)
+        v = values[:, start : start + length].unsqueeze(0)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            packed, k, v, 0.0, False
+        )[:2]
+        outs.append(out)
+        lses.append(lse)
+    weights = torch.softmax(torch.stack(lses), dim=0).unsqueeze(-1)  # [spans, 1, kv, g, 1]
+    return (torch.stack(outs) * weights).sum(dim=0).to(packed.dtype)
 
 
 def _context(cache: torch.Tensor, spans: tuple[SlotSpan, ...]) -> torch.Tensor:
