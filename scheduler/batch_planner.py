@@ -123,6 +123,13 @@ class BatchPlanner:
         self._release(request)
         request.status = RequestStatus.FINISHED
 
+    def fail(self, request: Request, num_computed_tokens: int) -> None:
+        """Drops a request whose step raised: its progress goes back to what the steps
+        before computed (the failed one advanced it when planned), so releasing it
+        registers none of the pages whose KV that step was to write."""
+        request.page_table.rewind(num_computed_tokens)
+        self.finish(request)
+
     def _admit(self, request: Request, budget: int) -> bool:
         """Gives a waiting request (it holds no pages) its cached prefix and the pages
         for its first chunk; False, with nothing taken, when the pages do not fit."""

@@ -3,6 +3,8 @@
 One `step()` reads as the whole loop: plan the batch, encode the images its chunks need,
 run the model, account the results. The scheduler process drives exactly this object
 from its socket loop; `iris generate`, the tests and the benchmarks call it directly.
+When encoding, the forward or sampling raises, only the step's requests fail (they come
+out of `pop_failed`) and the engine goes on with the rest (see step_faults.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ from iris_serve.scheduler.pixels import Pin, PixelStore
 from iris_serve.scheduler.prefix_cache import PrefixCache
 from iris_serve.scheduler.request import Request
 from iris_serve.scheduler.sampling import check_sampling
+from iris_serve.scheduler.step_faults import (
+    FailedRequest,
+    client_message,
+    is_isolatable,
+    release_device_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +127,7 @@ class Engine:
         self.attention = create_backend(config.attention_backend, self.kv_cache, self.device)
         self.runner = ModelRunner(self.model, self.attention, self.device, self.dtype)
         self.requests: dict[str, Request] = {}
+        self._failed: list[FailedRequest] = []
         self._generate_ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -183,6 +192,12 @@ class Engine:
         finishes or is aborted. The scheduler process sends them back after every step."""
         return self.pixels.pop_released()
 
+    def pop_failed(self) -> list[FailedRequest]:
+        """Requests that a failed step ended since the previous call, each exactly once
+        (see `step`). The scheduler process sends each to its client as an error."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def drain_encoder_seconds(self) -> list[float]:
         """Durations of the vision-tower calls since the previous drain."""
         return self.image_encoder.drain_seconds()
@@ -217,9 +232,18 @@ class Engine:
             self.image_encoder.forget(request.request_id)
         if not plan.chunks:
             return []
-        images = self.image_encoder.encode(plan.chunks)  # only what these chunks overlap
-        sampled = self.runner.execute(plan, images)
-        return self._account(plan, sampled)
+        try:
+            images = self.image_encoder.encode(plan.chunks)  # only what these chunks overlap
+            sampled = self.runner.execute(plan, images)
+        except Exception as error:
+            if not is_isolatable(error):
+                raise
+            out_of_memory = self._fail_step(plan, error)
+        else:
+            return self._account(plan, sampled)
+        if out_of_memory:  # now that the traceback, and the step's tensors it held, are gone
+            release_device_memory(self.device)
+        return []
 
     def generate(
         self, prompts: Sequence[PromptInput], sampling: Sampling | Sequence[Sampling]
@@ -232,6 +256,9 @@ class Engine:
         outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
         for output in self.run_until_idle():
             outputs[output.request_id].extend(output.new_token_ids)
+        failed = [failure for failure in self.pop_failed() if failure.request_id in outputs]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(ids)} prompts failed: {failed[0].message}")
         return [outputs[request_id] for request_id in ids]
 
     def run_until_idle(self) -> Iterable[RequestOutput]:
@@ -268,6 +295,25 @@ class Engine:
                 )
             )
         return outputs
+
+    def _fail_step(self, plan: StepPlan, error: Exception) -> bool:
+        """Ends every request with a chunk in the failed step as on an abort (pages, pins,
+        image state) and queues its `FailedRequest`; requests outside the step are left
+        alone. Only what earlier steps computed may reach the prefix cache: the step's
+        own KV was never (or only partly) written. Returns whether it was an OOM."""
+        ids = [chunk.request.request_id for chunk in plan.chunks]
+        logger.error(
+            "a step failed; ending its %d requests (%s)", len(ids), ", ".join(ids), exc_info=error
+        )
+        message = client_message(error)
+        for chunk in plan.chunks:
+            request = chunk.request
+            self.planner.fail(request, num_computed_tokens=chunk.start)
+            request.finish_reason = "abort"
+            self.image_encoder.release(request.request_id)  # its pins wait in pop_released_pins
+            del self.requests[request.request_id]
+            self._failed.append(FailedRequest(request.request_id, message))
+        return isinstance(error, torch.OutOfMemoryError)
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         sampling = request.sampling

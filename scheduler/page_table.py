@@ -7,7 +7,9 @@ ints into the one preallocated KV tensor (`kv_cache.py`); a page's references ar
 
 `num_computed_tokens` counts the tokens whose KV is in the pages *once the planned step
 has run*: the planner advances it when it plans a chunk, and the step runs before the
-next `schedule`, so between steps it is exact. The planner is the one place that sets
+next `schedule`, so between steps it is exact. A step that raises is taken back
+(`rewind`) before its requests are released, so the prefix cache never registers a page
+whose KV that step was to write. The planner is the one place that sets
 progress because it is also where progress is reset: a prefix-cache hit starts it at
 the cached tokens, a preemption drops it to zero with the pages.
 
@@ -80,6 +82,13 @@ class PageTable:
     def advance(self, num_tokens: int) -> None:
         """Counts `num_tokens` more as computed: the planner has put them in the step."""
         self._num_computed_tokens += num_tokens
+
+    def rewind(self, num_computed_tokens: int) -> None:
+        """Takes back a planned step that did not run (it raised): only the first
+        `num_computed_tokens` tokens hold their KV. Registered pages lie below them (they
+        were registered from earlier progress), so registration stays as it is."""
+        assert num_computed_tokens <= self._num_computed_tokens, "rewind only goes back"
+        self._num_computed_tokens = num_computed_tokens
 
     def release(self) -> list[int]:
         """Empties the table (nothing computed, nothing registered) and returns the pages

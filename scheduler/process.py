@@ -9,6 +9,11 @@ owning worker's arena, and the engine holds each image's pin (its `ShmPointer`) 
 on (`scheduler.pixels.PixelStore`). What `Engine.pop_released_pins` hands back after every
 step or abort goes to the owning worker as `ReleaseImages`: an image's pin as soon as the
 request holds its embedding, whatever is left when the request finishes or is aborted.
+
+What goes to the server (tokens, per-request errors, stats) is queued on a `PushThread`:
+its own thread sends it in order, so a step never waits on a slow server and nothing is
+dropped while it catches up. A step that raises fails only its requests (`Engine.step`):
+each gets a 500 `RequestError`, and the loop serves the rest.
 """
 
 from __future__ import annotations
@@ -44,10 +49,12 @@ from iris_serve.ipc.messages import (
     ToServer,
     context_length_error,
 )
+from iris_serve.ipc.push_thread import PushThread
 from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.step_faults import STEP_ERROR_STATUS, STEP_ERROR_TYPE
 
 logger = logging.getLogger("iris.scheduler")
 IDLE_POLL_SECONDS = 0.1
@@ -70,7 +77,9 @@ class SchedulerLoop:
     def __init__(self, engine: Engine, run_dir: Path, num_workers: int) -> None:
         self.engine = engine
         self.inbox = PullSocket(TOKENIZER_TO_SCHEDULER, ipc_address(run_dir, "scheduler"))
-        self.to_server = PushSocket(TO_SERVER, ipc_address(run_dir, "server"))
+        self.to_server = PushThread(
+            TO_SERVER, ipc_address(run_dir, "server"), name="iris-to-server"
+        )
         self.to_workers = [
             PushSocket(SCHEDULER_TO_TOKENIZER, ipc_address(run_dir, f"release-{i}"))
             for i in range(num_workers)
@@ -97,6 +106,7 @@ class SchedulerLoop:
             # /metrics already shows the step that produced it.
             self._send_stats()
             self._send_outputs(outputs)
+            self._send_failures()
 
     def close(self) -> None:
         for request_id in list(self.engine.requests):
@@ -151,6 +161,13 @@ class SchedulerLoop:
             return
         self._send(TokenBatch(outputs))
 
+    def _send_failures(self) -> None:
+        """A 500 for each request a failed step ended (the engine logged the traceback)."""
+        for failed in self.engine.pop_failed():
+            self._send(
+                RequestError(failed.request_id, STEP_ERROR_STATUS, failed.message, STEP_ERROR_TYPE)
+            )
+
     def _send_stats(self) -> None:
         """Gauges for /metrics: sent when they change, at most every 0.2 s while busy,
         and always once the engine is idle (so a test sees the settled values).
@@ -175,10 +192,7 @@ class SchedulerLoop:
         self._encoder_seconds = []
 
     def _send(self, message: ToServer) -> None:
-        try:
-            self.to_server.send(message)
-        except TimeoutError:
-            logger.error("the server took no message for 5 s; dropping %s", type(message).__name__)
+        self.to_server.send(message)  # queued; the sender thread waits on the server
 
     def _release_pins(self) -> None:
         self._send_releases(self.engine.pop_released_pins())
@@ -243,10 +257,15 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
         engine.kv_cache.page_size,
         engine.max_model_len,
     )
+    status = 1  # an error the engine could not isolate (a poisoned CUDA context) ends here
     try:
         loop.run()
+        status = 0
+    except Exception:
+        logger.exception("the scheduler loop failed")
     finally:
         loop.close()
         logger.info("stopped")
         logging.shutdown()
-        os._exit(0)  # skip the interpreter's teardown: a final GC can outlast the grace period
+        # Skip the interpreter's teardown: a final GC can outlast the grace period.
+        os._exit(status)

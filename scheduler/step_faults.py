@@ -1,0 +1,57 @@
+"""What a step that raises costs: the requests in it, not the scheduler.
+
+An exception out of the image encoder, the forward or the sampler of one step fails the
+requests that had a chunk in that step (`Engine.step`): each ends with a `FailedRequest`,
+which the scheduler process sends to the server as a 500 `RequestError`. Their pages,
+pins and image state go back as on an abort, and the scheduler goes on with the others.
+
+Two kinds of errors are not isolated this way:
+
+- `torch.AcceleratorError` (an illegal address, a device-side assert, a launch failure):
+  CUDA keeps the context poisoned, so every later step would fail too. It propagates,
+  the scheduler process exits non-zero, and the launcher stops the server (a supervisor
+  restarts it). Serving errors for hours from a dead context is the failure to avoid.
+- Anything that is not an `Exception` (KeyboardInterrupt, SystemExit).
+
+`torch.OutOfMemoryError` is recoverable: after the failed step's tensors are gone the
+caching allocator's free blocks go back to the device (`release_device_memory`), so the
+next, smaller, step can allocate them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STEP_ERROR_STATUS = 500
+STEP_ERROR_TYPE = "server_error"  # what the server's errors.error_type gives a 500
+
+
+@dataclass(frozen=True)
+class FailedRequest:
+    """A request ended by a failed step, with the message its client reads."""
+
+    request_id: str
+    message: str
+
+
+def is_isolatable(error: BaseException) -> bool:
+    """True when failing the step's requests is enough and the scheduler can go on."""
+    return isinstance(error, Exception) and not isinstance(error, torch.AcceleratorError)
+
+
+def client_message(error: Exception) -> str:
+    """The message a failed request's client reads: what happened, not our internals (the
+    traceback is in the scheduler's log)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return "the engine ran out of device memory running this request; try again"
+    return f"internal error in the engine while running this request: {type(error).__name__}"
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hands the caching allocator's free blocks back to the device after a step failed
+    with an OOM; call it once the exception is no longer referenced, since its traceback
+    keeps the step's tensors alive."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,25 @@
+"""Test-only fault injection for a real `iris serve` (tests/test_server_faults_e2e.py).
+
+Python imports `sitecustomize` at start-up in every process whose PYTHONPATH holds this
+folder: the launcher and each spawned child. With `IRIS_TEST_FAULT_SEED` set, the model
+runner raises on every step that holds a request sampled with that seed, so a test can
+fail one request of its choosing. Nothing outside tests/ reads the variable or this file.
+"""
+
+from __future__ import annotations
+
+import os
+
+_SEED = os.environ.get("IRIS_TEST_FAULT_SEED")
+
+if _SEED is not None:
+    from iris_serve.scheduler.model_runner import ModelRunner
+
+    _execute = ModelRunner.execute
+
+    def _faulty_execute(self, plan, images):  # type: ignore[no-untyped-def]
+        if any(chunk.request.sampling.seed == int(_SEED) for chunk in plan.chunks):
+            raise RuntimeError("fault injected by tests/fault_injection")
+        return _execute(self, plan, images)
+
+    ModelRunner.execute = _faulty_execute  # type: ignore[method-assign]
