@@ -39,7 +39,7 @@ _PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLPro
 
 def resolve_name(name: str) -> str:
     """The table's key for `name`: `Qwen/` prefix and `-Instruct` suffix optional, any case."""
-    wanted = name.strip().removeprefix("Qwen/").lower().removesuffix("-instruct")
+    wanted = name.strip().lower().removeprefix("qwen/").removesuffix("-instruct")
     for known in KNOWN_CONFIGS:
         if known.lower().removesuffix("-instruct") == wanted:
             return known
