@@ -11,6 +11,10 @@ head_dim 16, ViT 32 wide x 3 blocks; 0.3-0.4M parameters) and `small` (text 512 
 4 / 2 heads of 128, ViT 320 x 8 blocks; ~40M). Vocabulary: 1536 (1522 BPE + 14 specials).
 Qwen2-VL checkpoints tie lm_head to the input embeddings; Qwen2.5-VL ones do not.
 
+Real-size checkpoints (`iris tiny-model --like Qwen2.5-VL-7B-Instruct`: the published
+config.json, random bf16 weights streamed into 4 GB shards, this tokenizer padded so its
+special tokens sit at Qwen's ids) are written by `like.py`.
+
 Heavy imports (torch, transformers) happen inside the functions, so importing this package
 for its CLI entry point is cheap.
 """

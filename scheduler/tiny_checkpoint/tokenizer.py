@@ -8,7 +8,9 @@ Qwen2-VL's, in Qwen2-VL's order, placed after the BPE vocabulary as in the real 
 
 from __future__ import annotations
 
+import itertools
 import json
+import string
 from functools import lru_cache
 from importlib import resources
 
@@ -47,9 +49,14 @@ BPE_VOCAB_SIZE = 1522
 VOCAB_SIZE = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
 
 
-def token_id(token: str) -> int:
-    """Id of a special token in the tiny tokenizer (no tokenizer needs to be built)."""
-    return BPE_VOCAB_SIZE + SPECIAL_TOKENS.index(token)
+# Where Qwen2's tokenizer puts its first special token (<|endoftext|>): 151643 BPE entries.
+REAL_FIRST_SPECIAL_ID = 151643
+
+
+def token_id(token: str, first_special_id: int = BPE_VOCAB_SIZE) -> int:
+    """Id of a special token in the tiny tokenizer (no tokenizer needs to be built);
+    `first_special_id` as given to `build_tokenizer`."""
+    return first_special_id + SPECIAL_TOKENS.index(token)
 
 
 def corpus_text() -> str:
@@ -86,13 +93,18 @@ def _train_bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     return vocab, merges
 
 
-def build_tokenizer(processor_class: str | None = None) -> Qwen2Tokenizer:
+def build_tokenizer(
+    processor_class: str | None = None, first_special_id: int = BPE_VOCAB_SIZE
+) -> Qwen2Tokenizer:
     """The tiny tokenizer as a transformers `Qwen2Tokenizer`, chat template attached.
 
     `processor_class` is recorded in tokenizer_config.json, as `ProcessorMixin.save_pretrained`
-    does for real Qwen-VL checkpoints.
+    does for real Qwen-VL checkpoints. `first_special_id` places the special tokens where a
+    real-size config expects them (151643 for Qwen's, `REAL_FIRST_SPECIAL_ID`): the BPE
+    vocabulary is padded with filler entries up to that id (see `filler_tokens`).
     """
     vocab, merges = _train_bpe()
+    vocab = {**vocab, **filler_tokens(vocab, first_special_id)}
     # Qwen2Tokenizer registers its special tokens in the order eos/unk/pad, then the extra
     # ones; building with eos=<|endoftext|> puts every special at its Qwen2-VL position.
     tokenizer = Qwen2Tokenizer(
@@ -114,6 +126,23 @@ def build_tokenizer(processor_class: str | None = None) -> Qwen2Tokenizer:
     if processor_class is not None:
         tokenizer._set_processor_class(processor_class)
     ids = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
-    if ids != [token_id(t) for t in SPECIAL_TOKENS] or len(tokenizer) != VOCAB_SIZE:
+    expected = [token_id(t, first_special_id) for t in SPECIAL_TOKENS]
+    if ids != expected or len(tokenizer) != first_special_id + len(SPECIAL_TOKENS):
         raise RuntimeError(f"unexpected special-token layout: {ids}, len={len(tokenizer)}")
     return tokenizer
+
+
+def filler_tokens(vocab: dict[str, int], first_special_id: int) -> dict[str, int]:
+    """Vocabulary entries `len(vocab) .. first_special_id - 1`, none of them reachable.
+
+    Each is a space plus a made-up four-letter word ("Ġaaab" decodes to " aaab"), about as long
+    as a real token, so text decoded from a random real-size model reads like words. No merge
+    produces them, so encoding never yields one; they exist only to be decoded.
+    """
+    fillers: dict[str, int] = {}
+    words = ("".join(letters) for letters in itertools.product(string.ascii_lowercase, repeat=4))
+    while len(vocab) + len(fillers) < first_special_id:
+        token = "\u0120" + next(words)  # byte-level BPE's spelling of a leading space
+        if token not in vocab:
+            fillers[token] = len(vocab) + len(fillers)
+    return fillers

@@ -1,0 +1,185 @@
+"""Real-size random checkpoints: `iris tiny-model --like Qwen2.5-VL-7B-Instruct`.
+
+The config.json is the published one (`known_configs.KNOWN_CONFIGS`, hub layout), the
+weights are random and streamed to safetensors shards (`shards.py`), the tokenizer, chat
+template and image processor are the tiny checkpoint's. The tokenizer's vocabulary is padded
+so that its special tokens sit at Qwen's real ids (<|endoftext|> 151643 ... <|video_pad|>
+151656), the ids the config names; nothing in config.json is changed to fit the tokenizer.
+
+Tensor names and shapes come from transformers' own model class built on the meta device,
+renamed to the hub's layout (`model.layers.*`, `visual.*`), so transformers and Iris's loader
+read the files exactly as they read a downloaded checkpoint.
+
+`num_layers` / `vision_depth` shrink the depth for quick checks; such a checkpoint is no
+longer the named config (the stamp file says `"exact": false`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .known_configs import KNOWN_CONFIGS
+from .shards import TensorSpec, write_sharded
+
+LIKE_DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_MAX_SHARD_SIZE = "4GB"
+# Every matrix is N(0, (INIT_GAIN / sqrt(fan_in))^2), so each linear keeps the scale of its
+# input times 1.6; this is `configs.SHAPES[...].init_std * sqrt(hidden)` of the tiny models
+# (varied greedy text, moderate activations), applied per tensor. Norms are 1, biases 0.
+INIT_GAIN = 1.6
+# transformers' in-memory names -> the hub's checkpoint names (what save_pretrained writes)
+_HUB_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+_PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+
+
+def resolve_name(name: str) -> str:
+    """The table's key for `name`: `Qwen/` prefix and `-Instruct` suffix optional, any case."""
+    wanted = name.strip().lower().removeprefix("qwen/").removesuffix("-instruct")
+    for known in KNOWN_CONFIGS:
+        if known.lower().removesuffix("-instruct") == wanted:
+            return known
+    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(KNOWN_CONFIGS)}")
+
+
+def like_config(
+    name: str,
+    dtype: str = "bfloat16",
+    num_layers: int | None = None,
+    vision_depth: int | None = None,
+) -> dict[str, Any]:
+    """The config.json of `name` (hub layout), with `torch_dtype` set to `dtype` and, when
+    asked, fewer text layers / vision blocks (full-attention blocks past the new depth drop)."""
+    if dtype not in LIKE_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {LIKE_DTYPES}")
+    config = copy.deepcopy(KNOWN_CONFIGS[resolve_name(name)])
+    config["torch_dtype"] = dtype
+    if num_layers is not None:
+        config["num_hidden_layers"] = _depth(num_layers, config["num_hidden_layers"], "layers")
+    vision = config["vision_config"]
+    if vision_depth is not None:
+        vision["depth"] = _depth(vision_depth, vision["depth"], "vision blocks")
+        if "fullatt_block_indexes" in vision:
+            vision["fullatt_block_indexes"] = [
+                i for i in vision["fullatt_block_indexes"] if i < vision["depth"]
+            ]
+    return config
+
+
+def _depth(value: int, full: int, what: str) -> int:
+    if not 1 <= value <= full:
+        raise ValueError(f"{what} must be between 1 and {full}, got {value}")
+    return value
+
+
+def generate_like_checkpoint(
+    name: str,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    num_layers: int | None = None,
+    vision_depth: int | None = None,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    progress: Callable[[str], None] | None = None,
+    device: str = "cpu",
+) -> Path:
+    """Writes a random-weight checkpoint with `name`'s config into `out_dir`; see the module."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from . import GENERATOR_VERSION, STAMP_FILE
+    from .processor import save_image_processor
+    from .tokenizer import (
+        BOS_TOKEN,
+        EOS_TOKEN,
+        PAD_TOKEN,
+        REAL_FIRST_SPECIAL_ID,
+        build_tokenizer,
+        token_id,
+    )
+
+    config = like_config(name, dtype, num_layers, vision_depth)
+    max_shard_bytes = convert_file_size_to_int(max_shard_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model-*-of-*.safetensors"), *out.glob("model.safetensors*")]:
+        stale.unlink()
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+    def special(token: str) -> int:
+        return token_id(token, REAL_FIRST_SPECIAL_ID)
+
+    # The ids config.json names must be the tokenizer's; fails loudly if the table drifts.
+    for key, token in [
+        ("image_token_id", "<|image_pad|>"),
+        ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"),
+        ("eos_token_id", EOS_TOKEN),
+        ("bos_token_id", BOS_TOKEN),
+    ]:
+        if config[key] != special(token):
+            raise RuntimeError(f"{key} {config[key]} != tokenizer id {special(token)} of {token}")
+    # As the tiny checkpoints: Qwen's EOS ids, none of the hub's sampling defaults (greedy).
+    GenerationConfig(
+        bos_token_id=special(BOS_TOKEN),
+        eos_token_id=[special(EOS_TOKEN), special(PAD_TOKEN)],
+        pad_token_id=special(PAD_TOKEN),
+    ).save_pretrained(out)
+    processor_class = _PROCESSOR_CLASS[config["model_type"]]
+    build_tokenizer(processor_class, first_special_id=REAL_FIRST_SPECIAL_ID).save_pretrained(out)
+    save_image_processor(out)
+
+    specs = tensor_specs(out)
+    write_sharded(specs, out, getattr(torch, dtype), seed, max_shard_bytes, progress, device)
+    stamp = {
+        "like": resolve_name(name),
+        "exact": num_layers is None and vision_depth is None,
+        "num_layers": config["num_hidden_layers"],
+        "vision_depth": config["vision_config"]["depth"],
+        "seed": seed,
+        "device": device,
+        "dtype": dtype,
+        "max_shard_size": max_shard_size,
+        "init_gain": INIT_GAIN,
+        "generator_version": GENERATOR_VERSION,
+    }
+    (out / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def tensor_specs(model_dir: Path) -> list[TensorSpec]:
+    """Every tensor a hub checkpoint with `model_dir`'s config.json holds, hub-named, with its
+    init: transformers' model built on the meta device (no memory) says names and shapes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    tied = bool(config.tie_word_embeddings)
+    specs = []
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue  # hub checkpoints of tied models store the embedding once
+        specs.append(_spec(_hub_name(name), tuple(tensor.shape)))
+    return specs
+
+
+def _hub_name(name: str) -> str:
+    for old, new in _HUB_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def _spec(name: str, shape: tuple[int, ...]) -> TensorSpec:
+    if len(shape) == 1:
+        return TensorSpec(name, shape, "zeros" if name.endswith(".bias") else "ones")
+    fan_in = math.prod(shape[1:])
+    return TensorSpec(name, shape, "normal", INIT_GAIN / math.sqrt(fan_in))
