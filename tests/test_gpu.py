@@ -1,0 +1,104 @@
+"""On a GPU: bf16 greedy tokens against transformers on the same GPU, per attention
+backend, and every backend against `sdpa` on random mixed batches.
+
+    pytest -m gpu        # on a machine with CUDA (skipped elsewhere, see conftest.py)
+
+bf16 sums in a different order than transformers' eager attention, so two correct
+implementations may part ways after a near-tie; the assertion reports where.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iris_serve.ipc.messages import Sampling
+from iris_serve.scheduler.attention import SequenceChunk, create_backend
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
+from tests.reference import chat_prompt, make_image
+
+pytestmark = pytest.mark.gpu
+MAX_NEW = 12
+
+
+def _backends() -> list[str]:
+    from iris_serve.scheduler.attention import BACKEND_NAMES
+
+    return [name for name in BACKEND_NAMES if name != "auto"]
+
+
+@pytest.fixture(scope="module")
+def small_bf16(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("qwen2_5_vl", size="small", dtype="bfloat16"))
+
+
+def _transformers_tokens(model_dir: str, prompt) -> list[int]:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = model.to("cuda").eval()
+    input_ids = torch.tensor([prompt.token_ids], device="cuda")
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    if prompt.images:
+        inputs["pixel_values"] = torch.cat(prompt.pixels).to("cuda", torch.bfloat16)
+        inputs["image_grid_thw"] = torch.tensor(
+            [image.grid_thw for image in prompt.images], device="cuda"
+        )
+        inputs["mm_token_type_ids"] = (input_ids == model.config.image_token_id).int()
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, num_beams=1)
+    return output[0, input_ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_bf16_greedy_tokens_equal_transformers_on_the_gpu(small_bf16, backend):
+    builder = PromptBuilder(small_bf16)
+    prompts = [
+        chat_prompt(builder, "Describe the weather in three words."),
+        chat_prompt(builder, "What is in the picture?", [make_image(320, 240, seed=3)]),
+    ]
+    engine = Engine(
+        EngineConfig(
+            model=small_bf16,
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend=backend,
+            num_kv_pages=1024,  # leave the GPU to the transformers reference too
+        )
+    )
+    for prompt in prompts:
+        [got] = engine.generate([prompt], Sampling(temperature=0.0, max_tokens=MAX_NEW))
+        expected = _transformers_tokens(small_bf16, prompt)
+        pairs = enumerate(zip(got, expected, strict=False))
+        first = next((i for i, (a, b) in pairs if a != b), min(len(got), len(expected)))
+        assert got == expected, f"{backend}: first divergence at token {first}: {got} vs {expected}"
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_backends_match_sdpa_on_random_mixed_batches(backend):
+    """Decodes and chunks after cached prefixes, over scattered pages, in bf16."""
+    device = torch.device("cuda")
+    heads, kv_heads, dim, page = 28, 4, 128, 16  # Qwen2.5-VL-7B's attention shape
+    cache = KVCache(KVLayout(1, kv_heads, dim, page, torch.bfloat16), 512, device)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    cache.slots.normal_(generator=torch.Generator(device="cuda").manual_seed(1))
+    scattered = torch.randperm(512, generator=generator).tolist()  # disjoint slices
+    chunks = []
+    for num_cached, num_new in [(700, 1), (33, 1), (16, 40), (0, 57), (2047, 1), (129, 128)]:
+        count = -(-(num_cached + num_new) // page)
+        pages, scattered = scattered[:count], scattered[count:]
+        chunks.append(SequenceChunk.of(pages, num_cached, num_new))
+    tokens = sum(c.num_new for c in chunks)
+    q, k, v = (
+        torch.randn(tokens, h, dim, device=device, dtype=torch.bfloat16)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    reference_cache = KVCache(KVLayout(1, kv_heads, dim, page, torch.bfloat16), 512, device)
+    reference_cache.slots.copy_(cache.slots)
+    expected = create_backend("sdpa", reference_cache, device).prepare(chunks).attend(0, q, k, v)
+    got = create_backend(backend, cache, device).prepare(chunks).attend(0, q, k, v)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(cache.slots, reference_cache.slots)  # the same K/V written
