@@ -202,15 +202,14 @@ def _unified_attention_kernel(
         key_ok = keys < num_keys
         page = tl.load(block_row + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
         slots = page * PAGE_SIZE + keys % PAGE_SIZE
-        kv_mask = key_ok[None, :] & dim_ok[:, None]
         k = tl.load(
             k_cache_ptr + head_offset + slots[None, :] * stride_cache_s + dims[:, None],
-            mask=kv_mask,
+            mask=key_ok[None, :] & dim_ok[:, None],
             other=0.0,
         )  # [HEAD_DIM_PADDED, TILE]
         v = tl.load(
             v_cache_ptr + head_offset + slots[:, None] * stride_cache_s + dims[None, :],
-            mask=tl.trans(kv_mask),
+            mask=key_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )  # [TILE, HEAD_DIM_PADDED]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
@@ -344,15 +343,14 @@ def _split_decode_kernel(
         key_ok = keys < end_key
         page = tl.load(block_row + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
         slots = page * PAGE_SIZE + keys % PAGE_SIZE
-        kv_mask = key_ok[None, :] & dim_ok[:, None]
         k = tl.load(
             k_cache_ptr + head_offset + slots[None, :] * stride_cache_s + dims[:, None],
-            mask=kv_mask,
+            mask=key_ok[None, :] & dim_ok[:, None],
             other=0.0,
         )
         v = tl.load(
             v_cache_ptr + head_offset + slots[:, None] * stride_cache_s + dims[None, :],
-            mask=tl.trans(kv_mask),
+            mask=key_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
