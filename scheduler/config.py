@@ -48,12 +48,14 @@ class EngineConfig:
         metadata=_flag("--dtype", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"),
     )
     page_size: int = field(default=16, metadata=_flag("--block-size", "tokens per KV page"))
-    attention_backend: Literal["auto", "sdpa"] = field(
+    attention_backend: Literal["auto", "sdpa", "triton"] = field(
         default="auto",
         metadata=_flag(
             "--attention-backend",
-            "auto (the fastest that works on the device), sdpa (torch SDPA over the "
-            "paged cache in place; the CPU path and the reference)",
+            "auto (triton on CUDA when the triton package is installed, else sdpa), sdpa "
+            "(torch SDPA over the paged cache in place; the CPU path and the reference), "
+            "triton (our Triton paged-attention kernels; CUDA, or the CPU under "
+            "TRITON_INTERPRET=1)",
         ),
     )
     kv_cache_memory: int = field(

@@ -11,6 +11,13 @@ from __future__ import annotations
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# The triton attention backend's tests run its kernels under Triton's interpreter on the
+# CPU. Triton reads TRITON_INTERPRET when it decorates a kernel, its own `tl.zeros`,
+# `tl.sum`, ... included, and those are decorated when triton is first imported, which
+# torch does on its own (torch._dynamo, pulled in by some modules): so it is set here,
+# before any test module imports torch. Not where an NVIDIA GPU is: the kernels compile.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Callable
 from pathlib import Path

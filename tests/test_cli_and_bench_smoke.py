@@ -109,3 +109,18 @@ def test_decode_peers_quick_measures_the_served_decode(tmp_path):
     assert header[:3] == ["context", "batch", "Iris median ITL ms"]
     assert [row[:2] for row in rows] == [["128", "2"]]
     assert float(rows[0][2]) > 0 and float(rows[0][4]) > 0  # ITL, TTFT
+
+
+def test_roofline_quick_reports_every_stage_against_the_device(tmp_path):
+    out = tmp_path / "results"
+    run_bench("bench.gpu_roofline", "--quick", "--out", str(out), cache_dir=tmp_path / "cache",
+              timeout=600)  # fmt: skip
+    [(header, rows)] = markdown_tables((out / "roofline_cpu_tiny_quick.md").read_text())
+    assert header[-1] == "fraction of roofline"
+    assert [row[0].split(",")[0].split(" ")[0] for row in rows] == [
+        "decode", "decode", "prefill", "ViT", "ViT"
+    ]  # fmt: skip
+    for row in rows:
+        measured, roofline, fraction = float(row[1]), float(row[2]), float(row[4])
+        assert measured > 0 and roofline > 0
+        assert abs(fraction - roofline / measured) < 0.01 * fraction + 1e-3

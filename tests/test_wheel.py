@@ -66,7 +66,8 @@ def test_the_wheel_holds_only_the_iris_serve_namespace(wheel: Path):
     assert top == {"iris_serve", dist_info}
     assert "iris_serve/__init__.py" not in names  # a PEP 420 namespace package
     for package in ("server", "tokenizer_worker", "scheduler", "ipc"):
-        assert f"iris_serve/{package}/__init__.py" in names
+        for init in (REPO / package).rglob("__init__.py"):  # every subpackage, too
+            assert f"iris_serve/{init.relative_to(REPO).as_posix()}" in names
     for data in PACKAGE_DATA:
         assert f"iris_serve/scheduler/tiny_checkpoint/{data}" in names
     record = zipfile.ZipFile(wheel).read(f"{dist_info}/RECORD").decode()

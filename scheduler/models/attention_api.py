@@ -2,7 +2,7 @@
 
 The language model computes q/k/v and rotary itself and hands them to an
 `AttentionContext`; what "history" means (paged cache, no cache) is the context's
-business. The scheduler's paged implementation lives in `scheduler/attention.py`.
+business. The scheduler's paged implementations are the backends in `scheduler/attention/`.
 """
 
 from __future__ import annotations

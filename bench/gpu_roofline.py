@@ -1,0 +1,175 @@
+"""Iris against the device's own limits: measured bandwidth and matmul rate, then decode,
+prefill and ViT throughput, each as a fraction of its roofline.
+
+    python -m bench.gpu_roofline [--model DIR | --size small] [--device auto]
+        [--dtype auto] [--batches 1 8 64 256] [--context 2048] [--quick] [--out DIR]
+
+Written for a GPU (`iris tiny-model --like Qwen2.5-VL-7B-Instruct` makes the real-size
+checkpoint to point `--model` at); it runs on a CPU too, where the same fractions say how
+far the CPU path is from the machine's memory bandwidth.
+
+- bandwidth: a device-to-device copy of a large buffer, bytes read + written per second;
+- matmul rate: a square matmul in the model's dtype, 2·n³ FLOPs per call;
+- decode at each batch size, `context` tokens each (the requests share one prompt, so
+  setting up 256 × 2k costs one prefill; attention still reads each context on its own):
+  the roofline step reads every weight once and each sequence's K/V, so
+  `roofline ms = (weight bytes + batch × context × KV bytes per token) / bandwidth`, and
+  the fraction is roofline ms ÷ measured ms (1.0 = at the bandwidth limit);
+- prefill: one `context`-token prompt, `2 × parameters × tokens` FLOPs (attention left
+  out) ÷ the matmul rate;
+- ViT: one 1280×720 and one 1920×1080 image through the vision tower, `2 × vision
+  parameters × patches` FLOPs ÷ the matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.decode_profile import start_decoding
+from bench.results_io import markdown_table, write_result
+from iris_serve.ipc.local import PromptInput
+from iris_serve.ipc.messages import Sampling
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_per_call(call: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Best of `repeat` timed calls, after one warm-up."""
+    call()
+    synchronize(device)
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        call()
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measured_bandwidth(device: torch.device, num_bytes: int) -> float:
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
+    target = torch.empty_like(source)
+    return 2 * num_bytes / seconds_per_call(lambda: target.copy_(source), device, 5)
+
+
+def measured_matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / seconds_per_call(lambda: a @ b, device, 5)
+
+
+def decode_row(engine: Engine, context: int, batch: int, steps: int, bandwidth: float) -> list:
+    start_decoding(engine, context, batch, steps)
+    synchronize(engine.device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    synchronize(engine.device)
+    step = (time.perf_counter() - started) / steps
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv = engine.kv_cache.layout.bytes_per_page / engine.kv_cache.page_size
+    roofline = (weights + batch * context * kv) / bandwidth
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    return [f"decode, batch {batch} × {context}", step * 1e3, roofline * 1e3, batch / step,
+            roofline / step]  # fmt: skip
+
+
+def prefill_row(engine: Engine, tokens: int, matmul_rate: float) -> list:
+    vocab = engine.model.config.vocab_size
+    prompt = PromptInput.text([(11 * i + 5) % (vocab - 1) + 1 for i in range(tokens)])
+    params = sum(p.numel() for p in engine.model.model.parameters())
+
+    def prefill() -> None:
+        engine.generate([prompt], Sampling(temperature=0.0, max_tokens=1, ignore_eos=True))
+
+    seconds = seconds_per_call(prefill, engine.device, 2)
+    roofline = 2 * params * tokens / matmul_rate
+    return [f"prefill, {tokens} tokens", seconds * 1e3, roofline * 1e3, tokens / seconds,
+            roofline / seconds]  # fmt: skip
+
+
+def vit_row(engine: Engine, model_dir: Path, size: tuple[int, int], matmul_rate: float) -> list:
+    import io
+
+    from PIL import Image
+
+    from bench.images import jpeg_bytes
+    from iris_serve.tokenizer_worker.prompt import PromptBuilder
+
+    builder = PromptBuilder(str(model_dir))
+    content = [{"type": "image"}, {"type": "text", "text": "?"}]
+    prompt = builder.build(
+        builder.render_chat([{"role": "user", "content": content}]),
+        [Image.open(io.BytesIO(jpeg_bytes(*size, seed=7)))],
+    )
+    pixels = prompt.pixels[0].to(engine.device, engine.dtype)
+    grid = torch.tensor([prompt.images[0].grid_thw])
+    params = sum(p.numel() for p in engine.model.visual.parameters())
+    with torch.inference_mode():
+        seconds = seconds_per_call(
+            lambda: engine.model.encode_images(pixels, grid), engine.device, 3
+        )
+    roofline = 2 * params * pixels.shape[0] / matmul_rate
+    return [f"ViT, one {size[0]}×{size[1]} image ({pixels.shape[0]} patches)", seconds * 1e3,
+            roofline * 1e3, 1 / seconds, roofline / seconds]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder")
+    parser.add_argument("--size", choices=["tiny", "small"], default="small")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size, args.batches, args.context, args.steps = "tiny", [1, 2], 64, 2
+    model_dir = Path(args.model or builtin_checkpoint(arch="qwen2_5_vl", size=args.size))
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir), device=args.device, dtype=args.dtype,
+            max_model_len=args.context + 4 * args.steps + 64, max_num_seqs=max(args.batches),
+        )
+    )  # fmt: skip
+    device = engine.device
+    on_gpu = device.type == "cuda"
+    bandwidth = measured_bandwidth(device, (1 << 30) if on_gpu else (256 << 20))
+    matmul_rate = measured_matmul_rate(device, engine.dtype, 8192 if on_gpu else 1024)
+    rows = [decode_row(engine, args.context, b, args.steps, bandwidth) for b in args.batches]
+    rows.append(prefill_row(engine, args.context, matmul_rate))
+    for size in [(1280, 720), (1920, 1080)]:
+        rows.append(vit_row(engine, model_dir, size, matmul_rate))
+    name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
+    body = (
+        f"Model `{model_dir.name}`, {engine.dtype}, "
+        f"on {name}: measured bandwidth {bandwidth / 1e9:.1f} GB/s (copy), matmul rate "
+        f"{matmul_rate / 1e12:.2f} TFLOP/s ({engine.dtype}). Decode steps: {args.steps} per "
+        "point.\n\n"
+        + markdown_table(
+            ["what", "measured ms", "roofline ms", "per second", "fraction of roofline"], rows
+        )
+    )
+    label = "gpu" if on_gpu else "cpu"
+    suffix = "_quick" if args.quick else ""
+    write_result(f"roofline_{label}_{args.size}{suffix}", "Iris against the device's limits",
+                 body, args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
