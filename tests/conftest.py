@@ -76,10 +76,10 @@ def qwen3_vl_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
     return tiny_checkpoint("qwen3_vl")
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
-def each_arch_dir(request, qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path) -> str:
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def each_arch_dir(request) -> str:
     """Each architecture's tiny checkpoint in turn: a test using it runs once per arch."""
-    return str(qwen2_vl_tiny if request.param == "qwen2_vl" else qwen2_5_vl_tiny)
+    return str(request.getfixturevalue(f"{request.param}_tiny"))
 
 
 @pytest.fixture(scope="module")
