@@ -40,7 +40,7 @@ class ModelRunner:
         positions = torch.cat([c.request.positions(c.start, c.end) for c in chunks], dim=1)
 
         embeddings = self.model.embed_tokens(input_ids)
-        self._splice_images(embeddings, chunks, images)
+        deepstack = self._splice_images(embeddings, chunks, images)
 
         attention = self.attention.prepare(
             [
@@ -50,7 +50,7 @@ class ModelRunner:
                 for c in chunks
             ]
         )
-        hidden = self.model(embeddings, positions.to(self.device), attention)
+        hidden = self.model(embeddings, positions.to(self.device), attention, deepstack)
 
         sampling_chunks = [c for c in chunks if c.completes_sequence]
         if not sampling_chunks:
@@ -65,18 +65,30 @@ class ModelRunner:
         ]
         return self.sampler(logits, rows).tolist()
 
-    @staticmethod
     def _splice_images(
-        embeddings: torch.Tensor, chunks: list[ScheduledChunk], images: list[ChunkImages]
-    ) -> None:
+        self, embeddings: torch.Tensor, chunks: list[ScheduledChunk], images: list[ChunkImages]
+    ) -> torch.Tensor | None:
+        """Writes the rows of each image that its chunk covers into `embeddings`; returns the
+        step's DeepStack levels `[L, N, H]` (the same rows of every level, zeros elsewhere),
+        or None when the model has none or no chunk covers an image row."""
+        levels = self.model.deepstack_levels
+        deepstack = None
+        if levels and any(images):
+            deepstack = embeddings.new_zeros(levels, *embeddings.shape)
         row = 0
         for chunk, chunk_images in zip(chunks, images, strict=True):
             for image, source in chunk_images:
                 first = max(chunk.start, image.offset)
                 last = min(chunk.end, image.end)
                 rows = slice(row + first - chunk.start, row + last - chunk.start)
-                embeddings[rows] = source[first - image.offset : last - image.offset]
+                main, extra = self.model.split_embeddings(
+                    source[first - image.offset : last - image.offset]
+                )
+                embeddings[rows] = main
+                if deepstack is not None:
+                    deepstack[:, rows] = extra
             row += chunk.num_tokens
+        return deepstack
 
 
 def _last_row_indices(chunks: list[ScheduledChunk], sampling: list[ScheduledChunk]) -> list[int]:

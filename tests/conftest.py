@@ -2,7 +2,8 @@
 
 `tiny_checkpoint(arch, **kwargs)` returns the folder of a checkpoint generated with
 `generate_checkpoint(arch, out_dir, **kwargs)`, once per distinct argument set per session.
-`qwen2_vl_tiny` (tied embeddings) and `qwen2_5_vl_tiny` (untied) are the fp32 seed-0 ones.
+`qwen2_vl_tiny` (tied embeddings), `qwen2_5_vl_tiny` (untied) and `qwen3_vl_tiny` (tied,
+DeepStack) are the fp32 seed-0 ones.
 """
 
 from __future__ import annotations
@@ -70,10 +71,15 @@ def qwen2_5_vl_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
     return tiny_checkpoint("qwen2_5_vl")
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
-def each_arch_dir(request, qwen2_vl_tiny: Path, qwen2_5_vl_tiny: Path) -> str:
+@pytest.fixture(scope="session")
+def qwen3_vl_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
+    return tiny_checkpoint("qwen3_vl")
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def each_arch_dir(request) -> str:
     """Each architecture's tiny checkpoint in turn: a test using it runs once per arch."""
-    return str(qwen2_vl_tiny if request.param == "qwen2_vl" else qwen2_5_vl_tiny)
+    return str(request.getfixturevalue(f"{request.param}_tiny"))
 
 
 @pytest.fixture(scope="module")

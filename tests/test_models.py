@@ -1,10 +1,10 @@
-"""Our Qwen2-VL / Qwen2.5-VL model code against transformers, fp32 on the CPU.
+"""Our Qwen2-VL / Qwen2.5-VL / Qwen3-VL model code against transformers, fp32 on the CPU.
 
 The checkpoints are the project's tiny random-weight ones (`tests/conftest.py`), written by
 transformers' `save_pretrained` in the hub key layout. Ours loads each folder through
 `load_model`; transformers loads the same folder with `from_pretrained`. Vision features,
 M-RoPE positions and logits must agree. Qwen2-VL's checkpoint ties lm_head, Qwen2.5-VL's
-does not.
+does not. Qwen3-VL's vision features include its DeepStack levels, compared level by level.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ torch.set_num_threads(2)
 
 # (height, width) in pixels: odd sizes; the first gives Qwen2.5-VL 3x5 windows
 IMAGE_SIZES = [(333, 517), (97, 211), (250, 250)]
-ARCHS = ["qwen2_vl", "qwen2_5_vl"]
+ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 # Measured max-abs-diff vs transformers is ~2e-5 on values up to ~14 (fp32 rounding: fused
 # q/k/v and gate/up matmuls, the patch conv as a matmul); a real bug is off by O(1).
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -91,11 +91,16 @@ def _our_logits(model, tokens, spans, pixel_values=None, grid_thw=None) -> torch
     input_ids = torch.tensor(tokens)
     embeds = model.embed_tokens(input_ids)
     grids = [] if grid_thw is None else [tuple(g) for g in grid_thw.tolist()]
+    deepstack = None
     if spans:
         is_image = input_ids == model.config.image_token_id
-        embeds[is_image] = model.encode_images(pixel_values, grid_thw)
+        main, levels = model.split_embeddings(model.encode_images(pixel_values, grid_thw))
+        embeds[is_image] = main
+        if model.deepstack_levels:
+            deepstack = embeds.new_zeros(model.deepstack_levels, *embeds.shape)
+            deepstack[:, is_image] = levels
     positions, _ = mrope_positions(len(tokens), spans, grids, model.config.spatial_merge_size)
-    hidden = model(embeds, positions, SingleSequenceAttention())
+    hidden = model(embeds, positions, SingleSequenceAttention(), deepstack)
     return model.compute_logits(hidden)
 
 
@@ -115,11 +120,15 @@ def _hf_logits(hf, tokens, pixel_values=None, grid_thw=None) -> torch.Tensor:
 def test_vision_tower_matches_transformers(reference, ours, images):
     arch, hf, _ = reference
     pixel_values, grid_thw = images
-    expected = torch.cat(hf.model.get_image_features(pixel_values, grid_thw).pooler_output)
-    got = ours.encode_images(pixel_values, grid_thw)
-    assert got.shape == expected.shape
+    features = hf.model.get_image_features(pixel_values, grid_thw)
+    expected = torch.cat(features.pooler_output)
+    got, got_levels = ours.split_embeddings(ours.encode_images(pixel_values, grid_thw))
     assert got.shape == (int(grid_thw.prod(-1).sum()) // 4, ours.config.hidden_size)
     torch.testing.assert_close(got, expected, **TOL)
+    expected_levels = getattr(features, "deepstack_features", None) or []
+    assert len(got_levels) == len(expected_levels) == ours.deepstack_levels
+    for got_level, expected_level in zip(got_levels, expected_levels, strict=True):
+        torch.testing.assert_close(got_level, torch.cat(expected_level), **TOL)
     if arch == "qwen2_5_vl":  # the test exercises several, partly filled windows
         _, cu = window_order([tuple(g) for g in grid_thw.tolist()], 2, 4)
         assert len(cu) - 1 > 2 * len(grid_thw)
@@ -238,10 +247,26 @@ def _copy_config(source: Path, target: Path) -> None:
     shutil.copy(source / "config.json", target / "config.json")
 
 
+# What each family's hub checkpoints name their weights (transformers' save_pretrained
+# writes the same): Qwen2/2.5-VL the legacy flat layout, Qwen3-VL the nested one.
+HUB_NAMES = {
+    "qwen2_vl": ("model.embed_tokens.weight", "visual.merger.mlp.0.weight"),
+    "qwen2_5_vl": ("model.embed_tokens.weight", "visual.merger.mlp.0.weight"),
+    "qwen3_vl": (
+        "model.language_model.embed_tokens.weight",
+        "model.visual.merger.linear_fc1.weight",
+    ),
+}
+
+
 def test_save_pretrained_writes_the_hub_layout(reference):
-    names = {name for name, _ in iter_safetensors(reference[2])}
-    assert "model.embed_tokens.weight" in names and "visual.merger.mlp.0.weight" in names
-    assert not any(n.startswith(("model.language_model.", "model.visual.")) for n in names)
+    arch, _, folder = reference
+    names = {name for name, _ in iter_safetensors(folder)}
+    assert set(HUB_NAMES[arch]) <= names
+
+
+def _first_name(state: dict[str, torch.Tensor], part: str) -> str:
+    return next(name for name in state if part in name)
 
 
 @torch.no_grad()
@@ -282,13 +307,17 @@ def test_missing_weight_is_named(reference, tmp_path):
     _, _, folder = reference
     _copy_config(folder, tmp_path)
     state = dict(iter_safetensors(folder))
-    del state["model.layers.1.self_attn.k_proj.bias"]
-    del state["visual.blocks.0.attn.qkv.weight"]
+    missing = [
+        _first_name(state, "layers.1.self_attn.k_proj"),
+        _first_name(state, "blocks.0.attn.qkv"),
+    ]
+    for name in missing:
+        del state[name]
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="missing weights") as error:
         load_model(tmp_path, torch.float32, torch.device("cpu"))
-    assert "model.layers.1.self_attn.k_proj.bias" in str(error.value)
-    assert "visual.blocks.0.attn.qkv.weight" in str(error.value)
+    assert "layers.1.self_attn.k_proj" in str(error.value)
+    assert "blocks.0.attn.qkv" in str(error.value)
 
 
 def test_unexpected_weight_is_named(reference, tmp_path):

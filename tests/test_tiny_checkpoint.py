@@ -33,6 +33,7 @@ from iris_serve.scheduler.tiny_checkpoint import (
     reference_processor,
 )
 from iris_serve.scheduler.tiny_checkpoint.tokenizer import SPECIAL_TOKENS
+from tests.reference import make_image
 
 TinyCheckpoint = Callable[..., Path]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -303,3 +304,38 @@ def test_rejects_unknown_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
         main_tiny_model(["--arch", "llama", "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_qwen3_vl_checkpoint_has_deepstack_interleaved_mrope_and_its_processor(
+    qwen3_vl_tiny: Path,
+) -> None:
+    config = AutoConfig.from_pretrained(qwen3_vl_tiny)
+    text, vision = config.text_config, config.vision_config
+    assert config.model_type == "qwen3_vl" and config.tie_word_embeddings
+    assert (text.head_dim, text.attention_bias) == (16, False)
+    rope = text.rope_parameters
+    assert rope["mrope_interleaved"] and sum(rope["mrope_section"]) == text.head_dim // 2
+    assert (vision.patch_size, vision.spatial_merge_size, vision.out_hidden_size) == (16, 2, 64)
+    assert 2 <= len(vision.deepstack_visual_indexes) <= text.num_hidden_layers
+    assert max(vision.deepstack_visual_indexes) < vision.depth
+    pre = json.loads((qwen3_vl_tiny / "preprocessor_config.json").read_text())
+    assert (pre["patch_size"], pre["image_mean"], pre["image_std"]) == (16, [0.5] * 3, [0.5] * 3)
+    model, info = AutoModelForImageTextToText.from_pretrained(
+        qwen3_vl_tiny, output_loading_info=True
+    )
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert not any(info.values()), info
+    proc = reference_processor(qwen3_vl_tiny)
+    image = make_image(1280, 720)
+    prompt = chat(proc.tokenizer, [{"type": "image"}, {"type": "text", "text": "What is it?"}])
+    enc = proc(text=[prompt], images=[image], return_tensors="pt")
+    grid = enc["image_grid_thw"].tolist()[0]  # 1280x720 scaled to the 1024x1024 px budget
+    assert grid[0] == 1 and grid[1] * grid[2] * 256 <= 1024 * 1024
+    assert tuple(enc["pixel_values"].shape) == (grid[1] * grid[2], 3 * 2 * 16 * 16)
+    assert int((enc["input_ids"] == config.image_token_id).sum()) == grid[1] * grid[2] // 4
+    # Greedy answers must vary for parity tests to mean something. A random model's answer
+    # flattens as image tokens grow (at 1280x720, 880 of them, one token repeats), so the
+    # check uses the size the parity tests use (300 image tokens at most).
+    enc = proc(text=[prompt], images=[make_image(320, 240)], return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=20, do_sample=False)
+    assert len(set(out[0, enc["input_ids"].shape[1] :].tolist())) >= 8

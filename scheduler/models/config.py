@@ -10,7 +10,9 @@ Two layouts exist in the wild and both are read here:
 
 The vision tower differs per architecture: Qwen2-VL names its width `embed_dim` and uses
 `hidden_size` for the merger's output (the LM width) with `mlp_ratio`; Qwen2.5-VL uses
-`hidden_size`, `intermediate_size` and `out_hidden_size`. Defaults are transformers'
+`hidden_size`, `intermediate_size` and `out_hidden_size`; Qwen3-VL adds a learned position
+table (`num_position_embeddings`) and `deepstack_visual_indexes`, and its decoder has an
+explicit `head_dim`, q/k norm and interleaved M-RoPE. Defaults are transformers'
 defaults, so a file that leaves a key out means the same thing to us as to transformers.
 """
 
@@ -23,7 +25,8 @@ from typing import Any
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
-_ARCH_BY_MODEL_TYPE = {"qwen2_vl": QWEN2_VL, "qwen2_5_vl": QWEN2_5_VL}
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
+_ARCH_BY_MODEL_TYPE = {"qwen2_vl": QWEN2_VL, "qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class VisionConfig:
     window_size: int
     fullatt_block_indexes: tuple[int, ...]
     tokens_per_second: int
+    num_position_embeddings: int = 0  # Qwen3-VL: a square learned table, 0 = none
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks feeding DeepStack
 
     @property
     def head_dim(self) -> int:
@@ -69,6 +74,8 @@ class VLModelConfig:
     rms_norm_eps: float
     rope_theta: float
     mrope_section: tuple[int, int, int]
+    mrope_interleaved: bool  # Qwen3-VL: T,H,W,T,H,W,... frequency slots, not three blocks
+    attention_bias: bool  # bias on q/k/v (Qwen2); Qwen3 has none and normalises q/k instead
     tie_word_embeddings: bool
     max_position_embeddings: int
     # token ids
@@ -86,6 +93,11 @@ class VLModelConfig:
     @property
     def spatial_merge_size(self) -> int:
         return self.vision.spatial_merge_size
+
+    @property
+    def deepstack_levels(self) -> int:
+        """Vision features added to the first decoder layers' outputs (Qwen3-VL), 0 if none."""
+        return len(self.vision.deepstack_visual_indexes)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> VLModelConfig:
@@ -111,16 +123,19 @@ class VLModelConfig:
         hidden_size = int(get("hidden_size", 8192))
         num_heads = int(get("num_attention_heads", 64))
         num_kv_heads = int(get("num_key_value_heads", None) or num_heads)
-        # transformers' Qwen2-VL attention uses hidden_size // heads whatever head_dim says.
-        head_dim = hidden_size // num_heads
-        if head_dim * num_heads != hidden_size:
+        qwen3 = architecture == QWEN3_VL
+        # transformers' Qwen2-VL attention uses hidden_size // heads whatever head_dim says;
+        # Qwen3's reads head_dim.
+        head_dim = int(get("head_dim", 128)) if qwen3 else hidden_size // num_heads
+        if not qwen3 and head_dim * num_heads != hidden_size:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by {num_heads} heads")
 
         rope = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
             raise NotImplementedError(f"rope type {rope_type!r} is not supported (only mrope)")
-        mrope_section = tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24)))
+        default_section = (24, 20, 20) if qwen3 else (16, 24, 24)
+        mrope_section = tuple(int(s) for s in rope.get("mrope_section", default_section))
         if len(mrope_section) != 3 or 2 * sum(mrope_section) != head_dim:
             raise ValueError(
                 f"mrope_section {list(mrope_section)} must have 3 parts summing to head_dim/2 "
@@ -149,6 +164,9 @@ class VLModelConfig:
             rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
             rope_theta=rope_theta,
             mrope_section=mrope_section,
+            # transformers' Qwen3-VL always interleaves, whatever `mrope_interleaved` says
+            mrope_interleaved=qwen3,
+            attention_bias=bool(get("attention_bias", False)) if qwen3 else True,
             tie_word_embeddings=tie,
             max_position_embeddings=int(get("max_position_embeddings", 32768)),
             image_token_id=int(raw.get("image_token_id", 151655)),
@@ -179,10 +197,11 @@ def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
         value = v.get(key)
         return default if value is None else value
 
+    qwen3 = architecture == QWEN3_VL
     common: dict[str, Any] = dict(  # VisionConfig's shared fields, of mixed types
-        depth=int(get("depth", 32)),
+        depth=int(get("depth", 27 if qwen3 else 32)),
         num_heads=int(get("num_heads", 16)),
-        patch_size=_scalar(get("patch_size", 14)),
+        patch_size=_scalar(get("patch_size", 16 if qwen3 else 14)),
         temporal_patch_size=_scalar(get("temporal_patch_size", 2)),
         spatial_merge_size=int(get("spatial_merge_size", 2)),
         in_channels=int(v.get("in_channels") or v.get("in_chans") or 3),
@@ -212,8 +231,24 @@ def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
             ),
             **common,
         )
+    if qwen3:
+        deepstack = tuple(int(i) for i in get("deepstack_visual_indexes", (8, 16, 24)))
+        if any(not 0 <= i < common["depth"] for i in deepstack):
+            raise ValueError(f"deepstack_visual_indexes {list(deepstack)} outside the ViT depth")
+        return VisionConfig(
+            hidden_size=int(get("hidden_size", 1152)),
+            intermediate_size=int(get("intermediate_size", 4304)),
+            out_hidden_size=int(get("out_hidden_size", 3584)),
+            hidden_act=str(get("hidden_act", "gelu_pytorch_tanh")),
+            window_size=0,
+            fullatt_block_indexes=(),
+            num_position_embeddings=int(get("num_position_embeddings", 2304)),
+            deepstack_visual_indexes=deepstack,
+            **common,
+        )
     raise ValueError(
-        f"unsupported architecture {architecture!r}; supported: {QWEN2_VL}, {QWEN2_5_VL}"
+        f"unsupported architecture {architecture!r}; supported: {QWEN2_VL}, {QWEN2_5_VL}, "
+        f"{QWEN3_VL}"
     )
 
 

@@ -102,16 +102,28 @@ def mrope_cos_sin(
     inv_freq: torch.Tensor,
     mrope_section: Sequence[int],
     dtype: torch.dtype,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin `[N, head_dim]` for M-RoPE positions `[3, N]` (temporal, height, width).
 
     Frequency band i of each half takes its angle from axis `i % 3` of the section it
     falls in: with section (16, 24, 24) the first 16 frequencies follow the temporal
     position, the next 24 the height and the last 24 the width.
+
+    `interleaved` (Qwen3-VL): slot i follows the height if `i % 3 == 1` and
+    `i < 3 * section[1]`, the width if `i % 3 == 2` and `i < 3 * section[2]`, else the
+    temporal position; with (24, 20, 20) slots 60..63 are temporal.
     """
     freqs = positions[..., None].float() * inv_freq.float()  # [3, N, D/2]
-    parts = freqs.split(list(mrope_section), dim=-1)
-    freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [N, D/2]
+    if interleaved:
+        mixed = freqs[0].clone()
+        for axis in (1, 2):
+            slots = slice(axis, 3 * mrope_section[axis], 3)
+            mixed[..., slots] = freqs[axis, ..., slots]
+        freqs = mixed
+    else:
+        parts = freqs.split(list(mrope_section), dim=-1)
+        freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [N, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -121,11 +133,14 @@ class MRotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor  # registered as a buffer in __init__
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: Sequence[int]) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, mrope_section: Sequence[int], interleaved: bool = False
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
         self.mrope_section = tuple(mrope_section)
+        self.interleaved = interleaved
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
 
     def reset_buffers(self) -> None:
@@ -135,7 +150,7 @@ class MRotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return mrope_cos_sin(positions, self.inv_freq, self.mrope_section, dtype)
+        return mrope_cos_sin(positions, self.inv_freq, self.mrope_section, dtype, self.interleaved)
 
 
 # ------------------------------------------------------------ segmented attention

@@ -6,7 +6,9 @@ the next text token would have had; the text after the image resumes at that sta
 `max(h', w')`. A prompt with images therefore ends at a position lower than its length,
 and every later token `i` sits at `i + rope_delta` on all three axes.
 
-Equal to transformers' `Qwen2VLModel.get_rope_index` (and Qwen2.5-VL's, for images).
+Equal to transformers' `Qwen2VLModel.get_rope_index` (and Qwen2.5-VL's and Qwen3-VL's, for
+images). Qwen3-VL differs only in which rotary frequency follows which axis (interleaved,
+`layers.mrope_cos_sin`), not in the positions.
 """
 
 from __future__ import annotations

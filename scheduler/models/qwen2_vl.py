@@ -23,6 +23,7 @@ from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.layers import PACKED_SHARDS
 from iris_serve.scheduler.models.loader import load_named_weights
 from iris_serve.scheduler.models.qwen2_lm import Qwen2Model
+from iris_serve.scheduler.models.qwen3_lm import Qwen3Model
 from iris_serve.scheduler.models.vision_qwen2 import Qwen2VisionTransformer
 
 # checkpoint prefix -> our prefix, first match wins
@@ -36,6 +37,7 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
 
 class Qwen2VLForCausalLM(nn.Module):
     vision_tower: ClassVar[type[nn.Module]] = Qwen2VisionTransformer  # built from config.vision
+    language_model: ClassVar[type[Qwen2Model] | type[Qwen3Model]] = Qwen2Model
 
     def __init__(self, config: VLModelConfig) -> None:
         super().__init__()
@@ -45,7 +47,7 @@ class Qwen2VLForCausalLM(nn.Module):
                 f"{config.hidden_size}"
             )
         self.config = config
-        self.model = Qwen2Model(config)
+        self.model = self.language_model(config)
         self.visual = self.vision_tower(config.vision)
         # tied checkpoints have no lm_head; `compute_logits` uses the embeddings instead
         self.lm_head = (
@@ -66,8 +68,21 @@ class Qwen2VLForCausalLM(nn.Module):
         """`[N]` -> `[N, H]`."""
         return self.model.embed_tokens(input_ids)
 
+    @property
+    def deepstack_levels(self) -> int:
+        """L: an image embedding is `[tokens, H * (1 + L)]`, main then each level."""
+        return self.config.deepstack_levels
+
+    def split_embeddings(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of `encode_images`' output, `[T, H * (1 + L)]` -> main `[T, H]` and DeepStack
+        levels `[L, T, H]` (views, no copy; L may be 0)."""
+        hidden = self.config.hidden_size
+        levels = embeddings[:, hidden:].unflatten(-1, (self.deepstack_levels, hidden))
+        return embeddings[:, :hidden], levels.transpose(0, 1)
+
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Image embeddings `[sum_i t*h*w / merge**2, H]`, images in the order given.
+        """Image embeddings `[sum_i t*h*w / merge**2, H * (1 + L)]`, images in the order given
+        (L = `deepstack_levels`: 0 but for Qwen3-VL).
 
         `pixel_values` `[sum_patches, C*T*P*P]` exactly as the HF image processor emits them
         (several images concatenated); `grid_thw` `[num_images, 3]`.
@@ -82,10 +97,17 @@ class Qwen2VLForCausalLM(nn.Module):
         return self.visual(pixel_values, grid_thw)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionContext,
+        deepstack: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs_embeds `[N, H]` (flat over sequences), positions `[3, N]` int64 ->
-        hidden states `[N, H]` after the final norm."""
+        hidden states `[N, H]` after the final norm. `deepstack` `[L, N, H]`: only for a
+        model with DeepStack levels (see `Qwen3VLForCausalLM`)."""
+        if deepstack is not None:
+            raise ValueError(f"{self.config.architecture} has no DeepStack levels")
         return self.model(inputs_embeds, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

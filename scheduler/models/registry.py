@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # imported only when picked (below), so importing the registr
 ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "iris_serve.scheduler.models.qwen2_vl:Qwen2VLForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "iris_serve.scheduler.models.qwen2_5_vl:Qwen2_5_VLForCausalLM",
+    "Qwen3VLForConditionalGeneration": "iris_serve.scheduler.models.qwen3_vl:Qwen3VLForCausalLM",
 }
 
 

@@ -1,4 +1,4 @@
-"""Deterministic random-weight Qwen2-VL / Qwen2.5-VL checkpoints in the Hugging Face layout.
+"""Deterministic random-weight Qwen2-VL / 2.5-VL / 3-VL checkpoints in the Hugging Face layout.
 
 These machines reach no model hub, so tests and the default `iris serve` load checkpoints
 written here through the same `from_pretrained`-style code that loads a real one. Every file
@@ -9,7 +9,8 @@ tokenizer's vocabulary and the init std are ours.
 Sizes (see `configs.SHAPES`): `tiny` (text 64 wide x 2 layers, 4 heads / 2 KV heads,
 head_dim 16, ViT 32 wide x 3 blocks; 0.3-0.4M parameters) and `small` (text 512 x 8 layers,
 4 / 2 heads of 128, ViT 320 x 8 blocks; ~40M). Vocabulary: 1536 (1522 BPE + 14 specials).
-Qwen2-VL checkpoints tie lm_head to the input embeddings; Qwen2.5-VL ones do not.
+Qwen2-VL and Qwen3-VL checkpoints tie lm_head to the input embeddings; Qwen2.5-VL ones do
+not. Qwen3-VL ones have 2 (tiny) or 3 (small) DeepStack levels.
 
 Real-size checkpoints (`iris tiny-model --like Qwen2.5-VL-7B-Instruct`: the published
 config.json, random bf16 weights streamed into 4 GB shards, this tokenizer padded so its
@@ -41,7 +42,7 @@ __all__ = [
     "reference_processor",
 ]
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 # Bump when the generator's output changes, so `builtin_checkpoint` rebuilds stale caches.
@@ -57,7 +58,7 @@ def generate_checkpoint(
     dtype: str = "float32",
     max_shard_size: str | None = None,
 ) -> Path:
-    """Write a random-weight checkpoint of `arch` ("qwen2_vl" | "qwen2_5_vl") into `out_dir`.
+    """Write a random-weight checkpoint of `arch` (one of `ARCHS`) into `out_dir`.
 
     Same arguments give byte-identical files (for a given torch/transformers/tokenizers
     version). Weights are drawn in float32 under `torch.manual_seed(seed)` and then cast to
@@ -102,7 +103,7 @@ def generate_checkpoint(
     model.save_pretrained(out, **save_kwargs)
 
     build_tokenizer(PROCESSOR_CLASSES[arch].__name__).save_pretrained(out)
-    save_image_processor(out)
+    save_image_processor(out, arch)
     stamp = {
         "arch": arch,
         "size": size,
@@ -116,11 +117,16 @@ def generate_checkpoint(
 
 
 def _model_class(arch: str) -> type:
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+    )
 
     return {
         "qwen2_vl": Qwen2VLForConditionalGeneration,
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": Qwen3VLForConditionalGeneration,
     }[arch]
 
 

@@ -1,14 +1,16 @@
 """Model configs of the generated checkpoints, built with transformers' own config classes.
 
 Shapes keep the structure of the real models (GQA, bias on q/k/v, M-RoPE, 14-px patches,
-2x2 spatial merge, 2-frame temporal patches, Qwen2.5's windowed ViT) at toy widths.
+2x2 spatial merge, 2-frame temporal patches, Qwen2.5's windowed ViT; for Qwen3-VL q/k norm
+without bias, interleaved M-RoPE, 16-px patches, learned ViT positions and DeepStack
+levels) at toy widths.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import PreTrainedConfig, Qwen2_5_VLConfig, Qwen2VLConfig
+from transformers import PreTrainedConfig, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
 from . import ARCHS, SIZES
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, token_id
@@ -26,6 +28,8 @@ class Shape:
     vit_heads: int
     vit_intermediate: int  # Qwen2.5 MLP width; Qwen2-VL uses mlp_ratio = this / vit_width
     fullatt_blocks: tuple[int, ...]  # Qwen2.5 only: the others use window attention
+    deepstack_blocks: tuple[int, ...]  # Qwen3 only: ViT blocks whose output feeds DeepStack
+    vit_position_grid: int  # Qwen3 only: side of the learned ViT position table
     # Init std of every linear/embedding weight (transformers' default is 0.02). At 0.02 a
     # random model's logits are nearly flat and greedy decoding repeats one token (the tied
     # Qwen2-VL tiny model emits a single token 30 times for every prompt), so a parity test
@@ -53,6 +57,8 @@ SHAPES: dict[str, Shape] = {
         vit_heads=2,
         vit_intermediate=128,
         fullatt_blocks=(1,),
+        deepstack_blocks=(0, 1),
+        vit_position_grid=8,
         init_std=0.2,
     ),
     # 38.5M / 42.6M parameters; builds in ~0.5 s. Real head sizes: text head_dim 128
@@ -68,13 +74,15 @@ SHAPES: dict[str, Shape] = {
         vit_heads=4,
         vit_intermediate=1280,
         fullatt_blocks=(3, 7),
+        deepstack_blocks=(1, 3, 5),
+        vit_position_grid=24,
         init_std=0.07,
     ),
 }
 
 # Which arch ties lm_head to embed_tokens (Qwen2-VL-2B ties, Qwen2.5-VL-7B does not), so
 # that the default fixtures exercise both loading paths.
-TIE_WORD_EMBEDDINGS = {"qwen2_vl": True, "qwen2_5_vl": False}
+TIE_WORD_EMBEDDINGS = {"qwen2_vl": True, "qwen2_5_vl": False, "qwen3_vl": True}
 
 
 def mrope_section(head_dim: int) -> list[int]:
@@ -87,6 +95,15 @@ def mrope_section(head_dim: int) -> list[int]:
     t = half // 4
     h = (half - t) // 2
     return [t, h, half - t - h]
+
+
+def interleaved_mrope_section(head_dim: int) -> list[int]:
+    """(temporal, height, width) counts for Qwen3-VL's interleaved layout, in its 24:20:20
+    ratio ([24, 20, 20] at head_dim 128). Height takes slots 1, 4, ... below 3 * height and
+    width slots 2, 5, ... below 3 * width, so both fit in head_dim/2 slots."""
+    half = head_dim // 2
+    spatial = half * 5 // 16
+    return [half - 2 * spatial, spatial, spatial]
 
 
 def build_config(arch: str, size: str) -> PreTrainedConfig:
@@ -133,7 +150,33 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
             "mlp_ratio": s.vit_intermediate // s.vit_width,
             "hidden_act": "quick_gelu",
         }
-        cls: type[Qwen2VLConfig | Qwen2_5_VLConfig] = Qwen2VLConfig
+        cls: type[Qwen2VLConfig | Qwen2_5_VLConfig | Qwen3VLConfig] = Qwen2VLConfig
+    elif arch == "qwen3_vl":
+        # Qwen3-VL: explicit head_dim, q/k norm and no q/k/v bias in the decoder; the ViT has
+        # 16-px patches, a learned position table and DeepStack mergers.
+        text = {
+            **text,
+            "head_dim": s.head_dim,
+            "attention_bias": False,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": interleaved_mrope_section(s.head_dim),
+                "mrope_interleaved": True,
+            },
+        }
+        del text["max_window_layers"]
+        vision = {
+            **common,
+            "patch_size": 16,
+            "hidden_size": s.vit_width,
+            "intermediate_size": s.vit_intermediate,
+            "out_hidden_size": s.hidden,
+            "hidden_act": "gelu_pytorch_tanh",
+            "num_position_embeddings": s.vit_position_grid**2,
+            "deepstack_visual_indexes": list(s.deepstack_blocks),
+        }
+        cls = Qwen3VLConfig
     else:
         # Qwen2.5-VL: ViT width is `hidden_size`; `out_hidden_size` is the merger's output.
         vision = {

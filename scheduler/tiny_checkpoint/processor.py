@@ -13,15 +13,29 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
+    Qwen3VLProcessor,
 )
 
 PROCESSOR_CLASSES: dict[str, type[ProcessorMixin]] = {
     "qwen2_vl": Qwen2VLProcessor,
     "qwen2_5_vl": Qwen2_5_VLProcessor,
+    "qwen3_vl": Qwen3VLProcessor,
+}
+
+# Qwen3-VL's published preprocessor_config.json: 16-px patches (resize factor 32), mean and
+# std 0.5, 256x256 to 4096x4096 px. The tiny checkpoints keep the settings and scale the
+# pixel bounds down (64x64 to 1024x1024 px: 4 to 1024 tokens) so test images stay cheap.
+QWEN3_VL_IMAGE_PROCESSOR = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 64 * 64, "longest_edge": 1024 * 1024},
 }
 
 
-def save_image_processor(out_dir: Path) -> None:
+def save_image_processor(out_dir: Path, arch: str = "qwen2_vl") -> None:
     """Write preprocessor_config.json the way transformers writes it (transformers' defaults).
 
     The PIL backend needs no torchvision and serialises exactly like the torchvision one
@@ -34,7 +48,8 @@ def save_image_processor(out_dir: Path) -> None:
     processor's settings too, which cannot be produced without torchvision, and a null entry
     there would break `AutoProcessor` on machines that do have torchvision.
     """
-    Qwen2VLImageProcessorPil().save_pretrained(out_dir)
+    settings = QWEN3_VL_IMAGE_PROCESSOR if arch == "qwen3_vl" else {}
+    Qwen2VLImageProcessorPil(**settings).save_pretrained(out_dir)
 
 
 @cache
@@ -50,7 +65,7 @@ def _image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
 
 
 def reference_processor(model_dir: str | Path) -> ProcessorMixin:
-    """transformers' own Qwen2-VL / Qwen2.5-VL processor for `model_dir`, without video support.
+    """transformers' own Qwen2-VL / 2.5-VL / 3-VL processor for `model_dir`, without video.
 
     The reference that the tokenizer worker's output is compared against. `AutoProcessor`
     cannot build these processors without torchvision (the video processor requires it), so

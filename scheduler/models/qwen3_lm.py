@@ -1,0 +1,115 @@
+"""The Qwen3 decoder with interleaved M-RoPE and DeepStack, as used by Qwen3-VL.
+
+Differs from `qwen2_lm`: an explicit `head_dim`, an RMSNorm over each head of q and k
+before the rotary (`q_norm`, `k_norm`), no q/k/v bias (unless the config asks), the
+interleaved M-RoPE frequency layout, and DeepStack: level k of the vision features is
+added to the output of decoder layer k at the image rows. The caller passes the levels as
+one `[L, N, H]` tensor over the step's flat tokens, zeros at text rows, so the add needs
+no mask and stays in the loop unconditionally.
+
+The MLP of a layer comes from `Qwen3Model.build_mlp`, the one place a mixture-of-experts
+decoder (Qwen3-VL-MoE) would differ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from iris_serve.scheduler.models.attention_api import AttentionContext
+from iris_serve.scheduler.models.config import VLModelConfig
+from iris_serve.scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: VLModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.qkv_proj.shard_sizes = (q_size, kv_size, kv_size)  # type: ignore[assignment]
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionContext,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = attn.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: VLModelConfig, layer_idx: int, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, layer_idx)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    """Checkpoint prefix `model.language_model.` (ours: `model.`)."""
+
+    def __init__(self, config: VLModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [
+                Qwen3DecoderLayer(config, i, self.build_mlp(config, i))
+                for i in range(config.num_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(
+            config.head_dim, config.rope_theta, config.mrope_section, config.mrope_interleaved
+        )
+        self.deepstack_levels = config.deepstack_levels
+
+    @staticmethod
+    def build_mlp(config: VLModelConfig, layer_idx: int) -> nn.Module:
+        """The dense SwiGLU MLP; a MoE decoder overrides this."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=False, act="silu")
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionContext,
+        deepstack: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds `[N, H]`, positions `[3, N]` (or `[N]`), deepstack `[L, N, H]` (zeros
+        at text rows; None when no row of the step is an image row) -> `[N, H]`."""
+        if positions.dim() == 1:
+            positions = positions.expand(3, -1)
+        if deepstack is not None and deepstack.shape[0] > len(self.layers):
+            raise ValueError(f"{deepstack.shape[0]} DeepStack levels for {len(self.layers)} layers")
+        cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        for layer_idx, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn)
+            if deepstack is not None and layer_idx < deepstack.shape[0]:
+                x = x + deepstack[layer_idx]
+        return self.norm(x)

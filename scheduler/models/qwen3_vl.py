@@ -1,0 +1,38 @@
+"""Qwen3-VL (dense): the Qwen3 decoder with DeepStack and the Qwen3-VL vision tower.
+
+Everything the scheduler drives is Qwen2-VL's API; two things differ. `encode_images`
+returns each image token's main embedding and its L DeepStack levels side by side,
+`[tokens, H * (1 + L)]`, so one tensor per image is what the embedding cache stores,
+counts and evicts. `forward` takes the step's levels as `[L, N, H]` (zeros at text rows),
+which the decoder adds to the outputs of its first L layers.
+
+Checkpoints name weights `model.language_model.*`, `model.visual.*` and (untied)
+`lm_head.*`, which Qwen2-VL's loader already maps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from iris_serve.scheduler.models.attention_api import AttentionContext
+from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+from iris_serve.scheduler.models.qwen3_lm import Qwen3Model
+from iris_serve.scheduler.models.vision_qwen3 import Qwen3VisionTransformer
+
+
+class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
+    vision_tower = Qwen3VisionTransformer
+    language_model = Qwen3Model
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionContext,
+        deepstack: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As Qwen2-VL's, plus `deepstack` `[L, N, H]`: level k is added to decoder layer k's
+        output (zeros at text rows). None: no row of the step is an image row."""
+        model = self.model
+        assert isinstance(model, Qwen3Model)
+        return model(inputs_embeds, positions, attn, deepstack)
