@@ -100,14 +100,19 @@ def run_conversation(server: RunningServer, model_dir: Path, granularity: str) -
         history = [*messages, {"role": "assistant", "content": answer}]
 
 
-@pytest.mark.parametrize("granularity", ["image", "request"])
+@pytest.mark.parametrize(
+    "arch, granularity",
+    [("qwen2_5_vl", "image"), ("qwen2_5_vl", "request"), ("qwen3_vl", "image")],
+)
 def test_an_eight_round_conversation_does_one_image_of_work_per_round(
-    qwen2_5_vl_tiny, tmp_path, granularity
+    request, tmp_path, arch, granularity
 ):
+    """Qwen3-VL's entries carry DeepStack levels; the same one-image-per-round holds."""
+    model_dir = request.getfixturevalue(f"{arch}_tiny")
     flags = ["--served-model-name", "tiny", "--block-size", str(PAGE)]
     flags += ["--mm-cache-granularity", granularity, "--max-model-len", "4096"]
-    with iris_server(qwen2_5_vl_tiny, *flags, tmp_path=tmp_path) as server:
-        run_conversation(server, qwen2_5_vl_tiny, granularity)
+    with iris_server(model_dir, *flags, tmp_path=tmp_path) as server:
+        run_conversation(server, model_dir, granularity)
 
 
 def test_eight_concurrent_requests_with_one_new_image_encode_it_once(qwen2_vl_tiny, tmp_path):
