@@ -2,8 +2,9 @@
 
 One chat request with N distinct JPEGs (N = 1, 2, 4 … `--max-images`: 64 on tiny, 8 on
 small, whose 64-image sweep takes ~16 min on 2 cores) and `max_tokens=1`, at each
-resolution, against real `iris serve`s on the same generated Qwen2.5-VL checkpoint, each
-with a step budget of 512 tokens, all started and then measured in turns
+resolution, against real `iris serve`s on the same generated checkpoint (`--arch`;
+Qwen2.5-VL by default), each with a step budget of 512 tokens, all started and then
+measured in turns
 (`run_interleaved`: one point of one server at a time, the others idle, so a burst of
 load from elsewhere hits every variant alike):
 
@@ -46,7 +47,15 @@ from typing import Any
 import httpx
 
 from bench.images import image_part
-from bench.results_io import RESULTS_DIR, add_common_arguments, markdown_table, write_result
+from bench.results_io import (
+    ARCH_TITLES,
+    RESULTS_DIR,
+    add_arch_argument,
+    add_common_arguments,
+    checkpoint_label,
+    markdown_table,
+    write_result,
+)
 from bench.server_process import IrisServer, chat_body, delta, run_interleaved, stream_chat
 from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
@@ -401,7 +410,9 @@ def summary(run: Setting, results: dict[str, list[dict[str, Any]]]) -> list[list
 def embedding_note(model_dir: Path, run: Setting, results: dict[str, list[dict[str, Any]]]) -> str:
     """How much holding every embedding of a request at once costs on this checkpoint."""
     config = json.loads((model_dir / "config.json").read_text())
-    width = config["vision_config"]["out_hidden_size"]
+    # Qwen3-VL's entry holds its DeepStack levels beside the main embedding
+    levels = len(config["vision_config"].get("deepstack_visual_indexes") or ())
+    width = config["vision_config"]["out_hidden_size"] * (1 + levels)
     size = run.resolutions[0]
     tokens = [
         (r["n"], r["prompt_tokens"])
@@ -415,7 +426,7 @@ def embedding_note(model_dir: Path, run: Setting, results: dict[str, list[dict[s
         "By design (`scheduler/embedding_cache.py`) a request pins each image's embedding "
         "from its first use to the request's end, so at the end of the prefill all N "
         "embeddings are held whichever the variant: tokens x "
-        f"{width} (`out_hidden_size`) x 4 bytes, about {per_image:.2f} MiB per "
+        f"{width} (`out_hidden_size`, times 1 + DeepStack levels) x 4 bytes, about {per_image:.2f} MiB per "
         f"{size[0]}x{size[1]} image here, {per_image * n:.1f} MiB for {n}. On Qwen2.5-VL-7B "
         f"(3584 wide, bf16) it would be about {prompt_tokens / n * 3584 * 2 / MIB:.1f} MiB "
         "per image. What chunk-aware encoding bounds is the vision tower's working memory "
@@ -428,6 +439,7 @@ def embedding_note(model_dir: Path, run: Setting, results: dict[str, list[dict[s
 
 
 def report(
+    title: str,
     size: str,
     model_dir: Path,
     run: Setting,
@@ -438,7 +450,7 @@ def report(
     variants = "; ".join(f"`{name}`: `{' '.join(f)}`" for name, f in run.variants)
     return "\n".join(
         [
-            f"Generated Qwen2.5-VL `{size}` checkpoint. One request at a time with N "
+            f"Generated {title} `{size}` checkpoint. One request at a time with N "
             "distinct JPEGs (never seen before by the server) and a short question, "
             f"`max_tokens=1`; N doubles up to {run.counts[-1]} or until a request fails or "
             f"takes longer than {run.timeout:.0f} s (the status then reads `timeout`). After "
@@ -494,6 +506,7 @@ def report(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser)
+    add_arch_argument(parser)
     parser.add_argument(
         "--max-images",
         type=int,
@@ -505,7 +518,7 @@ def main() -> None:
     default_max = DEFAULT_MAX_IMAGES[args.size]
     max_images = default_max if args.max_images is None else args.max_images
     run = setting(args.quick, args.size, max_images)
-    model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=args.size)
+    model_dir = builtin_checkpoint(arch=args.arch, size=args.size)
     # Read by glibc in the servers' processes (IrisServer copies this environment).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     by_server = run_interleaved(
@@ -520,17 +533,18 @@ def main() -> None:
         rows = [r for r in every if r["variant"] == name]
         if rows:
             results[name] = rows
-    name = f"image_probe_{args.size}"
+    name = f"image_probe_{checkpoint_label(args.arch, args.size)}"
     name += f"_max{max_images}" if max_images != default_max else ""
     name += "_quick" if args.quick else ""
     out_dir = args.out or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     png = f"{name}.png"
-    plot(run, results, out_dir / png, f"N images in one request (Qwen2.5-VL {args.size})")
+    title = f"{ARCH_TITLES[args.arch]} {args.size}"
+    plot(run, results, out_dir / png, f"N images in one request ({title})")
     write_result(
         name,
-        f"N images in one request: TTFT and scheduler peak memory (HTTP, Qwen2.5-VL {args.size})",
-        report(args.size, model_dir, run, results, png),
+        f"N images in one request: TTFT and scheduler peak memory (HTTP, {title})",
+        report(ARCH_TITLES[args.arch], args.size, model_dir, run, results, png),
         out_dir,
     )
 

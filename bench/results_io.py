@@ -24,6 +24,26 @@ def add_common_arguments(
     parser.add_argument("--out", type=Path, default=None, help="results folder")
 
 
+# Generated checkpoints a benchmark can serve (`--arch`); the default keeps result names
+# as they were (`multiturn_image_small`), another arch is named in them.
+ARCH_TITLES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
+DEFAULT_ARCH = "qwen2_5_vl"
+
+
+def add_arch_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--arch",
+        choices=tuple(ARCH_TITLES),
+        default=DEFAULT_ARCH,
+        help=f"architecture of the generated checkpoint (default: {DEFAULT_ARCH})",
+    )
+
+
+def checkpoint_label(arch: str, size: str) -> str:
+    """`small` for the default arch, `qwen3_vl_small` for another: part of result names."""
+    return size if arch == DEFAULT_ARCH else f"{arch}_{size}"
+
+
 def machine_description() -> str:
     import torch
 

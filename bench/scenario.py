@@ -14,7 +14,14 @@ from typing import Any
 import httpx
 
 from bench.images import image_part
-from bench.results_io import RESULTS_DIR, add_common_arguments, write_result
+from bench.results_io import (
+    ARCH_TITLES,
+    RESULTS_DIR,
+    add_arch_argument,
+    add_common_arguments,
+    checkpoint_label,
+    write_result,
+)
 from bench.server_process import (
     IrisServer,
     StreamedChat,
@@ -110,6 +117,7 @@ def replay_through_workers(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
+    add_arch_argument(parser)
     parser.add_argument(
         "--model",
         type=Path,
@@ -144,8 +152,9 @@ def target(benchmark: str, args: argparse.Namespace) -> Target:
         model_dir, label = args.model.resolve(), args.model.name
         description = f"checkpoint `{model_dir}`"
     else:
-        model_dir, label = builtin_checkpoint(arch="qwen2_5_vl", size=args.size), args.size
-        description = f"generated Qwen2.5-VL `{args.size}` checkpoint"
+        model_dir = builtin_checkpoint(arch=args.arch, size=args.size)
+        label = checkpoint_label(args.arch, args.size)
+        description = f"generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint"
     out_dir = args.out or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"{benchmark}_{label}" + ("_quick" if args.quick else "")
