@@ -46,10 +46,21 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config: VLModelConfig, layer_idx: int) -> None:
+    """Pre-norm attention and MLP with residuals. Qwen3 passes its own attention (q/k norm)
+    and MLP (dense or MoE); the default is Qwen2's."""
+
+    def __init__(
+        self,
+        config: VLModelConfig,
+        layer_idx: int,
+        self_attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = Qwen2Attention(config, layer_idx)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=False, act="silu")
+        self.self_attn = self_attn or Qwen2Attention(config, layer_idx)
+        self.mlp = mlp or GatedMLP(
+            config.hidden_size, config.intermediate_size, bias=False, act="silu"
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -19,6 +19,7 @@ from torch import nn
 from iris_serve.scheduler.models.attention_api import AttentionContext
 from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
+from iris_serve.scheduler.models.qwen2_lm import Qwen2DecoderLayer
 
 
 class Qwen3Attention(nn.Module):
@@ -55,21 +56,6 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: VLModelConfig, layer_idx: int, mlp: nn.Module) -> None:
-        super().__init__()
-        self.self_attn = Qwen3Attention(config, layer_idx)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Qwen3Model(nn.Module):
     """Checkpoint prefix `model.language_model.` (ours: `model.`)."""
 
@@ -78,7 +64,7 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [
-                Qwen3DecoderLayer(config, i, self.build_mlp(config, i))
+                Qwen2DecoderLayer(config, i, Qwen3Attention(config, i), self.build_mlp(config, i))
                 for i in range(config.num_layers)
             ]
         )
