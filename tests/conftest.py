@@ -2,8 +2,9 @@
 
 `tiny_checkpoint(arch, **kwargs)` returns the folder of a checkpoint generated with
 `generate_checkpoint(arch, out_dir, **kwargs)`, once per distinct argument set per session.
-`qwen2_vl_tiny` (tied embeddings), `qwen2_5_vl_tiny` (untied) and `qwen3_vl_tiny` (tied,
-DeepStack) are the fp32 seed-0 ones.
+`qwen2_vl_tiny` (tied embeddings), `qwen2_5_vl_tiny` (untied), `qwen3_vl_tiny` (tied,
+DeepStack) and `qwen3_vl_moe_tiny` (untied, DeepStack, routed experts) are the fp32 seed-0
+ones.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def qwen3_vl_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
     return tiny_checkpoint("qwen3_vl")
 
 
+@pytest.fixture(scope="session")
+def qwen3_vl_moe_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
+    return tiny_checkpoint("qwen3_vl_moe")
+
+
+# Qwen3-VL-MoE is left out: it differs from Qwen3-VL only in the MLP, which the engine never
+# sees; tests/test_moe.py runs it through the engine once.
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def each_arch_dir(request) -> str:
     """Each architecture's tiny checkpoint in turn: a test using it runs once per arch."""

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from iris_serve.ipc.local import PromptInput
+from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
 
@@ -60,6 +61,37 @@ def cpu_engine(model_dir: str | Path, **overrides) -> Engine:
     since zero-filling the default 1 GiB per engine dominates a test's time."""
     overrides.setdefault("kv_cache_memory", 16 << 20)
     return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **overrides))
+
+
+def numbered_prompts(
+    builder, count: int, words_per_step: int, image_every: int, seed: int
+) -> list[PromptInput]:
+    """`count` chat prompts growing by `words_per_step` numbers each; every
+    `image_every`-th one carries an image of growing size."""
+    return [
+        chat_prompt(
+            builder,
+            "tell me about number " + " ".join(str(j) for j in range(i * words_per_step)),
+            [make_image(60 + 20 * i, 50 + 10 * i, seed=seed + i)] if i % image_every == 0 else [],
+        )
+        for i in range(count)
+    ]
+
+
+def generate_joining_one_per_step(
+    engine: Engine, prompts: list[PromptInput], sampling: Sampling
+) -> list[list[int]]:
+    """Runs `prompts` with one new request added per step, joining whatever is running
+    (mid-prefill or decoding); returns each prompt's tokens."""
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(str(i), prompt, sampling)
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    return [outputs[str(i)] for i in range(len(prompts))]
 
 
 def chat_prompt(builder, text: str, images=()) -> PromptInput:

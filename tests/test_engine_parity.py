@@ -16,7 +16,7 @@ from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity as assert_parity_with
 from tests.reference import chat_prompt as chat
 from tests.reference import cpu_engine as engine
-from tests.reference import make_image
+from tests.reference import generate_joining_one_per_step, make_image, numbered_prompts
 
 torch.set_num_threads(2)
 MAX_NEW = 24
@@ -57,24 +57,9 @@ def test_long_prompt_at_any_chunk_budget(each_arch_dir, each_arch_builder, budge
 
 
 def test_requests_joining_a_running_batch_at_different_steps(each_arch_dir, each_arch_builder):
-    prompts = [
-        chat(
-            each_arch_builder,
-            "tell me about number " + " ".join(str(j) for j in range(i * 9)),
-            [make_image(60 + 20 * i, 50 + 10 * i, seed=10 + i)] if i % 3 == 0 else [],
-        )
-        for i in range(8)
-    ]
+    prompts = numbered_prompts(each_arch_builder, 8, words_per_step=9, image_every=3, seed=10)
     iris = engine(each_arch_dir, max_num_batched_tokens=48)
-    outputs: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    while pending or iris.has_unfinished_requests():
-        if pending:  # one new request per step, joining whatever is running
-            i, prompt = pending.pop(0)
-            iris.add_request(str(i), prompt, GREEDY)
-        for out in iris.step():
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert_parity(each_arch_dir, prompts, [outputs[str(i)] for i in range(8)])
+    assert_parity(each_arch_dir, prompts, generate_joining_one_per_step(iris, prompts, GREEDY))
 
 
 def test_preemption_under_a_small_kv_pool_changes_no_token(each_arch_dir, each_arch_builder):

@@ -1,10 +1,11 @@
-"""Our Qwen2-VL / Qwen2.5-VL / Qwen3-VL model code against transformers, fp32 on the CPU.
+"""Our Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) model code against transformers, fp32 on the CPU.
 
 The checkpoints are the project's tiny random-weight ones (`tests/conftest.py`), written by
 transformers' `save_pretrained` in the hub key layout. Ours loads each folder through
 `load_model`; transformers loads the same folder with `from_pretrained`. Vision features,
 M-RoPE positions and logits must agree. Qwen2-VL's checkpoint ties lm_head, Qwen2.5-VL's
 does not. Qwen3-VL's vision features include its DeepStack levels, compared level by level.
+The MoE's expert layouts and routing have their own tests (tests/test_moe.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ torch.set_num_threads(2)
 
 # (height, width) in pixels: odd sizes; the first gives Qwen2.5-VL 3x5 windows
 IMAGE_SIZES = [(333, 517), (97, 211), (250, 250)]
-ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 # Measured max-abs-diff vs transformers is ~2e-5 on values up to ~14 (fp32 rounding: fused
 # q/k/v and gate/up matmuls, the patch conv as a matmul); a real bug is off by O(1).
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -255,6 +256,10 @@ HUB_NAMES = {
     "qwen3_vl": (
         "model.language_model.embed_tokens.weight",
         "model.visual.merger.linear_fc1.weight",
+    ),
+    "qwen3_vl_moe": (
+        "model.language_model.layers.0.mlp.experts.gate_up_proj",
+        "model.language_model.layers.0.mlp.gate.weight",
     ),
 }
 

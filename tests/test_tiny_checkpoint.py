@@ -48,6 +48,12 @@ def arch_dir(request: pytest.FixtureRequest) -> tuple[str, Path]:
     return request.param, request.getfixturevalue(f"{request.param}_tiny")
 
 
+@pytest.fixture(params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+def every_arch_dir(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    """Qwen3-VL's own config, weights and processor are checked in their own test below."""
+    return request.param, request.getfixturevalue(f"{request.param}_tiny")
+
+
 def file_hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
@@ -57,8 +63,8 @@ def chat(tokenizer: PreTrainedTokenizerBase, content: str | list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def test_layout_is_the_hub_layout(arch_dir: tuple[str, Path]) -> None:
-    _, path = arch_dir
+def test_layout_is_the_hub_layout(every_arch_dir: tuple[str, Path]) -> None:
+    arch, path = every_arch_dir
     names = {p.name for p in path.iterdir()}
     assert {
         "config.json",
@@ -71,7 +77,8 @@ def test_layout_is_the_hub_layout(arch_dir: tuple[str, Path]) -> None:
     } <= names
     pre = json.loads((path / "preprocessor_config.json").read_text())
     assert pre["image_processor_type"] == "Qwen2VLImageProcessor"
-    assert (pre["patch_size"], pre["merge_size"], pre["temporal_patch_size"]) == (14, 2, 2)
+    patch = 16 if arch.startswith("qwen3") else 14
+    assert (pre["patch_size"], pre["merge_size"], pre["temporal_patch_size"]) == (patch, 2, 2)
 
 
 def test_tokenizer_special_tokens_are_single_ids(arch_dir: tuple[str, Path]) -> None:
@@ -240,9 +247,9 @@ def test_leaves_the_callers_rng_alone(tmp_path: Path) -> None:
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_greedy_generation_is_varied(arch_dir: tuple[str, Path]) -> None:
+def test_greedy_generation_is_varied(every_arch_dir: tuple[str, Path]) -> None:
     """Random weights must not make greedy parity tests trivial (one repeated token)."""
-    _, path = arch_dir
+    _, path = every_arch_dir
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     proc = reference_processor(path)
     outputs, gaps = [], []

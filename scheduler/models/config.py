@@ -12,8 +12,9 @@ The vision tower differs per architecture: Qwen2-VL names its width `embed_dim` 
 `hidden_size` for the merger's output (the LM width) with `mlp_ratio`; Qwen2.5-VL uses
 `hidden_size`, `intermediate_size` and `out_hidden_size`; Qwen3-VL adds a learned position
 table (`num_position_embeddings`) and `deepstack_visual_indexes`, and its decoder has an
-explicit `head_dim`, q/k norm and interleaved M-RoPE. Defaults are transformers'
-defaults, so a file that leaves a key out means the same thing to us as to transformers.
+explicit `head_dim`, q/k norm and interleaved M-RoPE; Qwen3-VL-MoE swaps the MLP of its
+decoder layers for routed experts (`MoEConfig`). Defaults are transformers' defaults, so a
+file that leaves a key out means the same thing to us as to transformers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,35 @@ from typing import Any
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
-_ARCH_BY_MODEL_TYPE = {"qwen2_vl": QWEN2_VL, "qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
+QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
+_ARCH_BY_MODEL_TYPE = {
+    "qwen2_vl": QWEN2_VL,
+    "qwen2_5_vl": QWEN2_5_VL,
+    "qwen3_vl": QWEN3_VL,
+    "qwen3_vl_moe": QWEN3_VL_MOE,
+}
+_QWEN3_ARCHS = (QWEN3_VL, QWEN3_VL_MOE)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts of a Qwen3-MoE decoder. No shared expert; the router's top-k
+    probabilities are always renormalised to sum 1 (transformers ignores `norm_topk_prob`:
+    every released checkpoint sets it)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert (`moe_intermediate_size`)
+    sparse_step: int  # `decoder_sparse_step`: every step-th layer is MoE
+    dense_layers: tuple[int, ...]  # `mlp_only_layers`: dense SwiGLU whatever the step says
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """transformers' rule: not listed as dense, and (i + 1) divisible by the step."""
+        return (
+            layer_idx not in self.dense_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.sparse_step == 0
+        )
 
 
 @dataclass(frozen=True)
@@ -89,6 +118,7 @@ class VLModelConfig:
     # dtype the weights were saved in ("bfloat16", ...); None when the file does not say
     dtype: str | None
     vision: VisionConfig
+    moe: MoEConfig | None = None  # Qwen3-VL-MoE; None: every layer has a dense MLP
 
     @property
     def spatial_merge_size(self) -> int:
@@ -123,7 +153,7 @@ class VLModelConfig:
         hidden_size = int(get("hidden_size", 8192))
         num_heads = int(get("num_attention_heads", 64))
         num_kv_heads = int(get("num_key_value_heads", None) or num_heads)
-        qwen3 = architecture == QWEN3_VL
+        qwen3 = architecture in _QWEN3_ARCHS
         # transformers' Qwen2-VL attention uses hidden_size // heads whatever head_dim says;
         # Qwen3's reads head_dim.
         head_dim = int(get("head_dim", 128)) if qwen3 else hidden_size // num_heads
@@ -147,9 +177,13 @@ class VLModelConfig:
         if get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"text hidden_act {get('hidden_act', '')!r} is not supported")
 
-        # pre-v5 saves put tie_word_embeddings inside text_config; transformers honours both.
-        tie = bool(raw.get("tie_word_embeddings", False)) or bool(
-            text.get("tie_word_embeddings", False)
+        # The top level governs where it says (transformers 5 saves Qwen3-VL-MoE with a
+        # top-level false beside text_config's default true, and unties); pre-v5 saves put
+        # the key only inside text_config.
+        tie = bool(
+            raw["tie_word_embeddings"]
+            if raw.get("tie_word_embeddings") is not None
+            else text.get("tie_word_embeddings", False)
         )
         eos = _as_id_tuple(get("eos_token_id", 151645))
         return cls(
@@ -178,7 +212,24 @@ class VLModelConfig:
             pad_token_id=get("pad_token_id", None),
             dtype=raw.get("dtype") or raw.get("torch_dtype") or get("dtype", None),
             vision=_vision_config(architecture, raw.get("vision_config") or {}),
+            moe=_moe_config(get) if architecture == QWEN3_VL_MOE else None,
         )
+
+
+def _moe_config(get: Any) -> MoEConfig:
+    """`get` reads a text key (nested first); defaults are `Qwen3VLMoeTextConfig`'s.
+    transformers 5 saves `num_experts` as `num_local_experts`."""
+    num_experts = int(get("num_experts", None) or get("num_local_experts", 60))
+    top_k = int(get("num_experts_per_tok", 4))
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=int(get("moe_intermediate_size", 1408)),
+        sparse_step=int(get("decoder_sparse_step", 1)),
+        dense_layers=tuple(int(i) for i in get("mlp_only_layers", ())),
+    )
 
 
 def architecture_of(raw: dict[str, Any]) -> str:
@@ -197,7 +248,7 @@ def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
         value = v.get(key)
         return default if value is None else value
 
-    qwen3 = architecture == QWEN3_VL
+    qwen3 = architecture in _QWEN3_ARCHS
     common: dict[str, Any] = dict(  # VisionConfig's shared fields, of mixed types
         depth=int(get("depth", 27 if qwen3 else 32)),
         num_heads=int(get("num_heads", 16)),
@@ -247,8 +298,8 @@ def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
             **common,
         )
     raise ValueError(
-        f"unsupported architecture {architecture!r}; supported: {QWEN2_VL}, {QWEN2_5_VL}, "
-        f"{QWEN3_VL}"
+        f"unsupported architecture {architecture!r}; supported: "
+        f"{', '.join(_ARCH_BY_MODEL_TYPE.values())}"
     )
 
 

@@ -7,8 +7,8 @@ added to the output of decoder layer k at the image rows. The caller passes the 
 one `[L, N, H]` tensor over the step's flat tokens, zeros at text rows, so the add needs
 no mask and stays in the loop unconditionally.
 
-The MLP of a layer comes from `Qwen3Model.build_mlp`, the one place a mixture-of-experts
-decoder (Qwen3-VL-MoE) would differ.
+The MLP of a layer comes from `Qwen3Model.build_mlp`, the one place the mixture-of-experts
+decoder (Qwen3-VL-MoE) differs: its MoE layers get a `SparseMoEBlock`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 from iris_serve.scheduler.models.attention_api import AttentionContext
 from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
+from iris_serve.scheduler.models.moe import SparseMoEBlock
 from iris_serve.scheduler.models.qwen2_lm import Qwen2DecoderLayer
 
 
@@ -76,7 +77,9 @@ class Qwen3Model(nn.Module):
 
     @staticmethod
     def build_mlp(config: VLModelConfig, layer_idx: int) -> nn.Module:
-        """The dense SwiGLU MLP; a MoE decoder overrides this."""
+        """Routed experts where the config's MoE rule says so, else the dense SwiGLU MLP."""
+        if config.moe is not None and config.moe.is_moe_layer(layer_idx):
+            return SparseMoEBlock(config.hidden_size, config.moe)
         return GatedMLP(config.hidden_size, config.intermediate_size, bias=False, act="silu")
 
     def forward(

@@ -25,6 +25,9 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "iris_serve.scheduler.models.qwen2_vl:Qwen2VLForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "iris_serve.scheduler.models.qwen2_5_vl:Qwen2_5_VLForCausalLM",
     "Qwen3VLForConditionalGeneration": "iris_serve.scheduler.models.qwen3_vl:Qwen3VLForCausalLM",
+    "Qwen3VLMoeForConditionalGeneration": (
+        "iris_serve.scheduler.models.qwen3_vl_moe:Qwen3VLMoeForCausalLM"
+    ),
 }
 
 

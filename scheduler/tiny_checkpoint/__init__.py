@@ -10,7 +10,9 @@ Sizes (see `configs.SHAPES`): `tiny` (text 64 wide x 2 layers, 4 heads / 2 KV he
 head_dim 16, ViT 32 wide x 3 blocks; 0.3-0.4M parameters) and `small` (text 512 x 8 layers,
 4 / 2 heads of 128, ViT 320 x 8 blocks; ~40M). Vocabulary: 1536 (1522 BPE + 14 specials).
 Qwen2-VL and Qwen3-VL checkpoints tie lm_head to the input embeddings; Qwen2.5-VL ones do
-not. Qwen3-VL ones have 2 (tiny) or 3 (small) DeepStack levels.
+not. Qwen3-VL ones have 2 (tiny) or 3 (small) DeepStack levels; Qwen3-VL-MoE ones are
+Qwen3-VL with routed experts (tiny: 8 experts, top-2, in layer 0 of 2; small: 16, top-4,
+in every layer) and an untied lm_head.
 
 Real-size checkpoints (`iris tiny-model --like Qwen2.5-VL-7B-Instruct`: the published
 config.json, random bf16 weights streamed into 4 GB shards, this tokenizer padded so its
@@ -42,7 +44,7 @@ __all__ = [
     "reference_processor",
 ]
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 # Bump when the generator's output changes, so `builtin_checkpoint` rebuilds stale caches.
@@ -121,12 +123,14 @@ def _model_class(arch: str) -> type:
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
     )
 
     return {
         "qwen2_vl": Qwen2VLForConditionalGeneration,
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
         "qwen3_vl": Qwen3VLForConditionalGeneration,
+        "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
     }[arch]
 
 

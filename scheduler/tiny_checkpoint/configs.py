@@ -3,14 +3,20 @@
 Shapes keep the structure of the real models (GQA, bias on q/k/v, M-RoPE, 14-px patches,
 2x2 spatial merge, 2-frame temporal patches, Qwen2.5's windowed ViT; for Qwen3-VL q/k norm
 without bias, interleaved M-RoPE, 16-px patches, learned ViT positions and DeepStack
-levels) at toy widths.
+levels; for Qwen3-VL-MoE routed experts in most layers) at toy widths.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import PreTrainedConfig, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+from transformers import (
+    PreTrainedConfig,
+    Qwen2_5_VLConfig,
+    Qwen2VLConfig,
+    Qwen3VLConfig,
+    Qwen3VLMoeConfig,
+)
 
 from . import ARCHS, SIZES
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, token_id
@@ -30,6 +36,12 @@ class Shape:
     fullatt_blocks: tuple[int, ...]  # Qwen2.5 only: the others use window attention
     deepstack_blocks: tuple[int, ...]  # Qwen3 only: ViT blocks whose output feeds DeepStack
     vit_position_grid: int  # Qwen3 only: side of the learned ViT position table
+    # Qwen3-MoE only. Expert width must differ from hidden/2 and hidden, or a fused expert
+    # tensor's hub and transformers layouts would have one shape.
+    experts: int
+    experts_per_token: int
+    expert_intermediate: int
+    dense_layers: tuple[int, ...]  # `mlp_only_layers`
     # Init std of every linear/embedding weight (transformers' default is 0.02). At 0.02 a
     # random model's logits are nearly flat and greedy decoding repeats one token (the tied
     # Qwen2-VL tiny model emits a single token 30 times for every prompt), so a parity test
@@ -59,6 +71,10 @@ SHAPES: dict[str, Shape] = {
         fullatt_blocks=(1,),
         deepstack_blocks=(0, 1),
         vit_position_grid=8,
+        experts=8,
+        experts_per_token=2,
+        expert_intermediate=24,
+        dense_layers=(1,),
         init_std=0.2,
     ),
     # 38.5M / 42.6M parameters; builds in ~0.5 s. Real head sizes: text head_dim 128
@@ -76,13 +92,22 @@ SHAPES: dict[str, Shape] = {
         fullatt_blocks=(3, 7),
         deepstack_blocks=(1, 3, 5),
         vit_position_grid=24,
+        experts=16,
+        experts_per_token=4,
+        expert_intermediate=384,
+        dense_layers=(),
         init_std=0.07,
     ),
 }
 
 # Which arch ties lm_head to embed_tokens (Qwen2-VL-2B ties, Qwen2.5-VL-7B does not), so
 # that the default fixtures exercise both loading paths.
-TIE_WORD_EMBEDDINGS = {"qwen2_vl": True, "qwen2_5_vl": False, "qwen3_vl": True}
+TIE_WORD_EMBEDDINGS = {
+    "qwen2_vl": True,
+    "qwen2_5_vl": False,
+    "qwen3_vl": True,
+    "qwen3_vl_moe": False,  # as Qwen3-VL-30B-A3B
+}
 
 
 def mrope_section(head_dim: int) -> list[int]:
@@ -150,8 +175,10 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
             "mlp_ratio": s.vit_intermediate // s.vit_width,
             "hidden_act": "quick_gelu",
         }
-        cls: type[Qwen2VLConfig | Qwen2_5_VLConfig | Qwen3VLConfig] = Qwen2VLConfig
-    elif arch == "qwen3_vl":
+        cls: type[Qwen2VLConfig | Qwen2_5_VLConfig | Qwen3VLConfig | Qwen3VLMoeConfig] = (
+            Qwen2VLConfig
+        )
+    elif arch in ("qwen3_vl", "qwen3_vl_moe"):
         # Qwen3-VL: explicit head_dim, q/k norm and no q/k/v bias in the decoder; the ViT has
         # 16-px patches, a learned position table and DeepStack mergers.
         text = {
@@ -177,6 +204,17 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
             "deepstack_visual_indexes": list(s.deepstack_blocks),
         }
         cls = Qwen3VLConfig
+        if arch == "qwen3_vl_moe":
+            # Qwen3-VL-30B-A3B's structure: routed experts, no shared one, top-k renormalised.
+            text = {
+                **text,
+                "num_experts": s.experts,
+                "num_experts_per_tok": s.experts_per_token,
+                "moe_intermediate_size": s.expert_intermediate,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": list(s.dense_layers),
+            }
+            cls = Qwen3VLMoeConfig
     else:
         # Qwen2.5-VL: ViT width is `hidden_size`; `out_hidden_size` is the merger's output.
         vision = {

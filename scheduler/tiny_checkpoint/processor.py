@@ -20,6 +20,7 @@ PROCESSOR_CLASSES: dict[str, type[ProcessorMixin]] = {
     "qwen2_vl": Qwen2VLProcessor,
     "qwen2_5_vl": Qwen2_5_VLProcessor,
     "qwen3_vl": Qwen3VLProcessor,
+    "qwen3_vl_moe": Qwen3VLProcessor,
 }
 
 # Qwen3-VL's published preprocessor_config.json: 16-px patches (resize factor 32), mean and
@@ -48,7 +49,7 @@ def save_image_processor(out_dir: Path, arch: str = "qwen2_vl") -> None:
     processor's settings too, which cannot be produced without torchvision, and a null entry
     there would break `AutoProcessor` on machines that do have torchvision.
     """
-    settings = QWEN3_VL_IMAGE_PROCESSOR if arch == "qwen3_vl" else {}
+    settings = QWEN3_VL_IMAGE_PROCESSOR if arch.startswith("qwen3_vl") else {}
     Qwen2VLImageProcessorPil(**settings).save_pretrained(out_dir)
 
 

@@ -1,0 +1,181 @@
+"""Qwen3-MoE's sparse MLP: a router picks top-k of E experts per token, and only the experts
+that receive tokens run, as grouped matmuls over the tokens sorted by expert.
+
+The forward has no host sync: tokens are sorted by expert on the device, group ends come
+from a device-side `bincount`, and `torch.nn.functional.grouped_mm` runs every expert's
+rows in one call per projection (two per layer). Where grouped_mm cannot run (a device or
+dtype without it, or rows not 16-byte aligned) a loop over the experts that received tokens
+does the same arithmetic after one `.tolist()` of the counts. Either way an expert without
+tokens costs nothing, unlike transformers 4.57's eval path (all E experts for every token).
+
+Weights are kept in transformers 5's in-memory layout (also vLLM's `w13`/`w2`):
+`experts.gate_up_proj` `[E, 2I, H]` (gate rows, then up rows) and `experts.down_proj`
+`[E, H, I]`. `expert_weights_in_our_layout` turns every layout a checkpoint may use into
+that one: the hub's fused `[E, H, 2I]` / `[E, I, H]`, transformers 5's own saves (already
+ours) and per-expert `experts.N.{gate,up,down}_proj.weight` tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iris_serve.scheduler.models.config import MoEConfig
+
+
+def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, E]` logits -> (weights `[N, k]` in the logits' dtype, expert ids `[N, k]`).
+
+    As transformers: softmax in fp32, top-k, renormalised to sum 1, cast back."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), experts
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts stored as two 3-D tensors (no `.weight` suffix, as checkpoints)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x `[N, H]`, experts and weights `[N, k]` -> `sum_k weight * expert(x)` `[N, H]`."""
+        top_k = experts.shape[1]
+        order = torch.argsort(experts.flatten(), stable=True)
+        token = order // top_k  # the token of each (token, slot) pair, sorted by expert
+        rows_per_expert = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        sorted_x = x[token]
+        gate, up = _grouped_linear(sorted_x, self.gate_up_proj, rows_per_expert).chunk(2, dim=-1)
+        sorted_y = _grouped_linear(F.silu(gate) * up, self.down_proj, rows_per_expert)
+        sorted_y = sorted_y * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token, sorted_y)
+
+
+class SparseMoEBlock(nn.Module):
+    """Checkpoint names `mlp.gate.weight` `[E, H]` (the router) and `mlp.experts.*`."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.experts = RoutedExperts(moe.num_experts, hidden_size, moe.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.gate(x), self.top_k)
+        return self.experts(x, experts, weights)
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`x` `[M, in]` sorted by group, `weight` `[E, out, in]`, `rows` `[E]` rows per group ->
+    `[M, out]`: group e's rows times `weight[e].T`."""
+    if _grouped_mm_works(x.device.type, x.dtype) and _aligned(x, weight):
+        ends = torch.cumsum(rows, 0, dtype=torch.int32)
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for expert, count in enumerate(rows.tolist()):
+        if count:
+            out[start : start + count] = F.linear(x[start : start + count], weight[expert])
+            start += count
+    return out
+
+
+def _aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """grouped_mm wants every row stride a multiple of 16 bytes."""
+    size = x.element_size()
+    return (x.shape[1] * size) % 16 == 0 and (weight.shape[1] * size) % 16 == 0
+
+
+@cache
+def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch runs grouped_mm on this device and dtype, tried once on 16 rows."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        x = torch.ones(4, 8, device=device_type, dtype=dtype)
+        w = torch.ones(2, 8, 8, device=device_type, dtype=dtype)
+        ends = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
+        F.grouped_mm(x, w, offs=ends)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ checkpoint layouts
+
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def expert_weights_in_our_layout(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Passes every tensor through, with expert tensors turned into `[E, 2I, H]` / `[E, H, I]`.
+
+    Fused tensors are oriented by shape against H and I; when H == 2I (or H == I) both
+    layouts have one shape, and this raises rather than guess. Per-expert tensors are held
+    until all E experts of a layer's projection have arrived, then stacked; a layer still
+    missing experts at the end raises, naming them.
+    """
+    h, i = hidden_size, intermediate_size
+    ours = {"gate_up_proj": (num_experts, 2 * i, h), "down_proj": (num_experts, h, i)}
+    hub = {"gate_up_proj": (num_experts, h, 2 * i), "down_proj": (num_experts, i, h)}
+    pending: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in weights:
+        if fused := _FUSED.match(name):
+            kind = fused["kind"]
+            if ours[kind] == hub[kind]:
+                raise ValueError(
+                    f"{name}: hidden_size {h} and moe_intermediate_size {i} give the hub and "
+                    f"transformers layouts one shape {tuple(tensor.shape)}; cannot tell them apart"
+                )
+            if tuple(tensor.shape) == hub[kind]:
+                tensor = tensor.transpose(1, 2)
+            yield name, tensor
+        elif per_expert := _PER_EXPERT.match(name):
+            kind = per_expert["kind"]
+            group = "down_proj" if kind == "down_proj" else "gate_up_proj"
+            key = (f"{per_expert['prefix']}.{group}", kind)
+            pending.setdefault(key, {})[int(per_expert["expert"])] = tensor
+            yield from _stack_complete(pending, key[0], num_experts)
+        else:
+            yield name, tensor
+    if pending:
+        missing = [
+            f"{fused_name} ({kind}: experts {sorted(set(range(num_experts)) - set(got))} missing)"
+            for (fused_name, kind), got in sorted(pending.items())
+        ]
+        raise ValueError(f"incomplete per-expert weights: {', '.join(missing)}")
+
+
+def _stack_complete(
+    pending: dict[tuple[str, str], dict[int, torch.Tensor]], fused_name: str, num_experts: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields `fused_name` stacked once every projection it is made of has all experts."""
+    kinds = ("down_proj",) if fused_name.endswith("down_proj") else ("gate_proj", "up_proj")
+    groups = [pending.get((fused_name, kind), {}) for kind in kinds]
+    if any(sorted(group) != list(range(num_experts)) for group in groups):
+        return
+    for kind in kinds:
+        del pending[(fused_name, kind)]
+    per_expert = [torch.cat([group[e] for group in groups]) for e in range(num_experts)]
+    yield fused_name, torch.stack(per_expert)

@@ -1,0 +1,29 @@
+"""Qwen3-VL-MoE: Qwen3-VL whose decoder layers (those `MoEConfig.is_moe_layer` picks) run
+routed experts instead of a dense MLP (`moe.SparseMoEBlock`, built by
+`Qwen3Model.build_mlp`). The vision tower, DeepStack and everything the scheduler drives
+are Qwen3-VL's; only loading differs, because expert tensors come in several layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from iris_serve.scheduler.models.moe import expert_weights_in_our_layout
+from iris_serve.scheduler.models.qwen3_vl import Qwen3VLForCausalLM
+
+
+class Qwen3VLMoeForCausalLM(Qwen3VLForCausalLM):
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        moe = self.config.moe
+        if moe is None:
+            raise ValueError(f"{self.config.architecture} config has no experts")
+        super().load_weights(
+            expert_weights_in_our_layout(
+                weights,
+                num_experts=moe.num_experts,
+                hidden_size=self.config.hidden_size,
+                intermediate_size=moe.intermediate_size,
+            )
+        )
