@@ -26,7 +26,12 @@ def add_common_arguments(
 
 # Generated checkpoints a benchmark can serve (`--arch`); the default keeps result names
 # as they were (`multiturn_image_small`), another arch is named in them.
-ARCH_TITLES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
+ARCH_TITLES = {
+    "qwen2_vl": "Qwen2-VL",
+    "qwen2_5_vl": "Qwen2.5-VL",
+    "qwen3_vl": "Qwen3-VL",
+    "qwen3_vl_moe": "Qwen3-VL-MoE",
+}
 DEFAULT_ARCH = "qwen2_5_vl"
 
 

@@ -9,6 +9,12 @@ Shipped facts worth knowing: the 2B and 3B tie `lm_head` to the embeddings, the 
 do not; the 7B and 32B pad the vocabulary to 152064, the 2B and 3B to 151936 (the tokenizer
 has 151657 / 151665 entries either way); Qwen2-VL's vision `hidden_size` is the merger's
 output (the LM width), Qwen2.5-VL's is the ViT width with `out_hidden_size` the merger's.
+
+Qwen3-VL's files use the nested layout (`text_config`, `vision_config`; rope under
+`text_config.rope_scaling` with `rope_theta` beside it, as transformers 4.57 wrote them).
+They were taken from third-party copies of the hub files (TensorRT-LLM's and others' test
+configs; see shared/notes/qwen3-vl.md and qwen3-vl-moe.md), not the hub itself. The 8B does
+not tie lm_head; the 30B-A3B routes every layer through 128 experts, top-8.
 """
 
 from __future__ import annotations
@@ -23,6 +29,42 @@ _TOKEN_IDS: dict[str, Any] = {
     "vision_token_id": 151654,
     "image_token_id": 151655,
     "video_token_id": 151656,
+}
+
+# What every Qwen3-VL text_config / vision_config shares.
+_QWEN3_TEXT: dict[str, Any] = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "dtype": "bfloat16",
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "mrope_interleaved": True,
+        "mrope_section": [24, 20, 20],
+        "rope_type": "default",
+    },
+    "rope_theta": 5000000,
+    "use_cache": True,
+    "vocab_size": 151936,
+}
+_QWEN3_VISION: dict[str, Any] = {
+    "deepstack_visual_indexes": [8, 16, 24],
+    "depth": 27,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "in_channels": 3,
+    "initializer_range": 0.02,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "num_position_embeddings": 2304,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
 }
 
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
@@ -217,5 +259,50 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         },
         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
         "vocab_size": 152064,
+    },
+    "Qwen3-VL-8B-Instruct": {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "image_token_id": 151655,
+        "model_type": "qwen3_vl",
+        "text_config": {
+            **_QWEN3_TEXT,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "model_type": "qwen3_vl_text",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 36,
+            "num_key_value_heads": 8,
+        },
+        "tie_word_embeddings": False,
+        "video_token_id": 151656,
+        "vision_config": {**_QWEN3_VISION, "model_type": "qwen3_vl", "out_hidden_size": 4096},
+        "vision_end_token_id": 151653,
+        "vision_start_token_id": 151652,
+    },
+    "Qwen3-VL-30B-A3B-Instruct": {
+        "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+        "image_token_id": 151655,
+        "model_type": "qwen3_vl_moe",
+        "text_config": {
+            **_QWEN3_TEXT,
+            "decoder_sparse_step": 1,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "mlp_only_layers": [],
+            "model_type": "qwen3_vl_moe_text",
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "num_attention_heads": 32,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 4,
+            "router_aux_loss_coef": 0.001,
+        },
+        "tie_word_embeddings": False,
+        "video_token_id": 151656,
+        "vision_config": {**_QWEN3_VISION, "model_type": "qwen3_vl_moe", "out_hidden_size": 2048},
+        "vision_end_token_id": 151653,
+        "vision_start_token_id": 151652,
     },
 }

@@ -7,8 +7,10 @@ so that its special tokens sit at Qwen's real ids (<|endoftext|> 151643 ... <|vi
 151656), the ids the config names; nothing in config.json is changed to fit the tokenizer.
 
 Tensor names and shapes come from transformers' own model class built on the meta device,
-renamed to the hub's layout (`model.layers.*`, `visual.*`), so transformers and Iris's loader
-read the files exactly as they read a downloaded checkpoint.
+in the hub's layout (Qwen2/2.5-VL: renamed to `model.layers.*`, `visual.*`; Qwen3-VL keeps
+`model.language_model.*`; Qwen3-VL-MoE's fused experts transposed to the hub's `[E, H, 2I]`
+and `[E, I, H]`), so transformers and Iris's loader read the files exactly as they read a
+downloaded checkpoint.
 
 `num_layers` / `vision_depth` shrink the depth for quick checks; such a checkpoint is no
 longer the named config (the stamp file says `"exact": false`).
@@ -34,7 +36,14 @@ DEFAULT_MAX_SHARD_SIZE = "4GB"
 INIT_GAIN = 1.6
 # transformers' in-memory names -> the hub's checkpoint names (what save_pretrained writes)
 _HUB_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
-_PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+_PROCESSOR_CLASS = {
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+    "qwen3_vl_moe": "Qwen3VLProcessor",
+}
+# Families whose hub files use the nested layout and transformers' in-memory names.
+_NESTED = ("qwen3_vl", "qwen3_vl_moe")
 
 
 def resolve_name(name: str) -> str:
@@ -58,16 +67,27 @@ def like_config(
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {LIKE_DTYPES}")
     config = copy.deepcopy(KNOWN_CONFIGS[resolve_name(name)])
     config["torch_dtype"] = dtype
+    text = text_config(config)
+    if "dtype" in text:
+        text["dtype"] = dtype
     if num_layers is not None:
-        config["num_hidden_layers"] = _depth(num_layers, config["num_hidden_layers"], "layers")
+        text["num_hidden_layers"] = _depth(num_layers, text["num_hidden_layers"], "layers")
     vision = config["vision_config"]
     if vision_depth is not None:
         vision["depth"] = _depth(vision_depth, vision["depth"], "vision blocks")
-        if "fullatt_block_indexes" in vision:
-            vision["fullatt_block_indexes"] = [
-                i for i in vision["fullatt_block_indexes"] if i < vision["depth"]
-            ]
+        for key in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+            if key in vision:
+                vision[key] = [i for i in vision[key] if i < vision["depth"]]
+    if "deepstack_visual_indexes" in vision:  # one DeepStack level per decoder layer at most
+        vision["deepstack_visual_indexes"] = vision["deepstack_visual_indexes"][
+            : text["num_hidden_layers"]
+        ]
     return config
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The dict holding the text keys: `text_config` (nested layout) or the config itself."""
+    return config["text_config"] if config["model_type"] in _NESTED else config
 
 
 def _depth(value: int, full: int, what: str) -> int:
@@ -115,6 +135,7 @@ def generate_like_checkpoint(
         return token_id(token, REAL_FIRST_SPECIAL_ID)
 
     # The ids config.json names must be the tokenizer's; fails loudly if the table drifts.
+    text = text_config(config)
     for key, token in [
         ("image_token_id", "<|image_pad|>"),
         ("video_token_id", "<|video_pad|>"),
@@ -123,8 +144,9 @@ def generate_like_checkpoint(
         ("eos_token_id", EOS_TOKEN),
         ("bos_token_id", BOS_TOKEN),
     ]:
-        if config[key] != special(token):
-            raise RuntimeError(f"{key} {config[key]} != tokenizer id {special(token)} of {token}")
+        value = config.get(key, text.get(key))
+        if value != special(token):
+            raise RuntimeError(f"{key} {value} != tokenizer id {special(token)} of {token}")
     # As the tiny checkpoints: Qwen's EOS ids, none of the hub's sampling defaults (greedy).
     GenerationConfig(
         bos_token_id=special(BOS_TOKEN),
@@ -133,14 +155,14 @@ def generate_like_checkpoint(
     ).save_pretrained(out)
     processor_class = _PROCESSOR_CLASS[config["model_type"]]
     build_tokenizer(processor_class, first_special_id=REAL_FIRST_SPECIAL_ID).save_pretrained(out)
-    save_image_processor(out)
+    save_image_processor(out, config["model_type"], published=True)
 
     specs = tensor_specs(out)
     write_sharded(specs, out, getattr(torch, dtype), seed, max_shard_bytes, progress, device)
     stamp = {
         "like": resolve_name(name),
         "exact": num_layers is None and vision_depth is None,
-        "num_layers": config["num_hidden_layers"],
+        "num_layers": text["num_hidden_layers"],
         "vision_depth": config["vision_config"]["depth"],
         "seed": seed,
         "device": device,
@@ -163,11 +185,17 @@ def tensor_specs(model_dir: Path) -> list[TensorSpec]:
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     tied = bool(config.tie_word_embeddings)
+    nested = config.model_type in _NESTED
     specs = []
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue  # hub checkpoints of tied models store the embedding once
-        specs.append(_spec(_hub_name(name), tuple(tensor.shape)))
+        shape = tuple(tensor.shape)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # transformers 5 holds [E, out, in]; the hub's files are [E, in, out]
+            specs.append(_spec(name, (shape[0], shape[2], shape[1]), fan_in=shape[2]))
+        else:
+            specs.append(_spec(name if nested else _hub_name(name), shape))
     return specs
 
 
@@ -178,8 +206,8 @@ def _hub_name(name: str) -> str:
     return name
 
 
-def _spec(name: str, shape: tuple[int, ...]) -> TensorSpec:
+def _spec(name: str, shape: tuple[int, ...], fan_in: int | None = None) -> TensorSpec:
     if len(shape) == 1:
         return TensorSpec(name, shape, "zeros" if name.endswith(".bias") else "ones")
-    fan_in = math.prod(shape[1:])
+    fan_in = fan_in or math.prod(shape[1:])
     return TensorSpec(name, shape, "normal", INIT_GAIN / math.sqrt(fan_in))

@@ -36,7 +36,11 @@ QWEN3_VL_IMAGE_PROCESSOR = {
 }
 
 
-def save_image_processor(out_dir: Path, arch: str = "qwen2_vl") -> None:
+# The pixel bounds Qwen3-VL's hub files ship (256x256 to 4096x4096 px), for `--like`.
+QWEN3_VL_PUBLISHED_SIZE = {"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}
+
+
+def save_image_processor(out_dir: Path, arch: str = "qwen2_vl", published: bool = False) -> None:
     """Write preprocessor_config.json the way transformers writes it (transformers' defaults).
 
     The PIL backend needs no torchvision and serialises exactly like the torchvision one
@@ -48,8 +52,15 @@ def save_image_processor(out_dir: Path, arch: str = "qwen2_vl") -> None:
     that transformers 5's `Qwen2VLProcessor.save_pretrained` would: that file nests the video
     processor's settings too, which cannot be produced without torchvision, and a null entry
     there would break `AutoProcessor` on machines that do have torchvision.
+
+    `published`: Qwen3-VL's real pixel bounds rather than the tiny checkpoints' scaled-down
+    ones (the Qwen2 families use transformers' defaults either way).
     """
-    settings = QWEN3_VL_IMAGE_PROCESSOR if arch.startswith("qwen3_vl") else {}
+    settings: dict[str, object] = {}
+    if arch.startswith("qwen3_vl"):
+        settings = dict(QWEN3_VL_IMAGE_PROCESSOR)
+        if published:
+            settings["size"] = QWEN3_VL_PUBLISHED_SIZE
     Qwen2VLImageProcessorPil(**settings).save_pretrained(out_dir)
 
 
