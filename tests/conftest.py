@@ -82,9 +82,7 @@ def qwen3_vl_moe_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
     return tiny_checkpoint("qwen3_vl_moe")
 
 
-# Qwen3-VL-MoE is left out: it differs from Qwen3-VL only in the MLP, which the engine never
-# sees; tests/test_moe.py runs it through the engine once.
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def each_arch_dir(request) -> str:
     """Each architecture's tiny checkpoint in turn: a test using it runs once per arch."""
     return str(request.getfixturevalue(f"{request.param}_tiny"))

@@ -79,8 +79,9 @@ def test_preemption_under_a_small_kv_pool_changes_no_token(each_arch_dir, each_a
     assert iris.kv_cache.pool.num_free == iris.kv_cache.pool.num_pages
 
 
-def test_hub_layout_sharded_bf16_checkpoint_loads_and_matches(tiny_checkpoint):
-    sharded = str(tiny_checkpoint("qwen2_5_vl", dtype="bfloat16", max_shard_size="200KB"))
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_hub_layout_sharded_bf16_checkpoint_loads_and_matches(tiny_checkpoint, arch):
+    sharded = str(tiny_checkpoint(arch, dtype="bfloat16", max_shard_size="200KB"))
     builder = PromptBuilder(sharded)
     prompts = [chat(builder, "Hello there!"), chat(builder, "Look:", [make_image(70, 70, seed=3)])]
     assert_parity(sharded, prompts, engine(sharded).generate(prompts, GREEDY))

@@ -1,9 +1,10 @@
-"""Qwen3-VL-MoE: routed experts against transformers, every expert layout a checkpoint may
-use, and greedy tokens through the engine.
+"""Qwen3-VL-MoE: routed experts against transformers, and every expert layout a checkpoint
+may use.
 
 transformers' `Qwen3VLMoeTextSparseMoeBlock` (eager experts: a loop over the experts hit)
 is the reference for the block; the tiny checkpoint (8 experts, top-2, routed in layer 0)
-for loading and the engine.
+for loading. Greedy tokens through the engine are the per-arch suite's (`each_arch_dir`
+includes Qwen3-VL-MoE: tests/test_engine_parity.py, test_prefix_cache_engine.py).
 """
 
 from __future__ import annotations
@@ -20,12 +21,6 @@ from iris_serve.scheduler.models import moe
 from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.loader import iter_safetensors
 from iris_serve.scheduler.models.registry import load_model
-from tests.reference import (
-    assert_parity,
-    cpu_engine,
-    generate_joining_one_per_step,
-    numbered_prompts,
-)
 
 torch.set_num_threads(2)
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -169,18 +164,3 @@ def test_config_reads_the_moe_rule_and_the_top_level_tie(qwen3_vl_moe_tiny):
     model = load_model(qwen3_vl_moe_tiny, torch.float32, torch.device("cpu"))
     assert isinstance(model.model.layers[0].mlp, moe.SparseMoEBlock)
     assert not isinstance(model.model.layers[1].mlp, moe.SparseMoEBlock)
-
-
-def test_engine_greedy_tokens_equal_transformers(qwen3_vl_moe_tiny):
-    """Requests joining a running batch with images, chunked prefill cutting through images
-    (so DeepStack rows are injected piecewise) and batched decode of several sequences, whose
-    tokens spread over the experts differently every step."""
-    from iris_serve.ipc.messages import Sampling
-    from iris_serve.tokenizer_worker.prompt import PromptBuilder
-
-    builder = PromptBuilder(str(qwen3_vl_moe_tiny))
-    prompts = numbered_prompts(builder, 5, words_per_step=7, image_every=2, seed=40)
-    greedy = Sampling(temperature=0.0, max_tokens=16)
-    iris = cpu_engine(qwen3_vl_moe_tiny, max_num_batched_tokens=40)
-    outputs = generate_joining_one_per_step(iris, prompts, greedy)
-    assert_parity(qwen3_vl_moe_tiny, prompts, outputs, 16)
