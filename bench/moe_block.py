@@ -111,6 +111,7 @@ def run(shape: dict[str, int], tokens: list[int], dtype: torch.dtype, dense_max:
         finally:
             moe._grouped_mm_works = works
 
+    expert_bytes = 3 * shape["hidden"] * shape["expert_width"] * torch.finfo(dtype).bits // 8
     rows = []
     for n in tokens:
         x = torch.randn(n, shape["hidden"], generator=generator).to(dtype)
@@ -123,10 +124,13 @@ def run(shape: dict[str, int], tokens: list[int], dtype: torch.dtype, dense_max:
             _time_ms(lambda x=x: _all_experts(ours, x), repeats) if n <= dense_max else None
         )
         floor = _time_ms(lambda x=x: dense(x), repeats)
+        weight_mb = active * expert_bytes / 1e6
         rows.append(
             [
                 n,
                 active,
+                f"{weight_mb:.0f}",
+                f"{weight_mb / grouped:.1f}",
                 grouped,
                 loop,
                 eager,
@@ -139,6 +143,8 @@ def run(shape: dict[str, int], tokens: list[int], dtype: torch.dtype, dense_max:
     header = [
         "tokens",
         "experts hit",
+        "their weights MB",
+        "grouped_mm GB/s",
         "grouped_mm ms",
         "expert loop ms",
         "hf eager ms",
@@ -165,7 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     body = (
         f"One MoE MLP, {shape['num_experts']} experts, top-{shape['top_k']}, hidden "
         f"{shape['hidden']}, expert width {shape['expert_width']}, {args.dtype}, "
-        f"{args.threads} threads; median of 3-5 calls after a warm-up.\n\n{table}"
+        f"{args.threads} threads; median of 3-5 calls after a warm-up. Every expert a token "
+        "routes to has its weights read once per call, so `their weights MB` / time is the "
+        "bandwidth the call reached; `dense` reads only top_k experts' worth whatever the "
+        f"number of tokens.\n\n{table}"
     )
     name = "moe_block_quick" if args.quick else f"moe_block_a3b_{args.dtype}"
     from pathlib import Path

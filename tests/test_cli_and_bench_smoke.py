@@ -124,3 +124,18 @@ def test_roofline_quick_reports_every_stage_against_the_device(tmp_path):
         measured, roofline, fraction = float(row[1]), float(row[2]), float(row[4])
         assert measured > 0 and roofline > 0
         assert abs(fraction - roofline / measured) < 0.01 * fraction + 1e-3
+
+
+def test_moe_block_quick_times_every_variant(tmp_path):
+    out = tmp_path / "results"
+    run_bench(
+        "bench.moe_block", "--quick", "--threads", "1", "--out", str(out),
+        cache_dir=tmp_path, timeout=300,
+    )  # fmt: skip
+    [(header, rows)] = markdown_tables((out / "moe_block_quick.md").read_text())
+    assert [row[0] for row in rows] == ["1", "16"]
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        for variant in ("grouped_mm", "expert loop", "hf eager", "all experts"):
+            assert float(cells[f"{variant} ms"]) > 0, variant
+        assert 1 <= int(cells["experts hit"]) <= 8
