@@ -1,9 +1,12 @@
 """Invariants 3 and 4 at the engine: per-image embedding cache, lazy chunk-aware encoding.
 
 What the vision tower ran is recorded by `engine()` below (the cache keys of each call,
-read off the model's `encode_images` and the embedding cache's `put`) and the counters; every answer is checked against transformers `generate`.
-The prefix cache, when the tree has one, is switched off wherever it would hide the
-embedding cache's work (its hits skip images altogether).
+read off the model's `encode_images` and the embedding cache's `put`) and the counters;
+every answer is checked against transformers `generate`. The prefix cache, when the tree
+has one, is switched off wherever it would hide the embedding cache's work (its hits skip
+images altogether). The cache states (warm, shared, evicting, every baseline switch) run
+on Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE; the scheduling mechanics on Qwen2.5-VL only,
+whose image token counts the expected call lists are written for.
 """
 
 from __future__ import annotations
@@ -35,6 +38,18 @@ PREFIX_SETTINGS = [False, True]
 @pytest.fixture(scope="module")
 def model_dir(qwen2_5_vl_tiny) -> str:
     return str(qwen2_5_vl_tiny)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+def cache_arch_dir(request) -> str:
+    """The cache-state tests run on every architecture whose entries differ: Qwen3-VL's carry
+    DeepStack levels, and the MoE's decoder routes experts."""
+    return str(request.getfixturevalue(f"{request.param}_tiny"))
+
+
+@pytest.fixture(scope="module")
+def cache_arch_builder(cache_arch_dir) -> PromptBuilder:
+    return PromptBuilder(cache_arch_dir)
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +148,20 @@ def test_vision_calls_respect_the_encoder_budget(model_dir, builder, budget, cal
 
 @pytest.mark.parametrize("prefix_caching", PREFIX_SETTINGS)
 def test_eight_concurrent_requests_with_one_new_image_encode_it_once(
-    model_dir, builder, prefix_caching
+    cache_arch_dir, cache_arch_builder, prefix_caching
 ):
-    prompts = [prompt(builder, C, f"Question {i}: what is shown?") for i in range(8)]
+    prompts = [prompt(cache_arch_builder, C, f"Question {i}: what is shown?") for i in range(8)]
     overrides = {"enable_prefix_caching": prefix_caching}
-    iris = engine(model_dir, **overrides)
+    iris = engine(cache_arch_dir, **overrides)
     outputs = iris.generate(prompts, GREEDY)
     assert vision_calls(iris) == [[prompts[0].images[0].key]]
     assert iris.stats().images_encoded == 1
     assert (iris.stats().mm_embedding_cache_misses, iris.stats().mm_embedding_cache_hits) == (1, 7)
-    assert iris.stats().mm_embedding_cache_usage_bytes == 20 * iris.model.config.hidden_size * 4
-    assert_parity(model_dir, prompts[:2], outputs[:2])
+    # one entry: the image's rows, main embedding and every DeepStack level, fp32
+    config = iris.model.config
+    width = config.hidden_size * (1 + config.deepstack_levels)
+    assert iris.stats().mm_embedding_cache_usage_bytes == prompts[0].images[0].length * width * 4
+    assert_parity(cache_arch_dir, prompts[:2], outputs[:2])
 
 
 def conversation(builder: PromptBuilder, rounds: int) -> PromptInput:
@@ -159,45 +177,54 @@ def conversation(builder: PromptBuilder, rounds: int) -> PromptInput:
 
 @pytest.mark.parametrize("prefix_caching", PREFIX_SETTINGS)
 @pytest.mark.parametrize("granularity", ["image", "request"])
-def test_a_conversation_adding_one_image_per_round(model_dir, builder, granularity, prefix_caching):
+def test_a_conversation_adding_one_image_per_round(
+    cache_arch_dir, cache_arch_builder, granularity, prefix_caching
+):
     overrides = {"enable_prefix_caching": prefix_caching}
-    iris = engine(model_dir, mm_cache_granularity=granularity, **overrides)
+    iris = engine(cache_arch_dir, mm_cache_granularity=granularity, **overrides)
     short = Sampling(temperature=0.0, max_tokens=2)
     for rounds in range(1, 9):
         before = iris.stats().images_encoded
-        p = conversation(builder, rounds)
+        p = conversation(cache_arch_builder, rounds)
         [out] = iris.generate([p], GREEDY if rounds == 8 else short)
         new = iris.stats().images_encoded - before
         assert new == (1 if granularity == "image" else rounds), f"round {rounds}"
-    assert_parity(model_dir, [p], [out])
+    assert_parity(cache_arch_dir, [p], [out])
 
 
-def test_a_cache_too_small_for_one_image_evicts_after_every_request(model_dir, builder):
-    iris = engine(model_dir, mm_embedding_cache_bytes=1, **NO_PREFIX)
-    together = [prompt(builder, A, "One?"), prompt(builder, A, B, "Two?")]
-    later = [prompt(builder, B, A, "Again?")]
+def test_a_cache_too_small_for_one_image_evicts_after_every_request(
+    cache_arch_dir, cache_arch_builder
+):
+    iris = engine(cache_arch_dir, mm_embedding_cache_bytes=1, **NO_PREFIX)
+    together = [prompt(cache_arch_builder, A, "One?"), prompt(cache_arch_builder, A, B, "Two?")]
+    later = [prompt(cache_arch_builder, B, A, "Again?")]
     outputs = iris.generate(together, GREEDY)
     assert iris.stats().images_encoded == 2  # pinned while both run: shared although over capacity
     assert len(iris.embedding_cache) == 0 and iris.stats().mm_embedding_cache_usage_bytes == 0
     outputs += iris.generate(later, GREEDY)
     assert iris.stats().images_encoded == 4 and len(iris.embedding_cache) == 0
-    assert_parity(model_dir, together + later, outputs)
+    assert_parity(cache_arch_dir, together + later, outputs)
 
 
 @pytest.mark.parametrize(
     "switch", [{"enable_mm_embedding_cache": False}, {"chunked_mm_encoding": False}]
 )
-def test_the_baseline_switches_change_the_work_not_the_answers(model_dir, builder, switch):
-    prompts = [prompt(builder, A, FILLER, B, "Both?"), prompt(builder, A, "Just one.")]
+def test_the_baseline_switches_change_the_work_not_the_answers(
+    cache_arch_dir, cache_arch_builder, switch
+):
+    prompts = [
+        prompt(cache_arch_builder, A, FILLER, B, "Both?"),
+        prompt(cache_arch_builder, A, "Just one."),
+    ]
     a, b = prompts[0].images[0].key, prompts[0].images[1].key
-    iris = engine(model_dir, max_num_batched_tokens=16, **switch, **NO_PREFIX)
+    iris = engine(cache_arch_dir, max_num_batched_tokens=16, **switch, **NO_PREFIX)
     outputs = iris.generate(prompts, GREEDY)
     if "chunked_mm_encoding" in switch:  # the first chunk of the first request does both
         assert vision_calls(iris) == [[a, b]]
     else:  # per-request entries: the second request encodes A again, nothing is kept
         assert iris.stats().images_encoded == 3 and len(iris.embedding_cache) == 0
         assert sorted(key for _, key in encoded(iris)) == sorted([a, b, a])
-    assert_parity(model_dir, prompts, outputs)
+    assert_parity(cache_arch_dir, prompts, outputs)
 
 
 def sized_prompt(builder: PromptBuilder, image: Image.Image, max_pixels: int) -> PromptInput:
