@@ -151,7 +151,8 @@ class TokenizeRequest(_Message, tag=_TOKENIZE):
 
     Exactly one of `messages` (chat completions: the OpenAI message list as received)
     and `prompt` (completions: text or token ids) is set. `max_pixels`/`min_pixels`
-    override the processor's defaults for this request's images.
+    override the processor's defaults for this request's images; `chat_template_kwargs`
+    are extra variables for the chat template (checked by the server).
     """
 
     request_id: str
@@ -160,6 +161,7 @@ class TokenizeRequest(_Message, tag=_TOKENIZE):
     prompt: str | list[int] | None = None
     max_pixels: int | None = None
     min_pixels: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):

@@ -111,10 +111,46 @@ class _Generate(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+# apply_chat_template's own arguments and what Iris sets itself: a template variable may
+# not override them (vLLM refuses the same).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 class ChatCompletionRequest(_Generate):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
+    # extra variables for the model's chat template (`enable_thinking`, `add_vision_id`, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(
+                f"{', '.join(reserved)} cannot be set through chat_template_kwargs "
+                "(apply_chat_template's own arguments)"
+            )
+        return kwargs
 
     @property
     def max_output_tokens(self) -> tuple[int | None, str]:

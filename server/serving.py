@@ -103,6 +103,7 @@ class OpenAIServing:
             messages=[message.wire() for message in body.messages],
             max_pixels=kwargs.max_pixels if kwargs else None,
             min_pixels=kwargs.min_pixels if kwargs else None,
+            chat_template_kwargs=body.chat_template_kwargs,
         )
         deltas = self._deltas(request, body, arrival)
         if body.stream:

@@ -152,6 +152,25 @@ def test_chat_with_two_images(worker: TokenizerWorker, builder: PromptBuilder, t
     assert worker.arena.cached_bytes == worker.arena.usage_bytes > 0  # kept as a cache
 
 
+def test_chat_template_kwargs_reach_the_template(worker: TokenizerWorker, builder: PromptBuilder):
+    """Qwen2-VL's template numbers images under `add_vision_id`: the variable must get there."""
+    image = make_image(64, 48, seed=3)
+    messages = chat(image_part(data_url(image)))
+    plain = worker.handle(request(messages))
+    numbered = worker.handle(
+        request(messages, rid="r2", chat_template_kwargs={"add_vision_id": True})
+    )
+    assert isinstance(plain, EngineRequest) and isinstance(numbered, EngineRequest)
+    template = chat({"type": "image"})
+    template[0]["role"] = "system"
+    text = builder.render_chat(template, add_vision_id=True)
+    assert "Picture 1: " in text
+    assert unpack_token_ids(numbered.token_ids) == builder.build(text, [image]).token_ids
+    assert unpack_token_ids(numbered.token_ids) != unpack_token_ids(plain.token_ids)
+    release_all(worker, plain)
+    release_all(worker, numbered)
+
+
 def test_cache_hit_skips_processing_and_min_max_pixels_change_the_key(worker: TokenizerWorker):
     url = data_url(make_image(200, 150, seed=4), "JPEG")
     messages = chat(image_part(url), image_part(url))  # the same image twice

@@ -104,9 +104,11 @@ class PromptBuilder:
 
     # --- text --------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
+        """The chat template's text, generation prompt added; `template_kwargs` are extra
+        template variables (`chat_template_kwargs` of the request)."""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

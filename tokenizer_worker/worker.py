@@ -180,7 +180,9 @@ class TokenizerWorker:
             if len(chat.image_urls) > limit:
                 raise BadRequest(f"at most {limit} images per prompt, got {len(chat.image_urls)}")
             try:
-                text = self.builder.render_chat(chat.messages)
+                text = self.builder.render_chat(
+                    chat.messages, **(request.chat_template_kwargs or {})
+                )
             except TemplateError as e:
                 raise BadRequest(f"the chat template rejected the messages: {e}") from None
             ids = self.builder.encode(text)

@@ -162,6 +162,7 @@ def test_sampling_fields_reach_the_engine(client, engine):
         stop_token_ids=[7, 8],
         ignore_eos=True,
         mm_processor_kwargs={"max_pixels": 50176, "min_pixels": 3136},
+        chat_template_kwargs={"enable_thinking": False},
     )
     assert response.status_code == 200
     [request] = engine.requests
@@ -177,6 +178,7 @@ def test_sampling_fields_reach_the_engine(client, engine):
     )
     assert request.messages == messages  # images pass through as URLs
     assert (request.max_pixels, request.min_pixels) == (50176, 3136)
+    assert request.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_unknown_fields_are_ignored(client, engine):

@@ -41,6 +41,8 @@ _CHAT_ERRORS = [
     ({"stream": "maybe"}, "stream"),
     ({"stream_options": {"include_usage": []}}, "stream_options"),
     ({"mm_processor_kwargs": {"max_pixels": -5}}, "mm_processor_kwargs"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
 ]
 
 
