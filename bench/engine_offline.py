@@ -1,13 +1,15 @@
 """Offline engine benchmark: prefill and decode tokens/s, ViT images/s (no HTTP, no IPC).
 
-Runs the in-process engine on the generated `tiny` and `small` checkpoints and compares
-variants side by side in one run:
+Runs the in-process engine on the generated `tiny` and `small` checkpoints of `--arch`
+(Qwen2.5-VL by default) and compares variants side by side in one run:
 
 - prefill: 4 text prompts at a step budget of 2048 tokens vs chunked at 256;
 - decode: 8 concurrent requests (continuous batching) vs 1 request at a time;
 - ViT: 4 images of 1280×720 encoded in one vision-tower call vs one call per image.
 
-    python -m bench.engine_offline --sizes tiny small [--quick] [--out DIR]   # from the repo root
+From the repo root:
+
+    python -m bench.engine_offline --sizes tiny small [--arch ARCH] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from pathlib import Path
 
 import torch
 
-from bench.results_io import markdown_table, write_result
+from bench.results_io import (
+    ARCH_TITLES,
+    DEFAULT_ARCH,
+    add_arch_argument,
+    markdown_table,
+    write_result,
+)
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
@@ -68,8 +76,8 @@ def best_seconds(run, repeats: int = 2) -> float:
     return min(timings)
 
 
-def bench_size(size: str, quick: bool) -> list[list[object]]:
-    model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=size)
+def bench_size(arch: str, size: str, quick: bool) -> list[list[object]]:
+    model_dir = builtin_checkpoint(arch=arch, size=size)
     builder = PromptBuilder(model_dir)
     prompt_len = 128 if quick else 512
     new_tokens = 8 if quick else 32
@@ -126,16 +134,18 @@ def bench_size(size: str, quick: bool) -> list[list[object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
+    add_arch_argument(parser)
     parser.add_argument("--quick", action="store_true", help="small inputs (smoke test)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=None, help="results folder")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [row for size in args.sizes for row in bench_size(size, args.quick)]
+    rows = [row for size in args.sizes for row in bench_size(args.arch, size, args.quick)]
     header = ["model", "metric", "variant A", "A", "variant B", "B", "A / B"]
+    name = "engine_offline" + ("" if args.arch == DEFAULT_ARCH else f"_{args.arch}")
     write_result(
-        "engine_offline" + ("_quick" if args.quick else ""),
-        "Offline engine throughput (in-process, Qwen2.5-VL generated checkpoints)",
+        name + ("_quick" if args.quick else ""),
+        f"Offline engine throughput (in-process, {ARCH_TITLES[args.arch]} generated checkpoints)",
         markdown_table(header, rows),
         args.out,
     )

@@ -1,12 +1,13 @@
 """Iris against the device's own limits: measured bandwidth and matmul rate, then decode,
 prefill and ViT throughput, each as a fraction of its roofline.
 
-    python -m bench.gpu_roofline [--model DIR | --size small] [--device auto]
+    python -m bench.gpu_roofline [--model DIR | --size small --arch ARCH] [--device auto]
         [--dtype auto] [--batches 1 8 64 256] [--context 2048] [--quick] [--out DIR]
 
 Written for a GPU (`iris tiny-model --like Qwen2.5-VL-7B-Instruct` makes the real-size
-checkpoint to point `--model` at); it runs on a CPU too, where the same fractions say how
-far the CPU path is from the machine's memory bandwidth.
+checkpoint to point `--model` at; without it, the generated checkpoint of `--arch`, Qwen2.5-VL
+by default, and `--size`); it runs on a CPU too, where the same fractions say how far the
+CPU path is from the machine's memory bandwidth.
 
 - bandwidth: a device-to-device copy of a large buffer, bytes read + written per second;
 - matmul rate: a square matmul in the model's dtype, 2·n³ FLOPs per call;
@@ -31,7 +32,13 @@ from pathlib import Path
 import torch
 
 from bench.decode_profile import start_decoding
-from bench.results_io import markdown_table, write_result
+from bench.results_io import (
+    ARCH_TITLES,
+    add_arch_argument,
+    checkpoint_label,
+    markdown_table,
+    write_result,
+)
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
@@ -128,8 +135,12 @@ def vit_row(engine: Engine, model_dir: Path, size: tuple[int, int], matmul_rate:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder")
+    parser.add_argument(
+        "--model", type=Path, default=None,
+        help="checkpoint folder (default: the generated one of --arch and --size)",
+    )  # fmt: skip
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
+    add_arch_argument(parser)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.batches, args.context, args.steps = "tiny", [1, 2], 64, 2
-    model_dir = Path(args.model or builtin_checkpoint(arch="qwen2_5_vl", size=args.size))
+    model_dir = Path(args.model or builtin_checkpoint(arch=args.arch, size=args.size))
     engine = Engine(
         EngineConfig(
             model=str(model_dir), device=args.device, dtype=args.dtype,
@@ -156,18 +167,33 @@ def main(argv: list[str] | None = None) -> None:
     for size in [(1280, 720), (1920, 1080)]:
         rows.append(vit_row(engine, model_dir, size, matmul_rate))
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
+    if args.model:
+        model = f"Model `{model_dir.name}`"
+    else:
+        model = f"Generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint (`{model_dir.name}`)"
+    moe = engine.model.config.moe
     body = (
-        f"Model `{model_dir.name}`, {engine.dtype}, "
+        f"{model}, {engine.dtype}, "
         f"on {name}: measured bandwidth {bandwidth / 1e9:.1f} GB/s (copy), matmul rate "
         f"{matmul_rate / 1e12:.2f} TFLOP/s ({engine.dtype}). Decode steps: {args.steps} per "
-        "point.\n\n"
+        "point."
+        + (
+            f" Mixture of experts ({moe.top_k} of {moe.num_experts} experts per token): the "
+            "rooflines count every expert (weight bytes in decode, 2 × parameters × tokens "
+            "in prefill), so the fractions run high in prefill, and in decode where a step's "
+            "tokens hit fewer experts than all."
+            if moe
+            else ""
+        )
+        + "\n\n"
         + markdown_table(
             ["what", "measured ms", "roofline ms", "per second", "fraction of roofline"], rows
         )
     )
     label = "gpu" if on_gpu else "cpu"
     suffix = "_quick" if args.quick else ""
-    write_result(f"roofline_{label}_{args.size}{suffix}", "Iris against the device's limits",
+    checkpoint = args.size if args.model else checkpoint_label(args.arch, args.size)
+    write_result(f"roofline_{label}_{checkpoint}{suffix}", "Iris against the device's limits",
                  body, args.out)  # fmt: skip
 
 

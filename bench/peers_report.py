@@ -11,7 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.results_io import RESULTS_DIR, markdown_table, write_result
+from bench.results_io import (
+    ARCH_TITLES,
+    RESULTS_DIR,
+    checkpoint_label,
+    markdown_table,
+    write_result,
+)
 from bench.scenario import WARM_UP
 from bench.serve_load_report import _summary_only, results_table
 
@@ -150,9 +156,10 @@ def setup_text(
         else "the built-in httpx client (`--client builtin`, no `ignore_eos`)"
     )  # fmt: skip
     return (
-        f"Generated Qwen2.5-VL `{args.size}` checkpoint (`{model_dir.name}`), float32 on "
-        "every server. One server at a time, each started fresh with its defaults, warmed "
-        f"up ({len(WARM_UP)} small-image requests, and one request of the cold workload), "
+        f"Generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint (`{model_dir.name}`), "
+        "float32 on every server. One server at a time, each started fresh with its "
+        f"defaults, warmed up ({len(WARM_UP)} small-image requests, and one request of the "
+        "cold workload), "
         "measured on the three workloads in the order below, then stopped. Greedy, "
         f"{plan.history.max_tokens} tokens asked back ({plan.cold.output_len} in the cold "
         "workload; `ignore_eos` for Iris and vLLM; `transformers serve` refuses that "
@@ -170,7 +177,7 @@ def report(
 ) -> Path:  # fmt: skip
     out = args.out or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
-    name = f"peers_{args.size}" + ("_quick" if args.quick else "")
+    name = f"peers_{checkpoint_label(args.arch, args.size)}" + ("_quick" if args.quick else "")
     header, rows = summary_table(plan, peers, results)
     lines = [
         setup_text(args, plan, model_dir, load), "", "## Summary", "",
@@ -217,4 +224,5 @@ def report(
     }
     (out / f"{name}.json").write_text(json.dumps(raw, indent=1))
     labels = ", ".join(p.label for p in peers)
-    return write_result(name, f"Iris and its peers ({labels}), {args.size}", "\n".join(lines), out)
+    title = f"Iris and its peers ({labels}), {ARCH_TITLES[args.arch]} {args.size}"
+    return write_result(name, title, "\n".join(lines), out)

@@ -2,15 +2,15 @@
 compute bound of the same work in process.
 
     bash bench/install_vllm_client.sh       # once: the vLLM client in its own venv
-    python -m bench.serve_load [--size tiny|small] [--quick] [--out DIR]
+    python -m bench.serve_load [--size tiny|small] [--arch ARCH] [--quick] [--out DIR]
         [--client vllm|builtin] [--vllm PATH] [--no-peer] [--threads N]   # from the repo root
 
 Two workloads, each sent to every server: `image` (`--dataset-name random-mm`: one
 1280×720 random-noise JPEG + 200 random text tokens per request, 32 tokens asked back)
 and `text` (`--dataset-name random`: 200 tokens in, 32 asked back); 32 requests at most 4
 in flight, greedy (`--temperature 0`). The servers, one after the other on the same
-generated Qwen2.5-VL checkpoint, each started fresh and warmed up with one image and one
-text request of their own:
+generated checkpoint (`--arch`; Qwen2.5-VL by default), each started fresh and warmed up
+with one image and one text request of their own:
 
 - Iris: `iris serve` with its defaults (`bench.server_process.IrisServer`);
 - the peer: Hugging Face's `transformers serve` on the same folder, device and dtype,
@@ -72,7 +72,7 @@ from bench.load_client import (
     run_vllm,
     vllm_command,
 )
-from bench.results_io import add_common_arguments
+from bench.results_io import add_arch_argument, add_common_arguments, checkpoint_label
 from bench.serve_load_report import PEER, PEER_NOTE, Plan, Run, report
 from bench.server_process import REPO, IrisServer, group_processes
 
@@ -265,6 +265,7 @@ def _brief(run: Run) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser, quick_help="a few small requests (smoke test)")
+    add_arch_argument(parser)
     parser.add_argument("--client", choices=["vllm", "builtin"], default="vllm")
     parser.add_argument("--vllm", default=None, help="the `vllm` executable of the client venv")
     parser.add_argument("--no-peer", action="store_true", help=f"skip {PEER}")
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         find_vllm(args.vllm) if args.client == "vllm" else args.vllm and Path(args.vllm)
     )
     plan_ = plan(args.size, args.quick, args.num_prompts, args.concurrency)
-    model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=args.size)
+    model_dir = builtin_checkpoint(arch=args.arch, size=args.size)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     proxy = args.client == "vllm"
     threads_env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
@@ -341,7 +342,9 @@ def main(argv: list[str] | None = None) -> None:
         source = "vllm" if args.client == "vllm" else "bench.images"
         log(f"compute bound / {w.name}")
         bounds.append(compute_bound(model_dir, w, lens, args.seed + 500 + i, source))
-    name = f"serve_load_{args.size}" + ("_builtin" if args.client == "builtin" else "")
+    name = f"serve_load_{checkpoint_label(args.arch, args.size)}" + (
+        "_builtin" if args.client == "builtin" else ""
+    )
     name += f"_threads{args.threads}" if args.threads else ""
     name += "_quick" if args.quick else ""
     report(args, name, plan_, runs, bounds, peer_note, (load_before, os.getloadavg()[0]))

@@ -15,7 +15,7 @@ import numpy as np
 
 from bench.compute_bound import Bound
 from bench.load_client import Workload
-from bench.results_io import RESULTS_DIR, markdown_table, write_result
+from bench.results_io import ARCH_TITLES, RESULTS_DIR, markdown_table, write_result
 
 PEER = "transformers serve"
 
@@ -186,6 +186,7 @@ def setup_text(args, plan_: Plan, runs: Sequence[Run], load: tuple[float, float]
         eos = "No `ignore_eos` is sent, so answers may stop at EOS."
     image = next((x.image for x in plan_.workloads if x.image), None)
     parts = [
+        f"Generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint.",
         f"Client: {client}. {w.num_prompts} requests per run, at most {w.concurrency} in "
         f"flight, greedy, `max_completion_tokens` {w.output_len}, {w.input_len} random text "
         "tokens"
@@ -273,7 +274,9 @@ def report(
     }
     (out / f"{name}.json").write_text(json.dumps(raw, indent=1))
     return write_result(
-        name, f"Served load: Iris vs {PEER}, and the compute bound ({args.size})",
+        name,
+        f"Served load: Iris vs {PEER}, and the compute bound "
+        f"({ARCH_TITLES[args.arch]} {args.size})",
         "\n".join(lines), out,
     )  # fmt: skip
 
@@ -291,10 +294,10 @@ PEER_NOTE = (
     "`python -m bench.transformers_serve_launcher MODEL_DIR --host 127.0.0.1 --port PORT "
     "{flags}`: the stock CLI with the model folder preloaded (`force_model`; requests name "
     "that folder as `model`), offline (`HF_HUB_OFFLINE=1`, a local folder loads without the "
-    "hub). One swap: its `AutoProcessor` would also build the Qwen2-VL video processor, "
+    "hub). One swap: its `AutoProcessor` would also build the model's video processor, "
     "which needs torchvision, absent with the CPU torch; the launcher hands it transformers' "
-    "own Qwen2.5-VL processor built from the folder's tokenizer and PIL image processor "
-    "(`scheduler.tiny_checkpoint.reference_processor`). It needs `accelerate` (its "
+    "own processor of the folder's architecture, built from its tokenizer and PIL image "
+    "processor (`scheduler.tiny_checkpoint.reference_processor`). It needs `accelerate` (its "
     "`[serving]` extra; `device_map` requires it), put by `bench/install_vllm_client.sh` in "
     "`<client venv>/peer-site` and added to its PYTHONPATH only. It generates one request "
     "at a time with `model.generate` (its `--continuous-batching` is for text-only models; "

@@ -5,11 +5,12 @@
 Every argument goes to transformers' own CLI (`transformers serve --help`), unchanged.
 
 Why the swap: `transformers serve` builds a model's processor with `AutoProcessor`, and
-for Qwen2-VL / Qwen2.5-VL that also builds the video processor, which needs torchvision;
+for the Qwen-VL models that also builds the video processor, which needs torchvision;
 with the CPU torch wheel there is none, so the stock CLI fails at start-up with
 "Qwen2VLVideoProcessor requires the Torchvision library". This launcher replaces only
-`ModelManager._load_processor`, and only for a local folder of those two architectures,
-by `scheduler.tiny_checkpoint.reference_processor`: transformers' own processor class,
+`ModelManager._load_processor`, and only for a local folder of an architecture
+`reference_processor` knows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), by
+`scheduler.tiny_checkpoint.reference_processor`: transformers' own processor class,
 built from the folder's tokenizer and its (PIL) image processor, with no video processor.
 Chat template, image loading, resizing, normalisation, the model, `generate`, batching
 (none for images: one VLM request at a time) and the HTTP layer are all stock.
