@@ -7,9 +7,9 @@ another process can spin-wait instead of working (`OMP_WAIT_POLICY=PASSIVE` make
 sleep instead). This benchmark serves the same workloads as `bench.serve_load` (one
 1280×720 JPEG + 200 random tokens, and text only; 32 tokens back, greedy) with the
 built-in client to one `iris serve` per setting, one server after another on the same
-generated checkpoint, each warmed up first, and compares their throughput and latency.
+generated checkpoint (`--arch`; Qwen2.5-VL by default), each warmed up first, and compares their throughput and latency.
 
-    python -m bench.scheduler_threads [--size tiny|small] [--quick] [--out DIR]
+    python -m bench.scheduler_threads [--size tiny|small] [--arch ARCH] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from bench.load_client import Workload, chat_bodies, run_builtin
-from bench.results_io import RESULTS_DIR, add_common_arguments, markdown_table, write_result
+from bench.results_io import (
+    ARCH_TITLES,
+    RESULTS_DIR,
+    add_arch_argument,
+    add_common_arguments,
+    checkpoint_label,
+    markdown_table,
+    write_result,
+)
 from bench.server_process import IrisServer
 from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 from iris_serve.server.launcher import usable_cores
@@ -73,9 +81,10 @@ def ratio(measured: dict[str, Any], base: dict[str, Any], key: str) -> float | s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser)
+    add_arch_argument(parser)
     args = parser.parse_args()
     cores = usable_cores()
-    model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=args.size)
+    model_dir = builtin_checkpoint(arch=args.arch, size=args.size)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     load = workloads(args.size, args.quick)
     flags = ["--tokenizer-workers", "1", "--kv-cache-memory", "64MiB"] if args.quick else []
@@ -106,7 +115,7 @@ def main() -> None:
     w = load[0]
     body = "\n".join(
         [
-            f"Generated Qwen2.5-VL `{args.size}` checkpoint, {cores} cores. Built-in client "
+            f"Generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint, {cores} cores. Built-in client "
             f"(`bench.load_client`), {w.num_prompts} requests per workload, at most "
             f"{w.concurrency} in flight, {w.input_len} random tokens (+ one "
             f"{w.image[0]}×{w.image[1]} JPEG in `image`), `max_completion_tokens` "
@@ -119,10 +128,17 @@ def main() -> None:
             markdown_table(header, rows),
         ]
     )
-    name = f"scheduler_threads_{args.size}" + ("_quick" if args.quick else "")
+    name = f"scheduler_threads_{checkpoint_label(args.arch, args.size)}" + (
+        "_quick" if args.quick else ""
+    )
     out = args.out or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
-    write_result(name, f"Scheduler torch threads on a CPU (HTTP, {args.size})", body, out)
+    write_result(
+        name,
+        f"Scheduler torch threads on a CPU (HTTP, {ARCH_TITLES[args.arch]} {args.size})",
+        body,
+        out,
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Image preprocessing throughput with 1, 2 and 4 tokenizer workers, under concurrent load.
 
-The same workload against real `iris serve`s on the same generated Qwen2.5-VL
-checkpoint, differing only in `--tokenizer-workers`: R chat requests of K images each,
-every image a distinct JPEG the server has never seen (processor cache on, all misses),
+The same workload against real `iris serve`s on the same generated checkpoint (`--arch`;
+Qwen2.5-VL by default), differing only in `--tokenizer-workers`: R chat requests of K
+images each, every image a distinct JPEG the server has never seen (processor cache on, all misses),
 at most C requests in flight, `max_tokens=1`. The servers are all started, then loaded
 in turn (`run_interleaved`), one at a time while the others sit idle, for a few rounds
 with new images each round (the best round counts): on a shared machine a burst of
@@ -46,7 +46,15 @@ import httpx
 
 from bench.image_probe import child_pids
 from bench.images import HD, image_part
-from bench.results_io import RESULTS_DIR, add_common_arguments, markdown_table, write_result
+from bench.results_io import (
+    ARCH_TITLES,
+    RESULTS_DIR,
+    add_arch_argument,
+    add_common_arguments,
+    checkpoint_label,
+    markdown_table,
+    write_result,
+)
 from bench.server_process import IrisServer, chat_body, delta, run_interleaved, stream_chat
 from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 from iris_serve.server.image_router import affinity_hash, image_urls
@@ -332,11 +340,13 @@ def reading(results: dict[str, dict[str, Any]]) -> str:
     )
 
 
-def report(size: str, run: Setting, results: dict[str, dict[str, Any]], png: str) -> str:
+def report(
+    title: str, size: str, run: Setting, results: dict[str, dict[str, Any]], png: str
+) -> str:
     tokens = round(next(iter(results.values()))["tokens_per_request"])
     return "\n".join(
         [
-            f"Generated Qwen2.5-VL `{size}` checkpoint. {run.requests} chat requests of "
+            f"Generated {title} `{size}` checkpoint. {run.requests} chat requests of "
             f"{run.images_per_request} images each ({run.images} distinct {run.size[0]}x"
             f"{run.size[1]} JPEGs, none seen before, processor cache on), at most "
             f"{run.concurrency} in flight, `max_tokens=1`, `mm_processor_kwargs.max_pixels="
@@ -376,9 +386,10 @@ def report(size: str, run: Setting, results: dict[str, dict[str, Any]], png: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser)
+    add_arch_argument(parser)
     args = parser.parse_args()
     run = setting(args.quick)
-    model_dir = builtin_checkpoint(arch="qwen2_5_vl", size=args.size)
+    model_dir = builtin_checkpoint(arch=args.arch, size=args.size)
     variants = [
         (f"{w} worker{'s' * (w > 1)}", ["--tokenizer-workers", str(w)]) for w in run.workers
     ]
@@ -389,15 +400,18 @@ def main() -> None:
         common_flags=run.flags,
     )
     results = best_loads(by_server)
-    name = f"tokenizer_scaling_{args.size}" + ("_quick" if args.quick else "")
+    name = f"tokenizer_scaling_{checkpoint_label(args.arch, args.size)}" + (
+        "_quick" if args.quick else ""
+    )
     out_dir = args.out or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     png = f"{name}.png"
     plot(results, out_dir / png, f"Preprocessing throughput vs tokenizer workers ({args.size})")
     write_result(
         name,
-        f"Image preprocessing throughput vs tokenizer workers (HTTP, Qwen2.5-VL {args.size})",
-        report(args.size, run, results, png),
+        f"Image preprocessing throughput vs tokenizer workers (HTTP, {ARCH_TITLES[args.arch]} "
+        f"{args.size})",
+        report(ARCH_TITLES[args.arch], args.size, run, results, png),
         out_dir,
     )
 
