@@ -8,6 +8,7 @@ One tagged union per socket direction (tags are ints, unique across all unions):
     SchedulerToTokenizer  scheduler → tokenizer worker   ReleaseImages 30
     ToServer              scheduler, workers → server    TokenBatch 40, RequestError 41,
                                                          EngineStats 42, WorkerStats 43
+    ToFollower            scheduler rank 0 → rank N      RankStep 50, StopRanks 51
 
 `ToServer` has two senders on purpose: the server binds one PULL socket, the scheduler
 sends tokens and per-request errors into it, and a tokenizer worker sends the errors of
@@ -39,6 +40,7 @@ _TOKENIZE, _ABORT = 10, 11
 _ENGINE_REQUEST, _ABORT_ENGINE = 20, 21
 _RELEASE_IMAGES = 30
 _TOKEN_BATCH, _REQUEST_ERROR, _ENGINE_STATS, _WORKER_STATS = 40, 41, 42, 43
+_RANK_STEP, _STOP_RANKS = 50, 51
 
 Key128 = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -320,6 +322,47 @@ class WorkerStats(_Message, tag=_WORKER_STATS):
 ToServer: TypeAlias = TokenBatch | RequestError | EngineStats | WorkerStats
 
 
+# --- scheduler rank 0 → the other tensor-parallel ranks ----------------------------
+
+
+class RankChunk(_Struct):
+    """One sequence's share of a step, as a follower rank needs it for attention: the
+    pages it gained since the last step that named it (all of them when `reset`: it was
+    preempted, or is new), then `num_new` tokens after `num_cached` cached ones."""
+
+    request_id: str
+    new_pages: bytes  # little-endian int32
+    num_cached: NonNegative
+    num_new: NonNegative
+    reset: bool = False
+
+
+class RankStep(_Message, tag=_RANK_STEP):
+    """What every rank's forward pass reads, decided by rank 0 (tensor parallelism).
+
+    Token ids and positions are those of the step's tokens; `image_rows` are the `[start,
+    end)` rows that take image embeddings, whose values follow as one tensor broadcast
+    (`torch.distributed`) of `[sum of rows, hidden * (1 + DeepStack levels)]`: never
+    pixels. `logit_rows` are the rows whose logits are computed; `dropped` are requests
+    whose pages the followers forget. Bounded by the step's token budget and batch, not
+    by any image's size."""
+
+    step: NonNegative
+    input_ids: bytes  # little-endian int32, [N]
+    positions: bytes  # little-endian int32, [3, N]
+    chunks: list[RankChunk]
+    image_rows: list[tuple[int, int]] = []
+    logit_rows: bytes = b""  # little-endian int32
+    dropped: list[str] = []
+
+
+class StopRanks(_Message, tag=_STOP_RANKS):
+    """Rank 0 is shutting down: the followers leave their loop."""
+
+
+ToFollower: TypeAlias = RankStep | StopRanks
+
+
 # --- codecs -----------------------------------------------------------------------
 
 T = TypeVar("T")
@@ -375,6 +418,7 @@ SCHEDULER_TO_TOKENIZER: Codec[SchedulerToTokenizer] = Codec(
     SchedulerToTokenizer, "scheduler→tokenizer"
 )
 TO_SERVER: Codec[ToServer] = Codec(ToServer, "→server")
+TO_FOLLOWER: Codec[ToFollower] = Codec(ToFollower, "rank 0→follower")
 
 
 # --- token ids --------------------------------------------------------------------

@@ -100,8 +100,12 @@ class PushSocket(_Endpoint[T]):
 
     def send(self, msg: T) -> None:
         """Queue `msg`; TimeoutError if no peer takes it within `send_timeout`."""
+        self.send_encoded(self.codec.encode(msg))
+
+    def send_encoded(self, data: bytes) -> None:
+        """Queue a message this socket's codec already encoded (one encoding, many peers)."""
         try:
-            self.socket.send(self.codec.encode(msg))
+            self.socket.send(data)
         except zmq.Again:
             raise TimeoutError(
                 f"no peer took a {self.codec.name} message on {self.address}"

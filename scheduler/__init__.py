@@ -5,7 +5,7 @@ it (`tests/test_import_boundaries.py` holds that):
 
 - `EngineConfig`: the engine's settings; `iris serve` derives its flags from the fields;
 - `SchedulerProcessConfig`, `run_scheduler`: the scheduler process, started by the
-  launcher;
+  launcher; `run_follower`: a tensor-parallel rank past the first, started beside it;
 - `main_generate`: `iris generate`, the in-process engine on one prompt;
 - `builtin_checkpoint`, `main_tiny_model`: the built-in tiny checkpoint (the default
   model of `iris serve`) and `iris tiny-model`.
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from iris_serve.scheduler.config import EngineConfig
     from iris_serve.scheduler.generate import main_generate
     from iris_serve.scheduler.process import SchedulerProcessConfig, run_scheduler
+    from iris_serve.scheduler.ranks import run_follower
     from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint, main_tiny_model
 
 __all__ = [
@@ -31,12 +32,14 @@ __all__ = [
     "builtin_checkpoint",
     "main_generate",
     "main_tiny_model",
+    "run_follower",
     "run_scheduler",
 ]
 _HOMES = {
     "EngineConfig": "config",
     "SchedulerProcessConfig": "process",
     "run_scheduler": "process",
+    "run_follower": "ranks",
     "main_generate": "generate",
     "builtin_checkpoint": "tiny_checkpoint",
     "main_tiny_model": "tiny_checkpoint",

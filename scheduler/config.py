@@ -74,6 +74,15 @@ class EngineConfig:
         ),
     )
     num_kv_pages: int | None = None  # overrides both budgets (tests force preemption with it)
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_flag(
+            "--tensor-parallel-size",
+            "ranks the language model is split over, one process each (GPUs 0..N-1 on CUDA; "
+            "gloo processes on the CPU); rank 0 schedules, the others follow",
+            min=1,
+        ),
+    )
     max_num_batched_tokens: int = field(
         default=2048,
         metadata=_flag(
@@ -150,6 +159,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be positive")
         if self.mm_embedding_cache_bytes < 0:
             raise ValueError("mm_embedding_cache_bytes must not be negative")
         if self.mm_cache_granularity not in ("image", "request"):

@@ -25,15 +25,14 @@ from iris_serve.ipc.messages import (
     Sampling,
     context_length_error,
 )
-from iris_serve.scheduler.attention import create_backend
 from iris_serve.scheduler.batch_planner import BatchPlanner, StepPlan
 from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.device_state import DeviceState
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
 from iris_serve.scheduler.image_encoder import ImageEncoder, request_scoped_keys
-from iris_serve.scheduler.kv_cache import KVCache, KVLayout
-from iris_serve.scheduler.model_runner import ModelRunner
+from iris_serve.scheduler.model_runner import Followers, ModelRunner
 from iris_serve.scheduler.models.mrope import mrope_positions
-from iris_serve.scheduler.models.registry import load_model
+from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 from iris_serve.scheduler.pixels import Pin, PixelStore
 from iris_serve.scheduler.prefix_cache import PrefixCache
 from iris_serve.scheduler.request import Request
@@ -68,24 +67,19 @@ class EngineSnapshot:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`tp` and `followers`: under tensor parallelism the engine is rank 0, holding its
+    shard of the model; it plans every step and sends the other ranks what to run."""
+
+    def __init__(
+        self, config: EngineConfig, tp: TPShard = SINGLE, followers: Followers | None = None
+    ) -> None:
         self.config = config
-        self.device = config.resolved_device()
-        self.dtype = config.resolved_dtype(self.device)
-        self.model = load_model(config.model, dtype=self.dtype, device=self.device)
+        state = DeviceState.build(config, tp)
+        self.device, self.dtype, self.model = state.device, state.dtype, state.model
+        self.kv_cache, self.attention = state.kv_cache, state.attention
         model_config = self.model.config
         self.eos_token_ids = frozenset(model_config.eos_token_ids)  # generate's rule
-
-        layout = KVLayout(
-            num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            page_size=config.page_size,
-            dtype=self.dtype,
-        )
-        num_pages = config.num_kv_pages or layout.pages_for_budget(self._kv_budget_bytes())
-        self.kv_cache = KVCache(layout, num_pages, self.device)
-        capacity = num_pages * config.page_size
+        capacity = self.kv_cache.num_pages * config.page_size
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
@@ -124,8 +118,7 @@ class Engine:
             chunked=config.chunked_mm_encoding,
             shared=config.enable_mm_embedding_cache,
         )
-        self.attention = create_backend(config.attention_backend, self.kv_cache, self.device)
-        self.runner = ModelRunner(self.model, self.attention, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, self.attention, self.device, self.dtype, followers)
         self.requests: dict[str, Request] = {}
         self._failed: list[FailedRequest] = []
         self._generate_ids = itertools.count()
@@ -338,11 +331,3 @@ class Engine:
                 for image, key in zip(images, keys, strict=True)
             ]
         return list(images)
-
-    def _kv_budget_bytes(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            activation_reserve = 2 << 30
-            return int(total * self.config.gpu_memory_utilization) - used - activation_reserve
-        return self.config.kv_cache_memory

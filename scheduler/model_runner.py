@@ -1,9 +1,17 @@
 """Turns a step plan and its image embeddings into one forward pass: inputs, attention,
-sampling. The embeddings come ready from the image encoder (`Engine.step`)."""
+sampling. The embeddings come ready from the image encoder (`Engine.step`).
+
+A step is built in two halves so that tensor-parallel ranks can share the second:
+`inputs` (rank 0: token ids, positions, attention chunks, the image rows and their
+embeddings) and `forward` (every rank: the model, then the logits of the rows that
+sample). Under tensor parallelism rank 0 sends each step's `StepInputs` to the other
+ranks (`tensor_parallel.StepBroadcaster`) between the two.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -11,9 +19,31 @@ from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk
 from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
 from iris_serve.scheduler.image_encoder import ChunkImages
 from iris_serve.scheduler.sampling import Sampler, SamplingRow
+from iris_serve.scheduler.step_faults import RanksOutOfStep
 
 if TYPE_CHECKING:
     from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+
+
+@dataclass
+class StepInputs:
+    """What one forward pass reads; the same on every tensor-parallel rank."""
+
+    input_ids: torch.Tensor  # [N] int64, on the device
+    positions: torch.Tensor  # [3, N] int64, on the device
+    chunks: list[SequenceChunk]
+    image_rows: list[tuple[int, int]]  # [start, end) rows that take image embeddings
+    image_embeddings: torch.Tensor | None  # [sum of rows, H * (1 + L)], rows in order
+    logit_rows: list[int]  # rows whose logits are computed (each completes a sequence)
+    # host copies of input_ids and positions (rank 0 sends them without a device read)
+    host_input_ids: list[int] | None = None
+    host_positions: torch.Tensor | None = None
+
+
+class Followers(Protocol):
+    """The other tensor-parallel ranks, as rank 0 sees them."""
+
+    def send(self, plan: StepPlan, inputs: StepInputs) -> None: ...
 
 
 class ModelRunner:
@@ -23,78 +53,120 @@ class ModelRunner:
         attention: AttentionBackend,
         device: torch.device,
         dtype: torch.dtype,
+        followers: Followers | None = None,
     ) -> None:
         self.model = model
         self.attention = attention
         self.device = device
         self.dtype = dtype
+        self.followers = followers
         self.sampler = Sampler()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, images: list[ChunkImages]) -> list[int]:
         """Runs the step, splicing in each chunk's `images` (parallel to `plan.chunks`);
-        returns one sampled token per chunk that completes its sequence."""
-        chunks = plan.chunks
-        token_ids = [t for c in chunks for t in c.request.token_ids(c.start, c.end)]
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        positions = torch.cat([c.request.positions(c.start, c.end) for c in chunks], dim=1)
+        returns one sampled token per chunk that completes its sequence.
 
-        embeddings = self.model.embed_tokens(input_ids)
-        deepstack = self._splice_images(embeddings, chunks, images)
-
-        attention = self.attention.prepare(
-            [
-                SequenceChunk(
-                    c.request.page_table.pages, c.request.page_table.runs, c.start, c.num_tokens
-                )
-                for c in chunks
-            ]
-        )
-        hidden = self.model(embeddings, positions.to(self.device), attention, deepstack)
-
-        sampling_chunks = [c for c in chunks if c.completes_sequence]
-        if not sampling_chunks:
+        Under tensor parallelism a failure after the other ranks were sent the step
+        leaves them inside collectives that rank 0 will never finish: it is raised as
+        `RanksOutOfStep`, which stops the scheduler instead of failing the step alone."""
+        inputs = self.inputs(plan, images)
+        if self.followers is None:
+            logits = self.forward(inputs)
+        else:
+            self.followers.send(plan, inputs)
+            try:
+                logits = self.forward(inputs)
+            except Exception as error:
+                raise RanksOutOfStep(
+                    f"a tensor-parallel forward failed on rank 0: {error}"
+                ) from error
+        if logits is None:
             return []
-        last_rows = torch.tensor(
-            _last_row_indices(chunks, sampling_chunks), dtype=torch.long, device=self.device
-        )
-        logits = self.model.compute_logits(hidden[last_rows])
+        sampling_chunks = [c for c in plan.chunks if c.completes_sequence]
         rows = [
             SamplingRow(c.request.sampling, c.request.generator, c.request.suppressed_token_ids())
             for c in sampling_chunks
         ]
         return self.sampler(logits, rows).tolist()
 
-    def _splice_images(
-        self, embeddings: torch.Tensor, chunks: list[ScheduledChunk], images: list[ChunkImages]
-    ) -> torch.Tensor | None:
-        """Writes the rows of each image that its chunk covers into `embeddings`; returns the
-        step's DeepStack levels `[L, N, H]` (the same rows of every level, zeros elsewhere),
-        or None when the model has none or no chunk covers an image row."""
-        levels = self.model.deepstack_levels
-        deepstack = None
-        if levels and any(images):
-            deepstack = embeddings.new_zeros(levels, *embeddings.shape)
-        row = 0
-        for chunk, chunk_images in zip(chunks, images, strict=True):
-            for image, source in chunk_images:
-                first = max(chunk.start, image.offset)
-                last = min(chunk.end, image.end)
-                rows = slice(row + first - chunk.start, row + last - chunk.start)
-                main, extra = self.model.split_embeddings(
-                    source[first - image.offset : last - image.offset]
+    def inputs(self, plan: StepPlan, images: list[ChunkImages]) -> StepInputs:
+        chunks = plan.chunks
+        token_ids = [t for c in chunks for t in c.request.token_ids(c.start, c.end)]
+        positions = torch.cat([c.request.positions(c.start, c.end) for c in chunks], dim=1)
+        image_rows, parts = _image_rows(chunks, images)
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            positions=positions.to(self.device),
+            chunks=[
+                SequenceChunk(
+                    c.request.page_table.pages, c.request.page_table.runs, c.start, c.num_tokens
                 )
-                embeddings[rows] = main
-                if deepstack is not None:
-                    deepstack[:, rows] = extra
-            row += chunk.num_tokens
+                for c in chunks
+            ],
+            image_rows=image_rows,
+            image_embeddings=torch.cat(parts) if parts else None,
+            logit_rows=_last_row_indices(chunks),
+            host_input_ids=token_ids,
+            host_positions=positions,
+        )
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model over the step's tokens; fp32 logits `[len(logit_rows), vocab]`, or None
+        when no row samples. A collective under tensor parallelism: every rank calls it."""
+        embeddings = self.model.embed_tokens(inputs.input_ids)
+        deepstack = self._splice_images(embeddings, inputs)
+        attention = self.attention.prepare(inputs.chunks)
+        hidden = self.model(embeddings, inputs.positions, attention, deepstack)
+        if not inputs.logit_rows:
+            return None
+        rows = torch.tensor(inputs.logit_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _splice_images(self, embeddings: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """Writes the image rows' main embeddings into `embeddings`; returns the step's
+        DeepStack levels `[L, N, H]` (the same rows of every level, zeros elsewhere), or
+        None when the model has none or no row is an image row."""
+        source = inputs.image_embeddings
+        if source is None:
+            return None
+        levels = self.model.deepstack_levels
+        deepstack = embeddings.new_zeros(levels, *embeddings.shape) if levels else None
+        main, extra = self.model.split_embeddings(source)
+        offset = 0
+        for start, end in inputs.image_rows:
+            count = end - start
+            embeddings[start:end] = main[offset : offset + count]
+            if deepstack is not None:
+                deepstack[:, start:end] = extra[:, offset : offset + count]
+            offset += count
         return deepstack
 
 
-def _last_row_indices(chunks: list[ScheduledChunk], sampling: list[ScheduledChunk]) -> list[int]:
-    ends: dict[int, int] = {}
+def _image_rows(
+    chunks: list[ScheduledChunk], images: list[ChunkImages]
+) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    """The flat rows each chunk's images cover, and the embedding rows that go there."""
+    rows: list[tuple[int, int]] = []
+    parts: list[torch.Tensor] = []
+    row = 0
+    for chunk, chunk_images in zip(chunks, images, strict=True):
+        for image, source in chunk_images:
+            first = max(chunk.start, image.offset)
+            last = min(chunk.end, image.end)
+            rows.append((row + first - chunk.start, row + last - chunk.start))
+            parts.append(source[first - image.offset : last - image.offset])
+        row += chunk.num_tokens
+    return rows, parts
+
+
+def _last_row_indices(chunks: list[ScheduledChunk]) -> list[int]:
+    """The last row of each chunk that completes its sequence, in chunk order."""
+    rows = []
     row = 0
     for chunk in chunks:
         row += chunk.num_tokens
-        ends[id(chunk)] = row - 1
-    return [ends[id(c)] for c in sampling]
+        if chunk.completes_sequence:
+            rows.append(row - 1)
+    return rows

@@ -32,6 +32,13 @@ class PageTable:
         self._num_computed_tokens = 0
         self._keys: list[bytes] = []
         self._num_registered_pages = 0
+        self._epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever `pages` is replaced rather than extended (`admit`, `release`):
+        another process that mirrors the table resends it whole (tensor parallelism)."""
+        return self._epoch
 
     @property
     def pages(self) -> Sequence[int]:
@@ -72,6 +79,7 @@ class PageTable:
         assert not self._pages, "a table is admitted only while it holds no pages"
         self._pages = cached + new
         self._runs = page_runs(self._pages)
+        self._epoch += 1
         self._num_computed_tokens = num_cached_tokens
         self._num_registered_pages = len(cached)
 
@@ -95,6 +103,7 @@ class PageTable:
         it held, for the caller to drop its references on. The key chain stays."""
         pages, self._pages = self._pages, []
         self._runs = []
+        self._epoch += 1
         self._num_computed_tokens = 0
         self._num_registered_pages = 0
         return pages

@@ -54,6 +54,7 @@ from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.ranks import StepBroadcaster, join_group
 from iris_serve.scheduler.step_faults import STEP_ERROR_STATUS, STEP_ERROR_TYPE
 
 logger = logging.getLogger("iris.scheduler")
@@ -236,9 +237,17 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(config.torch_threads)
+    run_dir = Path(config.run_dir)
+    followers: StepBroadcaster | None = None
     try:
-        engine = Engine(config.engine)
-        loop = SchedulerLoop(engine, Path(config.run_dir), config.num_workers)
+        size = config.engine.tensor_parallel_size
+        if size > 1:  # rank 0 of the group; the launcher started ranks 1..size-1
+            tp = join_group(run_dir, 0, size, config.engine)
+            followers = StepBroadcaster(run_dir, tp)
+            engine = Engine(config.engine, tp, followers)
+        else:
+            engine = Engine(config.engine)
+        loop = SchedulerLoop(engine, run_dir, config.num_workers)
     except Exception as error:
         logger.exception("scheduler failed to start")
         ready.put(("scheduler", False, f"{type(error).__name__}: {error}"))
@@ -265,6 +274,8 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
         logger.exception("the scheduler loop failed")
     finally:
         loop.close()
+        if followers is not None:
+            followers.close()
         logger.info("stopped")
         logging.shutdown()
         # Skip the interpreter's teardown: a final GC can outlast the grace period.

@@ -36,9 +36,17 @@ class FailedRequest:
     message: str
 
 
+class RanksOutOfStep(RuntimeError):
+    """A tensor-parallel step failed on rank 0 after the other ranks began it: they wait
+    in collectives rank 0 will not finish, so the scheduler must stop (the launcher then
+    stops the server) rather than go on with the next step."""
+
+
 def is_isolatable(error: BaseException) -> bool:
     """True when failing the step's requests is enough and the scheduler can go on."""
-    return isinstance(error, Exception) and not isinstance(error, torch.AcceleratorError)
+    return isinstance(error, Exception) and not isinstance(
+        error, (torch.AcceleratorError, RanksOutOfStep)
+    )
 
 
 def client_message(error: Exception) -> str:

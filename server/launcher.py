@@ -24,7 +24,12 @@ from typing import Any
 
 from iris_serve.ipc.shm_arena import instance_prefix, new_instance_id, sweep, sweep_orphans
 from iris_serve.ipc.sockets import new_run_dir
-from iris_serve.scheduler import EngineConfig, SchedulerProcessConfig, run_scheduler
+from iris_serve.scheduler import (
+    EngineConfig,
+    SchedulerProcessConfig,
+    run_follower,
+    run_scheduler,
+)
 from iris_serve.server.args import ServeArgs
 from iris_serve.tokenizer_worker import WorkerConfig, run_worker
 
@@ -92,17 +97,25 @@ def _children(
         for i in range(args.tokenizer_workers)
     ]
     engine = engine_config(args, model_path)
+    # Tensor-parallel ranks share the scheduler's cores on a CPU.
+    threads = max(1, scheduler_threads(args) // engine.tensor_parallel_size)
     scheduler = context.Process(
         target=run_scheduler,
         name="scheduler",
         args=(
-            SchedulerProcessConfig(
-                engine, str(run_dir), args.tokenizer_workers, scheduler_threads(args)
-            ),
+            SchedulerProcessConfig(engine, str(run_dir), args.tokenizer_workers, threads),
             ready,
         ),
     )
-    return [*workers, scheduler]
+    followers = [
+        context.Process(
+            target=run_follower,
+            name=f"scheduler-rank{rank}",
+            args=(engine, str(run_dir), rank, threads, ready),
+        )
+        for rank in range(1, engine.tensor_parallel_size)
+    ]
+    return [*workers, scheduler, *followers]
 
 
 def worker_config(

@@ -101,16 +101,23 @@ def run_conversation(server: RunningServer, model_dir: Path, granularity: str) -
 
 
 @pytest.mark.parametrize(
-    "arch, granularity",
-    [("qwen2_5_vl", "image"), ("qwen2_5_vl", "request"), ("qwen3_vl", "image")],
+    "arch, granularity, tensor_parallel",
+    [
+        ("qwen2_5_vl", "image", 1),
+        ("qwen2_5_vl", "request", 1),
+        ("qwen3_vl", "image", 1),
+        ("qwen3_vl", "image", 2),
+    ],
 )
 def test_an_eight_round_conversation_does_one_image_of_work_per_round(
-    request, tmp_path, arch, granularity
+    request, tmp_path, arch, granularity, tensor_parallel
 ):
-    """Qwen3-VL's entries carry DeepStack levels; the same one-image-per-round holds."""
+    """Qwen3-VL's entries carry DeepStack levels; the same one-image-per-round holds, and
+    holds with the model split over two ranks (rank 0 encodes, caches and plans)."""
     model_dir = request.getfixturevalue(f"{arch}_tiny")
     flags = ["--served-model-name", "tiny", "--block-size", str(PAGE)]
     flags += ["--mm-cache-granularity", granularity, "--max-model-len", "4096"]
+    flags += ["--tensor-parallel-size", str(tensor_parallel)]
     with iris_server(model_dir, *flags, tmp_path=tmp_path) as server:
         run_conversation(server, model_dir, granularity)
 

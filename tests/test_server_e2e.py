@@ -352,13 +352,23 @@ def test_clean_shutdown_leaves_no_process_and_no_shared_memory(qwen2_vl_tiny, tm
         wait_until_gone(running)
 
 
-@pytest.mark.parametrize("victim", ["scheduler", "tokenizer-1"])
-def test_a_child_killed_with_sigkill_stops_everything_cleanly(qwen2_vl_tiny, tmp_path, victim):
-    with iris_server(qwen2_vl_tiny, tmp_path=tmp_path) as running:
+@pytest.mark.parametrize(
+    "victim, flags",
+    [
+        ("scheduler", ()),
+        ("tokenizer-1", ()),
+        ("scheduler-rank1", ("--tensor-parallel-size", "2")),  # a follower rank
+        ("scheduler", ("--tensor-parallel-size", "2")),  # rank 0, with a follower waiting
+    ],
+)
+def test_a_child_killed_with_sigkill_stops_everything_cleanly(
+    qwen2_vl_tiny, tmp_path, victim, flags
+):
+    with iris_server(qwen2_vl_tiny, *flags, tmp_path=tmp_path) as running:
         match = re.search(rf"started {victim} \(pid (\d+)\)", running.log)
         assert match, running.log
         os.kill(int(match.group(1)), signal.SIGKILL)
         status = running.process.wait(timeout=60)
-        assert status != 0
+        assert status == 1
         assert f"{victim} (pid {match.group(1)}) died: killed by SIGKILL" in running.log
         wait_until_gone(running)

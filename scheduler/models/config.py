@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from iris_serve.scheduler.models.tensor_parallel import SINGLE, AttentionHeads, TPShard
+
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
@@ -119,6 +121,13 @@ class VLModelConfig:
     dtype: str | None
     vision: VisionConfig
     moe: MoEConfig | None = None  # Qwen3-VL-MoE; None: every layer has a dense MLP
+    # the tensor-parallel shard the model is built as (not in config.json: `load_model`)
+    tp: TPShard = SINGLE
+
+    @property
+    def attention_heads(self) -> AttentionHeads:
+        """The query and KV heads of this rank's shard (all of them on one rank)."""
+        return AttentionHeads.of(self.num_heads, self.num_kv_heads, self.tp)
 
     @property
     def spatial_merge_size(self) -> int:

@@ -14,6 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iris_serve.scheduler.models.tensor_parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPShard,
+)
+
 
 class RMSNorm(nn.Module):
     """Normalises in fp32, casts back, then scales (transformers' order)."""
@@ -52,14 +59,22 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one `gate_up_proj`.
 
     Checkpoints store `gate_proj` and `up_proj`; the loader writes them into the two
-    halves (see `PACKED_SHARDS`).
+    halves (see `PACKED_SHARDS`). Under tensor parallelism (`tp`) a rank holds its share
+    of the intermediate width, and `down_proj` sums the ranks' partial outputs.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        act: str,
+        tp: TPShard = SINGLE,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.gate_up_proj.shard_sizes = (intermediate_size, intermediate_size)  # type: ignore[assignment]
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        share = tp.split(intermediate_size, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, (share, share), bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

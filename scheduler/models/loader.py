@@ -50,6 +50,8 @@ def load_named_weights(
     `rename` maps a checkpoint name to the module's name (None = skip the tensor).
     `packed` maps a checkpoint module name (`q_proj`) to a fused module of ours and the
     shard it fills (`("qkv_proj", 0)`); a fused `nn.Linear` carries `shard_sizes`.
+    A tensor-parallel shard's module carries `tp_splits` (`tensor_parallel.TPSplit`): the
+    part of each checkpoint tensor this rank keeps.
     Raises naming every missing, unexpected or mis-shaped weight.
     """
     params = dict(module.named_parameters())
@@ -72,8 +74,12 @@ def load_named_weights(
             unexpected.append(ckpt_name)
             continue
         destination = param.data
+        owner_name, _, leaf = target.rpartition(".")
+        owner = modules[owner_name]
+        split = getattr(owner, "tp_splits", {}).get(leaf)
+        if split is not None:  # this rank's part of the tensor (tensor_parallel.TPSplit)
+            tensor = split.take(tensor, shard)
         if shard is not None:
-            owner = modules[target.rpartition(".")[0]]
             sizes = owner.shard_sizes
             destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
         if destination.shape != tensor.shape:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iris_serve.scheduler.models.config import MoEConfig
+from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard, TPSplit
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,15 +40,23 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts stored as two 3-D tensors (no `.weight` suffix, as checkpoints)."""
+    """E SwiGLU experts stored as two 3-D tensors (no `.weight` suffix, as checkpoints).
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    Under tensor parallelism (`tp`) every rank holds every expert, each with this rank's
+    share of the expert width; the caller sums the ranks' outputs."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPShard = SINGLE
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
-        )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        start, width = tp.split(intermediate_size, "moe_intermediate_size")
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, width))
+        self.tp_splits = {
+            "gate_up_proj": TPSplit(1, ((start, width), (intermediate_size + start, width))),
+            "down_proj": TPSplit(2, ((start, width),)),
+        }
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -67,15 +76,16 @@ class RoutedExperts(nn.Module):
 class SparseMoEBlock(nn.Module):
     """Checkpoint names `mlp.gate.weight` `[E, H]` (the router) and `mlp.experts.*`."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
         self.top_k = moe.top_k
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts = RoutedExperts(moe.num_experts, hidden_size, moe.intermediate_size)
+        self.tp = tp
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # on every rank
+        self.experts = RoutedExperts(moe.num_experts, hidden_size, moe.intermediate_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k)
-        return self.experts(x, experts, weights)
+        return self.tp.all_reduce(self.experts(x, experts, weights))
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

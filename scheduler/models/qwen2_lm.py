@@ -14,20 +14,38 @@ from torch import nn
 from iris_serve.scheduler.models.attention_api import AttentionContext
 from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
+from iris_serve.scheduler.models.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+def qkv_projection(config: VLModelConfig, bias: bool) -> ColumnParallelLinear:
+    """q, k and v fused into one layer, with this rank's heads of each."""
+    heads, head_dim = config.attention_heads, config.head_dim
+    return ColumnParallelLinear(
+        config.hidden_size,
+        (
+            (heads.q_start * head_dim, heads.num_heads * head_dim),
+            (heads.kv_start * head_dim, heads.num_kv_heads * head_dim),
+            (heads.kv_start * head_dim, heads.num_kv_heads * head_dim),
+        ),
+        bias=bias,
+    )
 
 
 class Qwen2Attention(nn.Module):
     def __init__(self, config: VLModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=True)
-        self.qkv_proj.shard_sizes = (q_size, kv_size, kv_size)  # type: ignore[assignment]
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = qkv_projection(config, bias=True)
+        self.num_heads = config.attention_heads.num_heads
+        self.num_kv_heads = config.attention_heads.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_heads * self.head_dim, config.hidden_size, bias=False, tp=config.tp
+        )
 
     def forward(
         self,
@@ -59,7 +77,7 @@ class Qwen2DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self_attn or Qwen2Attention(config, layer_idx)
         self.mlp = mlp or GatedMLP(
-            config.hidden_size, config.intermediate_size, bias=False, act="silu"
+            config.hidden_size, config.intermediate_size, bias=False, act="silu", tp=config.tp
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -76,7 +94,7 @@ class Qwen2Model(nn.Module):
 
     def __init__(self, config: VLModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.tp)
         self.layers = nn.ModuleList(
             [Qwen2DecoderLayer(config, i) for i in range(config.num_layers)]
         )

@@ -24,6 +24,7 @@ from iris_serve.scheduler.models.layers import PACKED_SHARDS
 from iris_serve.scheduler.models.loader import load_named_weights
 from iris_serve.scheduler.models.qwen2_lm import Qwen2Model
 from iris_serve.scheduler.models.qwen3_lm import Qwen3Model
+from iris_serve.scheduler.models.tensor_parallel import vocab_parallel_head
 from iris_serve.scheduler.models.vision_qwen2 import Qwen2VisionTransformer
 
 # checkpoint prefix -> our prefix, first match wins
@@ -53,7 +54,7 @@ class Qwen2VLForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else vocab_parallel_head(config.hidden_size, config.vocab_size, config.tp)
         )
 
     @property
@@ -111,9 +112,11 @@ class Qwen2VLForCausalLM(nn.Module):
         return self.model(inputs_embeds, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[B, H]` -> fp32 `[B, vocab]` (the matmul runs in the model's dtype, as in HF)."""
+        """`[B, H]` -> fp32 `[B, vocab]` (the matmul runs in the model's dtype, as in HF).
+        Under tensor parallelism each rank computes its vocabulary range's logits and every
+        rank gets all of them (a collective: every rank calls this)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.config.tp.all_gather_last(torch.nn.functional.linear(hidden, weight)).float()
 
     def reset_buffers(self) -> None:
         """Recomputes non-persistent buffers (rotary frequencies), e.g. after `to_empty`."""

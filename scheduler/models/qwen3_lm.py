@@ -20,22 +20,22 @@ from iris_serve.scheduler.models.attention_api import AttentionContext
 from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
 from iris_serve.scheduler.models.moe import SparseMoEBlock
-from iris_serve.scheduler.models.qwen2_lm import Qwen2DecoderLayer
+from iris_serve.scheduler.models.qwen2_lm import Qwen2DecoderLayer, qkv_projection
+from iris_serve.scheduler.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 
 
 class Qwen3Attention(nn.Module):
     def __init__(self, config: VLModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        self.num_heads = config.attention_heads.num_heads
+        self.num_kv_heads = config.attention_heads.num_kv_heads
         bias = config.attention_bias
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
-        self.qkv_proj.shard_sizes = (q_size, kv_size, kv_size)  # type: ignore[assignment]
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = qkv_projection(config, bias=bias)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * self.head_dim, config.hidden_size, bias=bias, tp=config.tp
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -62,7 +62,7 @@ class Qwen3Model(nn.Module):
 
     def __init__(self, config: VLModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.tp)
         self.layers = nn.ModuleList(
             [
                 Qwen2DecoderLayer(config, i, Qwen3Attention(config, i), self.build_mlp(config, i))
@@ -79,8 +79,10 @@ class Qwen3Model(nn.Module):
     def build_mlp(config: VLModelConfig, layer_idx: int) -> nn.Module:
         """Routed experts where the config's MoE rule says so, else the dense SwiGLU MLP."""
         if config.moe is not None and config.moe.is_moe_layer(layer_idx):
-            return SparseMoEBlock(config.hidden_size, config.moe)
-        return GatedMLP(config.hidden_size, config.intermediate_size, bias=False, act="silu")
+            return SparseMoEBlock(config.hidden_size, config.moe, config.tp)
+        return GatedMLP(
+            config.hidden_size, config.intermediate_size, bias=False, act="silu", tp=config.tp
+        )
 
     def forward(
         self,

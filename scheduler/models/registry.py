@@ -5,6 +5,7 @@ Model modules are imported only when picked, so importing the registry is cheap.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from pathlib import Path
@@ -16,6 +17,7 @@ from torch import nn
 from iris_serve.scheduler.models.config import VLModelConfig, architecture_of
 from iris_serve.scheduler.models.layers import RMSNorm
 from iris_serve.scheduler.models.loader import iter_safetensors
+from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 
 if TYPE_CHECKING:  # imported only when picked (below), so importing the registry is cheap
     from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
@@ -54,10 +56,12 @@ def load_model(
     device: torch.device | str,
     *,
     dummy_weights: bool = False,
+    tp: TPShard = SINGLE,
 ) -> Qwen2VLForCausalLM:
     """Builds the model on the meta device, materialises it on `device` in `dtype` and
-    loads the checkpoint's weights (or, with `dummy_weights`, small random ones)."""
-    config = load_config(model_dir)
+    loads the checkpoint's weights (or, with `dummy_weights`, small random ones). `tp`: the
+    tensor-parallel shard this process holds (the whole model by default)."""
+    config = dataclasses.replace(load_config(model_dir), tp=tp)
     cls = model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config)

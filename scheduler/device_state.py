@@ -1,0 +1,79 @@
+"""What one rank holds on its device: the model (or its tensor-parallel shard), the paged
+KV cache and the attention backend over it. The engine (rank 0) and every follower rank
+build theirs here, so the ranks cannot disagree on how."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from iris_serve.scheduler.attention import AttentionBackend, create_backend
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.models.registry import load_model
+from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
+
+if TYPE_CHECKING:
+    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+
+logger = logging.getLogger(__name__)
+ACTIVATION_RESERVE_BYTES = 2 << 30  # left free on a GPU besides the KV cache
+
+
+@dataclass
+class DeviceState:
+    device: torch.device
+    dtype: torch.dtype
+    model: Qwen2VLForCausalLM
+    kv_cache: KVCache
+    attention: AttentionBackend
+
+    @classmethod
+    def build(cls, config: EngineConfig, tp: TPShard = SINGLE) -> DeviceState:
+        """Loads this rank's shard and sizes its KV cache; under tensor parallelism every
+        rank takes the smallest page count any rank can hold (a collective), so that page
+        ids mean the same on all of them."""
+        device = rank_device(config.resolved_device(), tp.rank)
+        dtype = config.resolved_dtype(device)
+        model = load_model(config.model, dtype=dtype, device=device, tp=tp)
+        model_config = model.config
+        layout = KVLayout(
+            num_layers=model_config.num_layers,
+            num_kv_heads=model_config.attention_heads.num_kv_heads,
+            head_dim=model_config.head_dim,
+            page_size=config.page_size,
+            dtype=dtype,
+        )
+        num_pages = config.num_kv_pages or layout.pages_for_budget(_kv_budget_bytes(config, device))
+        num_pages = agree_on_minimum(num_pages, tp, device)
+        kv_cache = KVCache(layout, num_pages, device)
+        attention = create_backend(config.attention_backend, kv_cache, device)
+        return cls(device, dtype, model, kv_cache, attention)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r of a group on CUDA uses the r-th GPU after the one configured (`cuda` is
+    `cuda:0`); on the CPU all ranks share it."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def agree_on_minimum(value: int, tp: TPShard, device: torch.device) -> int:
+    """The smallest of every rank's `value` (a collective; `value` itself on one rank)."""
+    if tp.size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=tp.group)
+    return int(tensor.item())
+
+
+def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return int(total * config.gpu_memory_utilization) - used - ACTIVATION_RESERVE_BYTES
+    return config.kv_cache_memory
