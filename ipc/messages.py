@@ -304,6 +304,7 @@ class EngineStats(_Message, tag=_ENGINE_STATS):
     device_memory_peak_bytes: int = 0
     # vision-tower call durations observed since the previous EngineStats (a histogram feed)
     encoder_seconds: list[float] = []
+    replica: NonNegative = 0  # the data-parallel replica whose scheduler sent it
 
 
 class WorkerStats(_Message, tag=_WORKER_STATS):

@@ -32,6 +32,12 @@ def new_run_dir(prefix: str = "iris-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
+def scheduler_socket(replica: int) -> str:
+    """The name of data-parallel replica `replica`'s scheduler socket (tokenizer workers
+    push `EngineRequest`s into it): `scheduler`, then `scheduler-1`, `scheduler-2`, ..."""
+    return "scheduler" if replica == 0 else f"scheduler-{replica}"
+
+
 def ipc_address(run_dir: Path, name: str) -> str:
     """`ipc://` address of the socket `name` (e.g. "scheduler", "tokenizer-0")."""
     if not name or "/" in name:

@@ -32,11 +32,12 @@ class DeviceState:
     attention: AttentionBackend
 
     @classmethod
-    def build(cls, config: EngineConfig, tp: TPShard = SINGLE) -> DeviceState:
+    def build(cls, config: EngineConfig, tp: TPShard = SINGLE, replica: int = 0) -> DeviceState:
         """Loads this rank's shard and sizes its KV cache; under tensor parallelism every
         rank takes the smallest page count any rank can hold (a collective), so that page
-        ids mean the same on all of them."""
-        device = rank_device(config.resolved_device(), tp.rank)
+        ids mean the same on all of them. `replica`: the data-parallel replica the rank
+        belongs to (it picks the GPU)."""
+        device = rank_device(config.resolved_device(), replica * tp.size + tp.rank)
         dtype = config.resolved_dtype(device)
         model = load_model(config.model, dtype=dtype, device=device, tp=tp)
         model_config = model.config
@@ -54,12 +55,13 @@ class DeviceState:
         return cls(device, dtype, model, kv_cache, attention)
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r of a group on CUDA uses the r-th GPU after the one configured (`cuda` is
-    `cuda:0`); on the CPU all ranks share it."""
+def rank_device(device: torch.device, index: int) -> torch.device:
+    """The `index`-th scheduler process of a server (replica * tensor-parallel size + rank)
+    on CUDA uses the `index`-th GPU after the one configured (`cuda` is `cuda:0`); on the
+    CPU all share it."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    return torch.device("cuda", (device.index or 0) + index)
 
 
 def agree_on_minimum(value: int, tp: TPShard, device: torch.device) -> int:

@@ -71,10 +71,14 @@ class Engine:
     shard of the model; it plans every step and sends the other ranks what to run."""
 
     def __init__(
-        self, config: EngineConfig, tp: TPShard = SINGLE, followers: Followers | None = None
+        self,
+        config: EngineConfig,
+        tp: TPShard = SINGLE,
+        followers: Followers | None = None,
+        replica: int = 0,
     ) -> None:
         self.config = config
-        state = DeviceState.build(config, tp)
+        state = DeviceState.build(config, tp, replica)
         self.device, self.dtype, self.model = state.device, state.dtype, state.model
         self.kv_cache, self.attention = state.kv_cache, state.attention
         model_config = self.model.config

@@ -51,7 +51,7 @@ from iris_serve.ipc.messages import (
 )
 from iris_serve.ipc.push_thread import PushThread
 from iris_serve.ipc.shm_arena import ShmReader
-from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address
+from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
 from iris_serve.scheduler.ranks import StepBroadcaster, join_group
@@ -72,12 +72,17 @@ class SchedulerProcessConfig:
     # tokenizer workers: on a machine busy with other work, an oversubscribed OpenMP pool
     # spin-waits (a tiny-model decode step took 1.8 ms with one thread, 23 ms with two).
     torch_threads: int = 1
+    replica: int = 0  # the data-parallel replica this scheduler drives
+    name: str = "scheduler"  # its process name (followers: `{name}-rank{r}`)
 
 
 class SchedulerLoop:
-    def __init__(self, engine: Engine, run_dir: Path, num_workers: int) -> None:
+    def __init__(self, engine: Engine, run_dir: Path, num_workers: int, replica: int = 0) -> None:
         self.engine = engine
-        self.inbox = PullSocket(TOKENIZER_TO_SCHEDULER, ipc_address(run_dir, "scheduler"))
+        self.replica = replica
+        self.inbox = PullSocket(
+            TOKENIZER_TO_SCHEDULER, ipc_address(run_dir, scheduler_socket(replica))
+        )
         self.to_server = PushThread(
             TO_SERVER, ipc_address(run_dir, "server"), name="iris-to-server"
         )
@@ -178,7 +183,7 @@ class SchedulerLoop:
         (read only for a message that goes out: it changes at every step)."""
         engine = self.engine
         self._encoder_seconds.extend(engine.drain_encoder_seconds())
-        stats = EngineStats(**dataclasses.asdict(engine.stats()))
+        stats = EngineStats(**dataclasses.asdict(engine.stats()), replica=self.replica)
         now = time.monotonic()
         idle = not engine.has_unfinished_requests()
         changed = stats != self._last_stats or self._encoder_seconds
@@ -240,24 +245,24 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
     run_dir = Path(config.run_dir)
     followers: StepBroadcaster | None = None
     try:
-        size = config.engine.tensor_parallel_size
+        size, replica = config.engine.tensor_parallel_size, config.replica
         if size > 1:  # rank 0 of the group; the launcher started ranks 1..size-1
-            tp = join_group(run_dir, 0, size, config.engine)
-            followers = StepBroadcaster(run_dir, tp)
-            engine = Engine(config.engine, tp, followers)
+            tp = join_group(run_dir, 0, size, config.engine, replica)
+            followers = StepBroadcaster(run_dir, tp, replica)
+            engine = Engine(config.engine, tp, followers, replica)
         else:
-            engine = Engine(config.engine)
-        loop = SchedulerLoop(engine, run_dir, config.num_workers)
+            engine = Engine(config.engine, replica=replica)
+        loop = SchedulerLoop(engine, run_dir, config.num_workers, replica)
     except Exception as error:
-        logger.exception("scheduler failed to start")
-        ready.put(("scheduler", False, f"{type(error).__name__}: {error}"))
+        logger.exception("%s failed to start", config.name)
+        ready.put((config.name, False, f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from error
 
     def stop(signum: int, frame: object) -> None:
         loop.stopping = True
 
     signal.signal(signal.SIGTERM, stop)
-    ready.put(("scheduler", True, {"max_model_len": engine.max_model_len}))
+    ready.put((config.name, True, {"max_model_len": engine.max_model_len}))
     logger.info(
         "scheduler ready on %s (%s): %d KV pages of %d tokens, max_model_len %d",
         engine.device,

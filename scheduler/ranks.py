@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -59,15 +60,17 @@ IDLE_POLL_SECONDS = 0.1
 _INT32 = np.dtype("<i4")
 
 
-def join_group(run_dir: Path, rank: int, size: int, config: EngineConfig) -> TPShard:
-    """Joins the server's tensor-parallel group (a rendezvous file in its run folder);
-    NCCL where the ranks run on GPUs, gloo on the CPU."""
-    device = rank_device(config.resolved_device(), rank)
+def join_group(
+    run_dir: Path, rank: int, size: int, config: EngineConfig, replica: int = 0
+) -> TPShard:
+    """Joins data-parallel replica `replica`'s tensor-parallel group (a rendezvous file in
+    the server's run folder); NCCL where the ranks run on GPUs, gloo on the CPU."""
+    device = rank_device(config.resolved_device(), replica * size + rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.distributed.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"file://{run_dir / 'tp-rendezvous'}",
+        init_method=f"file://{run_dir / f'tp-rendezvous-{replica}'}",
         rank=rank,
         world_size=size,
         timeout=COLLECTIVE_TIMEOUT,
@@ -75,8 +78,8 @@ def join_group(run_dir: Path, rank: int, size: int, config: EngineConfig) -> TPS
     return TPShard(rank, size)
 
 
-def follower_address(run_dir: Path, rank: int) -> str:
-    return ipc_address(run_dir, f"rank-{rank}")
+def follower_address(run_dir: Path, rank: int, replica: int = 0) -> str:
+    return ipc_address(run_dir, f"rank-{replica}-{rank}")
 
 
 @dataclass
@@ -89,18 +92,22 @@ class _Sent:
 class StepBroadcaster:
     """Rank 0's side: each step's `RankStep` to every follower, then its image rows."""
 
-    def __init__(self, run_dir: Path, tp: TPShard) -> None:
+    def __init__(self, run_dir: Path, tp: TPShard, replica: int = 0) -> None:
         self.tp = tp
         self._context = zmq.Context()  # its own, so `close` can wait for the last message
         self.sockets = [
-            PushSocket(TO_FOLLOWER, follower_address(run_dir, rank), ctx=self._context)
+            PushSocket(TO_FOLLOWER, follower_address(run_dir, rank, replica), ctx=self._context)
             for rank in range(1, tp.size)
         ]
         self._sent: dict[str, _Sent] = {}
         self.num_steps = 0
         self.message_bytes: list[int] = []  # of every step sent (bench, tests)
+        # wall time of every `send` (encoding, ZMQ sends, image rows): rank 0's per-step
+        # overhead of tensor parallelism beyond the collectives (bench.tensor_parallel)
+        self.send_seconds: list[float] = []
 
     def send(self, plan: StepPlan, inputs: StepInputs) -> None:
+        started = time.perf_counter()
         message = self.message(plan, inputs)
         data = TO_FOLLOWER.encode(message)
         self.message_bytes.append(len(data))
@@ -108,6 +115,7 @@ class StepBroadcaster:
             socket.send_encoded(data)
         if inputs.image_embeddings is not None:
             torch.distributed.broadcast(inputs.image_embeddings.contiguous(), src=0)
+        self.send_seconds.append(time.perf_counter() - started)
 
     def message(self, plan: StepPlan, inputs: StepInputs) -> RankStep:
         chunks = []
@@ -200,16 +208,25 @@ class Follower:
         return SequenceChunk(table.pages, table.runs, chunk.num_cached, chunk.num_new)
 
 
-def run_follower(engine: EngineConfig, run_dir: str, rank: int, threads: int, ready: Any) -> None:
-    """Entry point of a spawned follower rank; reports `(name, ok, info)` on `ready`."""
-    name = f"scheduler-rank{rank}"
+def run_follower(
+    engine: EngineConfig,
+    run_dir: str,
+    rank: int,
+    threads: int,
+    ready: Any,
+    replica: int = 0,
+    name: str | None = None,
+) -> None:
+    """Entry point of a spawned follower rank of data-parallel replica `replica`; reports
+    `(name, ok, info)` on `ready`."""
+    name = name or f"scheduler-rank{rank}"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(threads)
     try:
-        tp = join_group(Path(run_dir), rank, engine.tensor_parallel_size, engine)
-        follower = Follower(DeviceState.build(engine, tp))
-        inbox = PullSocket(TO_FOLLOWER, follower_address(Path(run_dir), rank))
+        tp = join_group(Path(run_dir), rank, engine.tensor_parallel_size, engine, replica)
+        follower = Follower(DeviceState.build(engine, tp, replica))
+        inbox = PullSocket(TO_FOLLOWER, follower_address(Path(run_dir), rank, replica))
     except Exception as error:
         logger.exception("%s failed to start", name)
         ready.put((name, False, f"{type(error).__name__}: {error}"))

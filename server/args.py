@@ -50,6 +50,17 @@ class ServeArgs:
     tokenizer_workers: int = field(
         default=2, metadata=_flag("--tokenizer-workers", "tokenizer worker processes", min=1)
     )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_flag(
+            "--data-parallel-size",
+            "model replicas, each with its own scheduler (and tensor-parallel ranks), KV "
+            "and embedding caches, and tokenizer workers (worker i serves replica i mod N; "
+            "at least N workers are started); the image router keeps a conversation on "
+            "the replica that holds its images",
+            min=1,
+        ),
+    )
     scheduler_threads: int | None = field(
         default=None,
         metadata=_flag(

@@ -95,7 +95,14 @@ class _InFlight:
 class ZmqEngineClient:
     """`EngineClient` over ZMQ; `start()` and `close()` run on the server's event loop."""
 
-    def __init__(self, run_dir: Path, num_workers: int, *, send_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        num_workers: int,
+        *,
+        num_replicas: int = 1,
+        send_timeout: float = 5.0,
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self.run_dir = Path(run_dir)
@@ -109,7 +116,7 @@ class ZmqEngineClient:
         self._pushes: list[AsyncPushSocket] = []
         self._receiver: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self.metrics = MetricsBoard()
+        self.metrics = MetricsBoard(num_replicas)
 
     async def start(self) -> None:
         """Binds PULL `server`, connects PUSH `tokenizer-{i}`, starts receiving."""

@@ -88,34 +88,45 @@ def resolve_model_path(model: str | None) -> Path:
 def _children(
     args: ServeArgs, model_path: Path, instance: str, run_dir: Path, context: Any, ready: Any
 ) -> list[BaseProcess]:
+    num_workers = tokenizer_workers(args)
     workers = [
         context.Process(
             target=run_worker,
             name=f"tokenizer-{i}",
             args=(worker_config(args, i, model_path, instance, run_dir), ready),
         )
-        for i in range(args.tokenizer_workers)
+        for i in range(num_workers)
     ]
     engine = engine_config(args, model_path)
-    # Tensor-parallel ranks share the scheduler's cores on a CPU.
-    threads = max(1, scheduler_threads(args) // engine.tensor_parallel_size)
-    scheduler = context.Process(
-        target=run_scheduler,
-        name="scheduler",
-        args=(
-            SchedulerProcessConfig(engine, str(run_dir), args.tokenizer_workers, threads),
-            ready,
-        ),
-    )
-    followers = [
-        context.Process(
-            target=run_follower,
-            name=f"scheduler-rank{rank}",
-            args=(engine, str(run_dir), rank, threads, ready),
+    replicas, ranks = args.data_parallel_size, engine.tensor_parallel_size
+    # Every rank of every replica shares the scheduler's cores on a CPU.
+    threads = max(1, scheduler_threads(args) // (replicas * ranks))
+    schedulers = []
+    for replica in range(replicas):
+        name = scheduler_name(replica, replicas)
+        config = SchedulerProcessConfig(
+            engine, str(run_dir), num_workers, threads, replica=replica, name=name
         )
-        for rank in range(1, engine.tensor_parallel_size)
-    ]
-    return [*workers, scheduler, *followers]
+        schedulers.append(context.Process(target=run_scheduler, name=name, args=(config, ready)))
+        schedulers += [
+            context.Process(
+                target=run_follower,
+                name=f"{name}-rank{rank}",
+                args=(engine, str(run_dir), rank, threads, ready, replica, f"{name}-rank{rank}"),
+            )
+            for rank in range(1, ranks)
+        ]
+    return [*workers, *schedulers]
+
+
+def scheduler_name(replica: int, replicas: int) -> str:
+    """`scheduler` alone; `scheduler-dp0`, `scheduler-dp1`, ... for data-parallel replicas."""
+    return "scheduler" if replicas == 1 else f"scheduler-dp{replica}"
+
+
+def tokenizer_workers(args: ServeArgs) -> int:
+    """`--tokenizer-workers`, raised to one per data-parallel replica at least."""
+    return max(args.tokenizer_workers, args.data_parallel_size)
 
 
 def worker_config(
@@ -129,6 +140,7 @@ def worker_config(
         run_dir=str(run_dir),
         instance_id=instance,
         log_level=args.log_level,
+        replica=worker_id % args.data_parallel_size,
         **args.worker,
     )
 
@@ -213,12 +225,15 @@ async def _serve_http(
     from iris_serve.server.app import AppSettings, create_app
     from iris_serve.server.engine_client import ZmqEngineClient
 
-    client = ZmqEngineClient(run_dir, args.tokenizer_workers)
+    replicas = args.data_parallel_size
+    client = ZmqEngineClient(run_dir, tokenizer_workers(args), num_replicas=replicas)
     await client.start()
     settings = AppSettings(
         model_path=str(model_path),
         served_model_names=tuple(args.served_model_name or [args.model or model_path.name]),
-        max_model_len=info["scheduler"]["max_model_len"],
+        max_model_len=min(
+            info[scheduler_name(r, replicas)]["max_model_len"] for r in range(replicas)
+        ),
         api_key=args.api_key,
     )
     config = uvicorn.Config(

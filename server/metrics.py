@@ -9,6 +9,9 @@ nothing is added up here, so nothing is counted twice. Histograms are observed h
 `iris_mm_encoder_seconds` from the encoder timings each `EngineStats` carries (those
 since the previous one), `iris_time_to_first_token_seconds` by the HTTP handlers.
 
+With data-parallel replicas (`num_replicas > 1`) every engine metric has one sample per
+replica, labelled `replica="r"`; a single scheduler's are unlabelled.
+
 Every board has its own `CollectorRegistry`, so several apps in one process (tests)
 never clash. Before the first stats arrive, every value reads zero.
 """
@@ -101,8 +104,9 @@ _WORKERS: list[tuple[str, str, str, Callable[[WorkerStats], float]]] = [
 class MetricsBoard:
     """The latest stats of every process, and the server's histograms, in one registry."""
 
-    def __init__(self) -> None:
-        self.engine: EngineStats | None = None
+    def __init__(self, num_replicas: int = 1) -> None:
+        self.num_replicas = num_replicas
+        self.engines: dict[int, EngineStats] = {}  # the latest of each replica
         self.workers: dict[int, WorkerStats] = {}
         self.registry = CollectorRegistry()
         self.registry.register(_LatestStats(self))
@@ -121,7 +125,7 @@ class MetricsBoard:
 
     def update(self, stats: EngineStats | WorkerStats) -> None:
         if isinstance(stats, EngineStats):
-            self.engine = stats
+            self.engines[stats.replica] = stats
             for seconds in stats.encoder_seconds:
                 self.encoder_seconds.observe(seconds)
         else:
@@ -141,12 +145,27 @@ class _LatestStats:
         self.board = board
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.board.engine or _NO_ENGINE
+        board = self.board
+        engines = [board.engines.get(r, _NO_ENGINE) for r in range(board.num_replicas)]
         for name, kind, help_text, value in _ENGINE:
-            yield _family(name, kind, help_text, value(engine))
+            if board.num_replicas == 1:
+                yield _family(name, kind, help_text, value(engines[0]))
+            else:
+                yield _per_replica(name, kind, help_text, [value(e) for e in engines])
         workers = list(self.board.workers.values())
         for name, kind, help_text, value in _WORKERS:
             yield _family(name, kind, help_text, sum(value(w) for w in workers))
+
+
+def _per_replica(name: str, kind: str, help_text: str, values: list[float]) -> Metric:
+    family: CounterMetricFamily | GaugeMetricFamily
+    if kind == "counter":
+        family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=["replica"])
+    else:
+        family = GaugeMetricFamily(name, help_text, labels=["replica"])
+    for replica, value in enumerate(values):
+        family.add_metric([str(replica)], value)
+    return family
 
 
 def _family(name: str, kind: str, help_text: str, value: float) -> Metric:

@@ -108,7 +108,7 @@ def test_routing_dispatch_and_unknown_ids():
         await h.received(0)  # both idle again: round-robin picks worker 0
         await h.send(TokenBatch([_out("c", [4], "length")]))
         assert (await first).new_token_ids == [4]
-        assert h.client.metrics.engine == engine_stats  # sent before "c"'s output
+        assert h.client.metrics.engines[0] == engine_stats  # sent before "c"'s output
         assert h.client.metrics.workers[1].arena_used_bytes == 10
 
     _run(test)

@@ -149,3 +149,21 @@ def test_device_memory_is_reported_only_for_a_cuda_device():
     assert device_memory(torch.device("cpu")) == {}  # CPU: RSS is the measure, not torch's
     stats = EngineStats(0, 0, 0, 1, 0, **device_memory(torch.device("cpu")))
     assert stats.device_memory_peak_bytes == stats.device_memory_allocated_bytes == 0
+
+
+def test_each_data_parallel_replica_has_its_own_labelled_engine_figures():
+    board = MetricsBoard(num_replicas=2)
+    board.update(EngineStats(2, 0, 5, 100, 1, images_encoded=3, replica=0))
+    board.update(EngineStats(1, 4, 7, 100, 0, images_encoded=8, replica=1))
+    samples = {
+        (sample.name, sample.labels.get("replica")): sample.value
+        for family in text_string_to_metric_families(board.render().decode())
+        for sample in family.samples
+        if sample.name.startswith(("iris_mm_images_encoded", "iris_num_requests_waiting"))
+    }
+    assert samples == {
+        ("iris_mm_images_encoded_total", "0"): 3.0,
+        ("iris_mm_images_encoded_total", "1"): 8.0,
+        ("iris_num_requests_waiting", "0"): 0.0,
+        ("iris_num_requests_waiting", "1"): 4.0,
+    }

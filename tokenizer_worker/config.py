@@ -101,6 +101,7 @@ class WorkerConfig:
     max_image_bytes: int = 32 << 20
     max_image_pixels: int = 8192 * 8192
     log_level: str = "INFO"
+    replica: int = 0  # the data-parallel replica whose scheduler gets this worker's requests
 
     @property
     def name(self) -> str:

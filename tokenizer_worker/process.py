@@ -38,7 +38,7 @@ from iris_serve.ipc.messages import (
     RequestError,
     TokenizeRequest,
 )
-from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address
+from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.worker import Reply, TokenizerWorker, drop_aborted
 
@@ -113,7 +113,9 @@ class _Loop:
             self.releases = self._open(
                 PullSocket, SCHEDULER_TO_TOKENIZER, run_dir, f"release-{config.worker_id}"
             )
-            self.to_scheduler = self._open(PushSocket, TOKENIZER_TO_SCHEDULER, run_dir, "scheduler")
+            self.to_scheduler = self._open(
+                PushSocket, TOKENIZER_TO_SCHEDULER, run_dir, scheduler_socket(config.replica)
+            )
             self.to_server = self._open(PushSocket, TO_SERVER, run_dir, "server")
         except BaseException:
             self.close()
