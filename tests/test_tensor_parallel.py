@@ -130,3 +130,55 @@ def test_a_large_image_does_not_grow_the_step_message(tiny_checkpoint):
     pixel_bytes = large.pixels[0].numel() * large.pixels[0].element_size()
     assert sizes[1] <= sizes[0] + 16, sizes  # as many tokens and pages per step
     assert pixel_bytes > 1000 * sizes[1]
+
+
+def test_a_rank_reads_exactly_the_bytes_of_its_shard(tiny_checkpoint, monkeypatch):
+    from iris_serve.scheduler.models import loader
+    from iris_serve.scheduler.models.registry import load_model
+
+    read: list[int] = []
+    narrow, load = loader.CheckpointTensor.narrow, loader.CheckpointTensor.load
+
+    def counted(method):
+        def run(*args):
+            tensor = method(*args)
+            read.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        return run
+
+    monkeypatch.setattr(loader.CheckpointTensor, "narrow", counted(narrow))
+    monkeypatch.setattr(loader.CheckpointTensor, "load", counted(load))
+    shard = load_model(tiny_checkpoint("qwen2_5_vl"), torch.float32, "cpu", tp=TPShard(1, 2))
+    kept = sum(p.numel() * p.element_size() for p in shard.parameters())
+    assert sum(read) == kept  # the vision tower whole, the decoder's half, nothing more
+
+
+def test_a_shard_holds_its_heads_its_expert_width_and_its_vocabulary(tiny_checkpoint):
+    from iris_serve.scheduler.models.registry import load_model
+
+    model_dir = tiny_checkpoint("qwen3_vl_moe")
+    full = load_model(model_dir, torch.float32, "cpu")
+    shard = load_model(model_dir, torch.float32, "cpu", tp=TPShard(1, 2))
+    tiny = SHAPES["tiny"]
+    head_dim, width = tiny.hidden // tiny.heads, tiny.expert_intermediate
+    attention, attention_shard = full.model.layers[0].self_attn, shard.model.layers[0].self_attn
+    q, k, v = attention.qkv_proj.weight.split((4 * head_dim, 2 * head_dim, 2 * head_dim))
+    expected_qkv = torch.cat([q[2 * head_dim :], k[head_dim:], v[head_dim:]])
+    torch.testing.assert_close(attention_shard.qkv_proj.weight, expected_qkv, rtol=0, atol=0)
+    torch.testing.assert_close(
+        attention_shard.o_proj.weight, attention.o_proj.weight[:, 2 * head_dim :], rtol=0, atol=0
+    )
+    experts, experts_shard = full.model.layers[0].mlp.experts, shard.model.layers[0].mlp.experts
+    half = width // 2
+    gate_up = experts.gate_up_proj
+    expected = torch.cat([gate_up[:, half:width], gate_up[:, width + half :]], dim=1)
+    torch.testing.assert_close(experts_shard.gate_up_proj, expected, rtol=0, atol=0)
+    torch.testing.assert_close(
+        experts_shard.down_proj, experts.down_proj[:, :, half:], rtol=0, atol=0
+    )
+    vocab = full.lm_head.weight.shape[0]
+    torch.testing.assert_close(shard.lm_head.weight, full.lm_head.weight[vocab // 2 :])
+    torch.testing.assert_close(
+        shard.model.embed_tokens.weight, full.model.embed_tokens.weight[vocab // 2 :]
+    )

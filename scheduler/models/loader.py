@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -32,15 +33,52 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields `(name, tensor)` for every tensor of the checkpoint, on the CPU, as stored."""
+    for name, tensor in iter_checkpoint(model_dir):
+        yield name, tensor.load()
+
+
+class CheckpointTensor:
+    """A tensor of an open safetensors file, not read yet: `narrow` reads only the part
+    asked for (a tensor-parallel rank's shard), `load` the whole. Valid until the
+    iteration that yielded it moves on (the file is then closed)."""
+
+    def __init__(self, file: Any, name: str) -> None:
+        self._file = file
+        self._name = name
+        self._slice = file.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * dim + [slice(start, start + length)]
+        return self._slice[tuple(index)]
+
+    def load(self) -> torch.Tensor:
+        return self._file.get_tensor(self._name)
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yields `(name, CheckpointTensor)` for every tensor of the checkpoint, nothing read:
+    the loader reads what the model keeps (`load_named_weights`)."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f, name)
+
+
+Weight = torch.Tensor | CheckpointTensor  # what a weight stream yields
+
+
+def materialized(tensor: Weight) -> torch.Tensor:
+    """The whole tensor, read if it was not yet."""
+    return tensor.load() if isinstance(tensor, CheckpointTensor) else tensor
 
 
 def load_named_weights(
     module: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Weight]],
     *,
     rename: Callable[[str], str | None],
     packed: dict[str, tuple[str, int]],
@@ -51,7 +89,8 @@ def load_named_weights(
     `packed` maps a checkpoint module name (`q_proj`) to a fused module of ours and the
     shard it fills (`("qkv_proj", 0)`); a fused `nn.Linear` carries `shard_sizes`.
     A tensor-parallel shard's module carries `tp_splits` (`tensor_parallel.TPSplit`): the
-    part of each checkpoint tensor this rank keeps.
+    part of each checkpoint tensor this rank keeps. A `CheckpointTensor` is read only as
+    far as it is kept: its shard, or nothing for a skipped name.
     Raises naming every missing, unexpected or mis-shaped weight.
     """
     params = dict(module.named_parameters())
@@ -79,6 +118,7 @@ def load_named_weights(
         split = getattr(owner, "tp_splits", {}).get(leaf)
         if split is not None:  # this rank's part of the tensor (tensor_parallel.TPSplit)
             tensor = split.take(tensor, shard)
+        tensor = materialized(tensor)
         if shard is not None:
             sizes = owner.shard_sizes
             destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])

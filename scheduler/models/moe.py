@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iris_serve.scheduler.models.config import MoEConfig
+from iris_serve.scheduler.models.loader import Weight, materialized
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard, TPSplit
 
 
@@ -133,12 +134,12 @@ _PER_EXPERT = re.compile(
 
 
 def expert_weights_in_our_layout(
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Weight]],
     *,
     num_experts: int,
     hidden_size: int,
     intermediate_size: int,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, Weight]]:
     """Passes every tensor through, with expert tensors turned into `[E, 2I, H]` / `[E, H, I]`.
 
     Fused tensors are oriented by shape against H and I; when H == 2I (or H == I) both
@@ -158,14 +159,14 @@ def expert_weights_in_our_layout(
                     f"{name}: hidden_size {h} and moe_intermediate_size {i} give the hub and "
                     f"transformers layouts one shape {tuple(tensor.shape)}; cannot tell them apart"
                 )
-            if tuple(tensor.shape) == hub[kind]:
-                tensor = tensor.transpose(1, 2)
+            if tuple(tensor.shape) == hub[kind]:  # read whole to transpose (ours: sliced)
+                tensor = materialized(tensor).transpose(1, 2)
             yield name, tensor
         elif per_expert := _PER_EXPERT.match(name):
             kind = per_expert["kind"]
             group = "down_proj" if kind == "down_proj" else "gate_up_proj"
             key = (f"{per_expert['prefix']}.{group}", kind)
-            pending.setdefault(key, {})[int(per_expert["expert"])] = tensor
+            pending.setdefault(key, {})[int(per_expert["expert"])] = materialized(tensor)
             yield from _stack_complete(pending, key[0], num_experts)
         else:
             yield name, tensor

@@ -21,7 +21,7 @@ from torch import nn
 from iris_serve.scheduler.models.attention_api import AttentionContext
 from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.layers import PACKED_SHARDS
-from iris_serve.scheduler.models.loader import load_named_weights
+from iris_serve.scheduler.models.loader import Weight, load_named_weights
 from iris_serve.scheduler.models.qwen2_lm import Qwen2Model
 from iris_serve.scheduler.models.qwen3_lm import Qwen3Model
 from iris_serve.scheduler.models.tensor_parallel import vocab_parallel_head
@@ -125,7 +125,7 @@ class Qwen2VLForCausalLM(nn.Module):
             if module is not self and callable(reset):
                 reset()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         load_named_weights(self, weights, rename=self._rename, packed=PACKED_SHARDS)
 
     def _rename(self, name: str) -> str | None:

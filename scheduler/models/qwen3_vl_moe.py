@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
+from iris_serve.scheduler.models.loader import Weight
 from iris_serve.scheduler.models.moe import expert_weights_in_our_layout
 from iris_serve.scheduler.models.qwen3_vl import Qwen3VLForCausalLM
 
 
 class Qwen3VLMoeForCausalLM(Qwen3VLForCausalLM):
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         moe = self.config.moe
         if moe is None:
             raise ValueError(f"{self.config.architecture} config has no experts")

@@ -16,7 +16,7 @@ from torch import nn
 
 from iris_serve.scheduler.models.config import VLModelConfig, architecture_of
 from iris_serve.scheduler.models.layers import RMSNorm
-from iris_serve.scheduler.models.loader import iter_safetensors
+from iris_serve.scheduler.models.loader import iter_checkpoint
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 
 if TYPE_CHECKING:  # imported only when picked (below), so importing the registry is cheap
@@ -70,7 +70,7 @@ def load_model(
     if dummy_weights:
         _init_dummy(model)
     else:
-        model.load_weights(iter_safetensors(model_dir))
+        model.load_weights(iter_checkpoint(model_dir))  # each rank reads its shards only
     return model.eval().requires_grad_(False)
 
 

@@ -82,7 +82,9 @@ class TPSplit:
     dim: int
     pieces: tuple[tuple[int, int], ...]
 
-    def take(self, tensor: torch.Tensor, packed_piece: int | None = None) -> torch.Tensor:
+    def take(self, tensor: Any, packed_piece: int | None = None) -> Any:
+        """This rank's part of `tensor` (a torch tensor, or a `loader.CheckpointTensor`,
+        of which only that part is read)."""
         if tensor.dim() <= self.dim:
             return tensor
         if packed_piece is not None:
