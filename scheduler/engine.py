@@ -77,6 +77,11 @@ class Engine:
         followers: Followers | None = None,
         replica: int = 0,
     ) -> None:
+        if config.tensor_parallel_size != tp.size:
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size} needs a process group of "
+                f"that size (`iris serve` starts one); this engine has {tp.size} rank(s)"
+            )
         self.config = config
         state = DeviceState.build(config, tp, replica)
         self.device, self.dtype, self.model = state.device, state.dtype, state.model
