@@ -196,3 +196,34 @@ def test_generate_raises_when_one_of_its_prompts_failed(model_dir, monkeypatch, 
     fail_call(monkeypatch, iris.runner, "execute", 1, RuntimeError("injected fault"))
     with pytest.raises(RuntimeError, match="1 of 2 prompts failed: internal error"):
         iris.generate([text(10, 100), text(10, 200)], Sampling(temperature=0.0, max_tokens=2))
+
+
+def test_a_forward_failing_after_the_other_ranks_were_sent_the_step_is_not_isolated(
+    model_dir, monkeypatch
+):
+    """Under tensor parallelism the followers are inside the step's collectives once rank
+    0 has sent it: a failure then is `RanksOutOfStep`, which stops the scheduler; one
+    before the send (here: encoding) fails only the step's requests."""
+    from iris_serve.scheduler.step_faults import RanksOutOfStep
+
+    sent: list[object] = []
+
+    class Followers:
+        def send(self, plan, inputs) -> None:
+            sent.append(plan)
+
+    iris = cpu_engine(model_dir)
+    iris.runner.followers = Followers()
+    fail_call(monkeypatch, iris.runner, "forward", 1, RuntimeError("injected fault"))
+    iris.add_request("a", text(10, 100), GREEDY)
+    with pytest.raises(RanksOutOfStep):
+        iris.step()
+    assert len(sent) == 1
+
+    iris = cpu_engine(model_dir)
+    iris.runner.followers = Followers()
+    image = chat_prompt(PromptBuilder(model_dir), "Look.", [make_image(40, 30, seed=1)])
+    fail_call(monkeypatch, iris.model, "encode_images", 1, RuntimeError("injected fault"))
+    iris.add_request("b", image, GREEDY)
+    assert iris.step() == [] and [f.request_id for f in iris.pop_failed()] == ["b"]
+    assert len(sent) == 1  # nothing was sent for the failed step
