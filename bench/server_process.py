@@ -40,6 +40,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)(?:\s+\d+)?$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 Metrics = dict[str, float]
 
@@ -51,13 +52,40 @@ def free_port() -> int:
 
 
 def parse_metrics(text: str) -> Metrics:
-    """Prometheus text format → `{name or name{labels}: value}` (comments skipped)."""
+    """Prometheus text format → `{name or name{labels}: value}` (comments skipped).
+
+    A data-parallel server (`--data-parallel-size N`, N > 1) labels every engine sample
+    `replica="r"`; a sample seen only so labelled also gets the sum over replicas under
+    its name without that label (other labels, a histogram's `le`, kept), so the
+    benchmarks read `iris_generation_tokens_total` alike whatever the replica count.
+    """
     values: Metrics = {}
+    summed: Metrics = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
-        if match:
-            values[match.group(1)] = float(match.group(2))
+        if not match:
+            continue
+        key, value = match.group(1), float(match.group(2))
+        values[key] = value
+        unlabelled = _without_replica(key)
+        if unlabelled is not None:
+            summed[unlabelled] = summed.get(unlabelled, 0.0) + value
+    for key, value in summed.items():
+        values.setdefault(key, value)  # a sample the server wrote unlabelled wins
     return values
+
+
+def _without_replica(key: str) -> str | None:
+    """`name{...,replica="r",...}` → `name{...}` (`name` when nothing is left); None
+    when the sample has no `replica` label."""
+    name, brace, labels = key.partition("{")
+    if not brace:
+        return None
+    pairs = _LABEL.findall(labels.removesuffix("}"))
+    rest = [f'{label}="{value}"' for label, value in pairs if label != "replica"]
+    if len(rest) == len(pairs):
+        return None
+    return f"{name}{{{','.join(rest)}}}" if rest else name
 
 
 def group_processes(group: int) -> list[tuple[int, list[str]]]:

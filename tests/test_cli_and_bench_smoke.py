@@ -9,7 +9,7 @@ from pathlib import Path
 from PIL import Image
 
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
-from tests.bench_smoke import markdown_tables, run_bench
+from tests.bench_smoke import check_provenance, markdown_tables, run_bench
 from tests.reference import chat_prompt, make_image, reference_tokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,3 +139,22 @@ def test_moe_block_quick_times_every_variant(tmp_path):
         for variant in ("grouped_mm", "expert loop", "hf eager", "all experts"):
             assert float(cells[f"{variant} ms"]) > 0, variant
         assert 1 <= int(cells["experts hit"]) <= 8
+
+
+def test_tensor_parallel_quick_compares_one_and_two_ranks(tmp_path):
+    out = tmp_path / "results"
+    run_bench(
+        "bench.tensor_parallel", "--quick", "--out", str(out), cache_dir=tmp_path / "cache",
+        timeout=300,
+    )  # fmt: skip
+    text = (out / "tensor_parallel_tiny_quick.md").read_text()
+    check_provenance(text)
+    [(header, rows)] = markdown_tables(text)
+    assert header == ["workload", "metric", "TP=1", "TP=2", "TP=2 / TP=1"]
+    cells = {(row[0], row[1]): row for row in rows}
+    for workload, metric in [("decode", "out tok/s"), ("prefill", "prompt tok/s")]:
+        _, _, one, two, ratio = cells[workload, metric]
+        assert float(one) > 0 and float(two) > 0 and float(ratio) > 0
+    for workload in ("decode", "prefill", "images"):
+        assert cells[workload, "RankStep bytes mean / max"][3] != "-"
+    assert "TP=2 matched TP=1 on all" in text
