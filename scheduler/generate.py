@@ -42,7 +42,7 @@ PromptBuilderFactory = Callable[[Path], PromptSource]  # model folder → its pr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iris generate")
+    parser = argparse.ArgumentParser(prog="iris generate", allow_abbrev=False)
     parser.add_argument("model", nargs="?", help="checkpoint folder (default: built-in tiny)")
     parser.add_argument("--prompt", default="Describe the picture.")
     parser.add_argument("--image", action="append", default=[], help="image file; repeatable")

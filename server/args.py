@@ -83,6 +83,7 @@ class ServeArgs:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,  # `--tokenizer x` must not pass for `--tokenizer-workers x`
         prog="iris serve",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="OpenAI-compatible server. MODEL: a local folder or a hub id; "

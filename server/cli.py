@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         "serve": "start the OpenAI-compatible server (tokenizer workers + scheduler)",
     }
     if not argv or argv[0] not in commands:
-        parser = argparse.ArgumentParser(prog="iris", description="Iris VLM inference server")
+        parser = argparse.ArgumentParser(
+            prog="iris", description="Iris VLM inference server", allow_abbrev=False
+        )
         sub = parser.add_subparsers(dest="command", required=True)
         for name, help_text in commands.items():
             sub.add_parser(name, help=help_text, add_help=False)

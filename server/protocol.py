@@ -2,7 +2,8 @@
 
 Requests ignore fields they do not know (clients send extras); every field they do
 know is type-checked, and a bad value becomes a 400 naming that field
-(`server.errors`). Content parts are checked for shape only: images stay URLs here and
+(`server.errors`). Known fields Iris does not implement yet are refused unless they are
+at their no-op value (`server.unimplemented`): never a silent ignore. Content parts are checked for shape only: images stay URLs here and
 are fetched and decoded by a tokenizer worker, never by the server.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from iris_serve.server import unimplemented
 
 _INT64 = 2**63
 Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
@@ -76,7 +79,7 @@ class MMProcessorKwargs(_Body):
     min_pixels: Annotated[int, Field(gt=0)] | None = None
 
 
-class _Generate(_Body):
+class _Generate(unimplemented.refusing_base("_GenerateRefusals", unimplemented.GENERATE, _Body)):
     """Fields shared by chat completions and completions (OpenAI, plus vLLM's extras)."""
 
     model: str | None = None
@@ -134,7 +137,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-class ChatCompletionRequest(_Generate):
+class ChatCompletionRequest(
+    unimplemented.refusing_base("_ChatRefusals", unimplemented.CHAT, _Generate)
+):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
@@ -160,7 +165,9 @@ class ChatCompletionRequest(_Generate):
         return self.max_tokens, "max_tokens"
 
 
-class CompletionRequest(_Generate):
+class CompletionRequest(
+    unimplemented.refusing_base("_CompletionRefusals", unimplemented.COMPLETION, _Generate)
+):
     prompt: str | list[TokenId]  # a batch of one ("prompt": ["text"] or [[ids]]) is unwrapped
 
     @field_validator("prompt", mode="before")

@@ -59,6 +59,9 @@ def test_processor_cache_flags_size_the_worker_arena():
         ["--scheduler-threads", "0"],
         ["--tokenizer-workers", "0"],
         ["--mm-cache-granularity", "page"],
+        ["--tokenizer", "x"],  # not an abbreviation of --tokenizer-workers
+        ["--tensor-parallel-size", "0"],
+        ["--data-parallel-size", "0"],
     ],
 )
 def test_bad_flags_are_refused(argv: list[str], capsys):

@@ -18,6 +18,7 @@ from .known_configs import KNOWN_CONFIGS
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="iris tiny-model",
         description="Write a deterministic random-weight checkpoint in the Hugging Face layout.",
     )

@@ -139,3 +139,66 @@ def test_api_key(qwen2_vl_tiny, tokenizer):
         assert c.get("/v1/models", headers=ok).status_code == 200
         assert c.get("/health").status_code == 200  # open without a key
         assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+
+
+# --- known fields not implemented yet: refused, never ignored -------------------------
+
+# (field, a value that changes the answer, the value a client sends for "off")
+_UNIMPLEMENTED_CHAT = [
+    ("logprobs", True, False),
+    ("top_logprobs", 5, 0),
+    ("prompt_logprobs", 1, None),
+    ("presence_penalty", 0.5, 0.0),
+    ("frequency_penalty", 0.5, 0.0),
+    ("repetition_penalty", 1.1, 1.0),
+    ("min_p", 0.1, 0.0),
+    ("logit_bias", {"5": 10}, {}),
+    ("best_of", 2, 1),
+    ("use_beam_search", True, False),
+    ("length_penalty", 0.5, 1.0),
+    ("include_stop_str_in_output", True, False),
+    ("bad_words", ["no"], []),
+    ("allowed_token_ids", [1, 2], None),
+    ("truncate_prompt_tokens", 16, None),
+    ("response_format", {"type": "json_object"}, {"type": "text"}),
+    ("structured_outputs", {"json": {}}, None),
+    ("guided_json", {"type": "object"}, None),
+    ("guided_regex", "a+", None),
+    ("guided_choice", ["a", "b"], None),
+    ("guided_grammar", "root ::= 'a'", None),
+    ("logits_processors", ["x"], None),
+    ("prediction", {"type": "content", "content": "x"}, None),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], []),
+    ("tool_choice", "required", "none"),
+    ("functions", [{"name": "f"}], None),
+    ("function_call", {"name": "f"}, "auto"),
+    ("audio", {"voice": "alloy", "format": "wav"}, None),
+    ("modalities", ["text", "audio"], ["text"]),
+    ("web_search_options", {}, None),  # {} asks for web search with default options
+    ("reasoning_effort", "low", None),
+    ("add_generation_prompt", False, True),
+    ("continue_final_message", True, False),
+    ("echo", True, False),
+    ("chat_template", "{{ messages }}", None),
+    ("documents", [{"text": "x"}], None),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "off"), _UNIMPLEMENTED_CHAT)
+def test_a_chat_field_not_implemented_is_refused_unless_off(client, engine, field, value, off):
+    refused = chat(client, **{field: value})
+    assert refused.status_code == 400, f"{field}={value!r} was accepted"
+    error = refused.json()["error"]
+    assert error["param"] == field and "refuses it rather than ignore it" in error["message"]
+    assert engine.requests == []
+    assert chat(client, **{field: off}).status_code == 200, f"{field}={off!r} was refused"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "off"), [("echo", True, False), ("suffix", "end", ""), ("logprobs", 3, 0)]
+)
+def test_a_completion_field_not_implemented_is_refused_unless_off(client, field, value, off):
+    body = {"prompt": "Once", "max_tokens": 2}
+    refused = client.post("/v1/completions", json={**body, field: value})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    assert client.post("/v1/completions", json={**body, field: off}).status_code == 200
