@@ -77,6 +77,14 @@ class Sampling(_Frozen, frozen=True):
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's: subtracted per occurrence / once, for tokens in the output so far
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # transformers' and vLLM's: logits of tokens in the prompt or output divided by it
+    # (multiplied where negative)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
 
 class ShmHandle(_Frozen, frozen=True):

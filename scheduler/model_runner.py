@@ -85,7 +85,13 @@ class ModelRunner:
             return []
         sampling_chunks = [c for c in plan.chunks if c.completes_sequence]
         rows = [
-            SamplingRow(c.request.sampling, c.request.generator, c.request.suppressed_token_ids())
+            SamplingRow(
+                c.request.sampling,
+                c.request.generator,
+                c.request.suppressed_token_ids(),
+                c.request.prompt_token_ids,
+                c.request.output_token_ids,
+            )
             for c in sampling_chunks
         ]
         return self.sampler(logits, rows).tolist()

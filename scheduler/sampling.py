@@ -1,8 +1,11 @@
 """The check on sampling parameters (the wire `Sampling`, run as it is) and the batched sampler.
 
-Every request in a step is sampled in one pass over a `[batch, vocab]` logits tensor:
-greedy rows take the argmax, the others go through temperature, top-k and top-p masks
-and an exponential-race draw (`argmax(p / q)` with `q ~ Exp(1)` is a sample from `p`).
+Every request in a step is sampled in one pass over a `[batch, vocab]` logits tensor, in
+vLLM's order: logit bias, min_tokens suppression, repetition penalty (prompt and output
+tokens, as transformers' `RepetitionPenaltyLogitsProcessor`), frequency and presence
+penalties (output tokens, OpenAI's definition); then greedy rows take the argmax and the
+others go through temperature, top-k, top-p and min-p masks and an exponential-race draw
+(`argmax(p / q)` with `q ~ Exp(1)` is a sample from `p`).
 The race lets a request with a `seed` draw its noise from its own generator, so its
 tokens do not depend on which other requests share the batch.
 """
@@ -35,6 +38,10 @@ def check_sampling(params: Sampling) -> None:
         raise ValueError(
             f"min_tokens must be in [0, max_tokens={params.max_tokens}], got {params.min_tokens}"
         )
+    if params.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be positive, got {params.repetition_penalty}")
+    if not 0 <= params.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
 
 
 @dataclass
@@ -44,6 +51,13 @@ class SamplingRow:
     params: Sampling
     generator: torch.Generator | None
     suppress_token_ids: Sequence[int]  # e.g. EOS while fewer than min_tokens were generated
+    prompt_token_ids: Sequence[int] = ()  # read only by the repetition penalty
+    output_token_ids: Sequence[int] = ()  # read only by the penalties
+
+    @property
+    def penalized(self) -> bool:
+        p = self.params
+        return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
 
 
 class Sampler:
@@ -53,7 +67,9 @@ class Sampler:
         logits = logits.float()
         vocab = logits.shape[-1]
         device = logits.device
+        self._add_bias(logits, rows)
         self._suppress(logits, rows)
+        self._penalize(logits, rows)
 
         greedy_tokens = logits.argmax(dim=-1)
         if all(row.params.temperature == 0.0 for row in rows):
@@ -65,7 +81,7 @@ class Sampler:
         logits = logits / temperature
         logits = self._apply_top_k(logits, rows)
         logits = self._apply_top_p(logits, rows)
-        probs = torch.softmax(logits, dim=-1)
+        probs = self._apply_min_p(torch.softmax(logits, dim=-1), rows)
 
         noise = torch.empty_like(probs)
         unseeded = [i for i, row in enumerate(rows) if row.generator is None]
@@ -78,6 +94,50 @@ class Sampler:
 
         is_greedy = torch.tensor([row.params.temperature == 0.0 for row in rows], device=device)
         return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+
+    @staticmethod
+    def _add_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        pairs = [
+            (i, token, bias) for i, r in enumerate(rows) for token, bias in r.params.logit_bias
+        ]
+        if pairs:
+            row_index, token_index, bias = zip(*pairs, strict=True)
+            logits[list(row_index), list(token_index)] += torch.tensor(bias, device=logits.device)
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """The penalties, batched over the rows that ask for one: per row, output-token
+        counts and a prompt-or-output mask as `[rows, vocab]` tensors."""
+        penalized = [i for i, row in enumerate(rows) if row.penalized]
+        if not penalized:
+            return
+        vocab, device = logits.shape[-1], logits.device
+        chosen = [rows[i] for i in penalized]
+        counts = _token_counts([row.output_token_ids for row in chosen], vocab, device)
+        in_prompt = _token_counts([row.prompt_token_ids for row in chosen], vocab, device) > 0
+        seen = in_prompt | (counts > 0)
+
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, device=device).unsqueeze(1)
+
+        repetition = column([row.params.repetition_penalty for row in chosen])
+        frequency = column([row.params.frequency_penalty for row in chosen])
+        presence = column([row.params.presence_penalty for row in chosen])
+        part = logits[penalized]
+        repeated = torch.where(part > 0, part / repetition, part * repetition)
+        part = torch.where(seen, repeated, part)
+        part = part - frequency * counts - presence * (counts > 0)
+        logits[penalized] = part
+
+    @staticmethod
+    def _apply_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Zeroes the tokens below `min_p` times the row's most likely token's probability
+        (a zero can never win the race below)."""
+        if all(row.params.min_p <= 0 for row in rows):
+            return probs
+        min_p = torch.tensor([row.params.min_p for row in rows], device=probs.device)
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        return probs.masked_fill(probs < floor, 0.0)
 
     @staticmethod
     def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -112,3 +172,14 @@ class Sampler:
         drop_sorted = mass_before >= top_p.unsqueeze(1)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         return logits.masked_fill(drop, float("-inf"))
+
+
+def _token_counts(sequences: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """`[len(sequences), vocab]` float counts of each token id in each sequence."""
+    longest = max((len(ids) for ids in sequences), default=0)
+    index = torch.full((len(sequences), longest + 1), vocab, dtype=torch.long)
+    for i, ids in enumerate(sequences):
+        index[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    counts = torch.zeros(len(sequences), vocab + 1, device=device)
+    counts.scatter_add_(1, index.to(device), torch.ones(index.shape, device=device))
+    return counts[:, :vocab]

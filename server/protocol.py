@@ -92,10 +92,28 @@ class _Generate(unimplemented.refusing_base("_GenerateRefusals", unimplemented.G
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    # OpenAI's shape: token id (as a string) -> bias in [-100, 100]
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     skip_special_tokens: bool = True
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+        return bias
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items() if v))
 
     @field_validator("n")
     @classmethod

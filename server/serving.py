@@ -164,6 +164,10 @@ class OpenAIServing:
         )
         if too_long is not None:
             raise APIError(400, too_long, param=field)
+        biased = [token for token, _ in body.logit_bias_pairs if token >= self.vocab_size]
+        if biased:
+            raise APIError(400, f"logit_bias token {biased[0]} is out of the vocabulary",
+                           param="logit_bias")  # fmt: skip
         if max_tokens is not None and body.min_tokens > max_tokens:
             raise APIError(
                 400,
@@ -179,6 +183,11 @@ class OpenAIServing:
             min_tokens=body.min_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            min_p=body.min_p or 0.0,
+            logit_bias=body.logit_bias_pairs,
         )
 
     # -- the engine side ----------------------------------------------------------------

@@ -110,8 +110,83 @@ def test_suppressed_tokens_are_never_drawn():
         dict(top_p=0),
         dict(top_k=-2),
         dict(min_tokens=5, max_tokens=2),
+        dict(repetition_penalty=0.0),
+        dict(min_p=1.5),
     ],
 )
 def test_invalid_parameters_are_rejected(bad):
     with pytest.raises(ValueError):
         check_sampling(Sampling(**bad))
+
+
+# --- penalties, bias and min_p --------------------------------------------------------
+
+
+def penalized_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """The logits the greedy argmax sees after the sampler's bias and penalties."""
+    out = logits.clone().float()
+    Sampler._add_bias(out, [row])
+    Sampler._penalize(out, [row])
+    return out
+
+
+def test_repetition_penalty_equals_transformers_processor():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)) * 4
+    prompt, output = [3, 5, 5, 60], [7, 3, 11]
+    row = SamplingRow(Sampling(repetition_penalty=1.7), None, (), prompt, output)
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits)
+    torch.testing.assert_close(penalized_logits(logits, row), expected, rtol=0, atol=0)
+
+
+def test_frequency_and_presence_penalties_follow_openai_on_output_tokens_only():
+    logits = torch.zeros(1, 16)
+    params = Sampling(frequency_penalty=0.5, presence_penalty=0.25)
+    row = SamplingRow(params, None, (), prompt_token_ids=[1, 2], output_token_ids=[2, 4, 4, 4])
+    expected = torch.zeros(1, 16)
+    expected[0, 2] = -(0.5 * 1 + 0.25)
+    expected[0, 4] = -(0.5 * 3 + 0.25)  # prompt token 1 untouched: output only
+    torch.testing.assert_close(penalized_logits(logits, row), expected)
+
+
+def test_logit_bias_moves_the_greedy_choice_and_min_p_keeps_transformers_set():
+    from transformers import MinPLogitsWarper
+
+    logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(4))
+    biased = Sampling(temperature=0.0, logit_bias=((17, 100.0),))
+    assert Sampler()(logits, rows(biased, Sampling(temperature=0.0))).tolist() == [
+        17,
+        logits[1].argmax().item(),
+    ]
+    probs = torch.softmax(logits, dim=-1)
+    kept = Sampler._apply_min_p(probs, rows(*[Sampling(min_p=0.2)] * 2)) > 0
+    reference = MinPLogitsWarper(0.2)(torch.zeros(2, 1, dtype=torch.long), logits) > float("-inf")
+    assert torch.equal(kept, reference)
+
+
+def test_a_penalty_in_the_engine_gives_transformers_tokens(qwen2_5_vl_tiny):
+    """Greedy with repetition_penalty over prompt and output, as `generate` applies it."""
+    from iris_serve.tokenizer_worker.prompt import PromptBuilder
+    from tests.reference import chat_prompt, cpu_engine, hf_model, make_image
+
+    builder = PromptBuilder(qwen2_5_vl_tiny)
+    prompt = chat_prompt(builder, "Say it again and again.", [make_image(48, 40, seed=5)])
+    sampling = Sampling(temperature=0.0, max_tokens=16, repetition_penalty=1.5)
+    [ours] = cpu_engine(qwen2_5_vl_tiny).generate([prompt], sampling)
+    model = hf_model(str(qwen2_5_vl_tiny))
+    input_ids = torch.tensor([prompt.token_ids])
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            pixel_values=torch.cat(prompt.pixels),
+            image_grid_thw=torch.tensor([image.grid_thw for image in prompt.images]),
+            mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.5,
+        )
+    assert ours == output[0, input_ids.shape[1] :].tolist()
+    plain = cpu_engine(qwen2_5_vl_tiny).generate([prompt], Sampling(temperature=0.0, max_tokens=16))
+    assert ours != plain[0], "the penalty was meant to change the answer"

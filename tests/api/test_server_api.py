@@ -163,6 +163,11 @@ def test_sampling_fields_reach_the_engine(client, engine):
         ignore_eos=True,
         mm_processor_kwargs={"max_pixels": 50176, "min_pixels": 3136},
         chat_template_kwargs={"enable_thinking": False},
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_p=0.05,
+        logit_bias={"9": 5, "3": -100, "4": 0},
     )
     assert response.status_code == 200
     [request] = engine.requests
@@ -175,6 +180,11 @@ def test_sampling_fields_reach_the_engine(client, engine):
         min_tokens=2,
         stop_token_ids=(7, 8),
         ignore_eos=True,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_p=0.05,
+        logit_bias=((3, -100.0), (9, 5.0)),  # a zero bias is no bias
     )
     assert request.messages == messages  # images pass through as URLs
     assert (request.max_pixels, request.min_pixels) == (50176, 3136)

@@ -43,6 +43,13 @@ _CHAT_ERRORS = [
     ({"mm_processor_kwargs": {"max_pixels": -5}}, "mm_processor_kwargs"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
 ]
 
 
@@ -148,11 +155,6 @@ _UNIMPLEMENTED_CHAT = [
     ("logprobs", True, False),
     ("top_logprobs", 5, 0),
     ("prompt_logprobs", 1, None),
-    ("presence_penalty", 0.5, 0.0),
-    ("frequency_penalty", 0.5, 0.0),
-    ("repetition_penalty", 1.1, 1.0),
-    ("min_p", 0.1, 0.0),
-    ("logit_bias", {"5": 10}, {}),
     ("best_of", 2, 1),
     ("use_beam_search", True, False),
     ("length_penalty", 0.5, 1.0),
