@@ -18,7 +18,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,6 +47,7 @@ class AppSettings:
     max_model_len: int
     api_key: str | None = None
     version: str = "0.1.0"
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config
 
 
 def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
@@ -57,7 +58,12 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
     if board is None:
         board = MetricsBoard()
     serving = OpenAIServing(
-        client, tokenizer, settings.served_model_names, settings.max_model_len, metrics=board
+        client,
+        tokenizer,
+        settings.served_model_names,
+        settings.max_model_len,
+        metrics=board,
+        sampling_defaults=settings.sampling_defaults,
     )
     created = int(time.time())
 
@@ -105,6 +111,15 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
                 for name in settings.served_model_names
             ]
         )
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        if model_id not in settings.served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model")
+        return ModelCard(
+            id=model_id, created=created, root=settings.model_path,
+            max_model_len=settings.max_model_len,
+        )  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:

@@ -61,6 +61,14 @@ class ServeArgs:
             min=1,
         ),
     )
+    generation_config: str = field(
+        default="auto",
+        metadata=_flag(
+            "--generation-config",
+            "sampling defaults for fields a request leaves out: auto (the model's "
+            "generation_config.json, as vLLM), vllm (ignore it), or a folder holding one",
+        ),
+    )
     scheduler_threads: int | None = field(
         default=None,
         metadata=_flag(

@@ -31,6 +31,7 @@ from iris_serve.scheduler import (
     run_scheduler,
 )
 from iris_serve.server.args import ServeArgs
+from iris_serve.server.generation_config import sampling_defaults
 from iris_serve.tokenizer_worker import WorkerConfig, run_worker
 
 logger = logging.getLogger("iris.launcher")
@@ -43,6 +44,11 @@ def serve(args: ServeArgs) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     model_path = resolve_model_path(args.model)
+    try:  # before minutes of start-up, not after
+        defaults = sampling_defaults(args.generation_config, model_path)
+    except (OSError, ValueError) as error:
+        logger.error("%s", error)
+        return 1
     for name in sweep_orphans():
         logger.info("removed %s, left by a crashed Iris", name)
     instance = new_instance_id()
@@ -61,7 +67,7 @@ def serve(args: ServeArgs) -> int:
         info = _wait_until_ready(children, ready, args.startup_timeout)
         if info is None:
             return 1
-        return asyncio.run(_serve_http(args, model_path, run_dir, info, children))
+        return asyncio.run(_serve_http(args, model_path, run_dir, info, children, defaults))
     finally:
         _stop(children)
         ready.close()
@@ -219,6 +225,7 @@ async def _serve_http(
     run_dir: Path,
     info: dict[str, Any],
     children: list[BaseProcess],
+    defaults: dict[str, Any],
 ) -> int:
     import uvicorn
 
@@ -234,6 +241,7 @@ async def _serve_http(
         max_model_len=min(
             info[scheduler_name(r, replicas)]["max_model_len"] for r in range(replicas)
         ),
+        sampling_defaults=defaults,
         api_key=args.api_key,
     )
     config = uvicorn.Config(

@@ -82,8 +82,12 @@ class OpenAIServing:
         served_model_names: tuple[str, ...],
         max_model_len: int,
         metrics: MetricsBoard | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.client = client
+        # the model's generation_config.json (`server.generation_config`): a request's
+        # own fields win
+        self.sampling_defaults = sampling_defaults or {}
         self.metrics = metrics if metrics is not None else MetricsBoard()
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
@@ -147,7 +151,8 @@ class OpenAIServing:
         if model is None:
             return self.served_model_names[0]
         if model not in self.served_model_names:
-            raise APIError(400, f"The model `{model}` does not exist.", param="model")
+            # 404 as OpenAI and vLLM answer it (the SDK raises NotFoundError)
+            raise APIError(404, f"The model `{model}` does not exist.", param="model")
         return model
 
     # -- request building ---------------------------------------------------------------
@@ -174,19 +179,24 @@ class OpenAIServing:
                 f"min_tokens={body.min_tokens} exceeds {field}={max_tokens}",
                 param="min_tokens",
             )
+
+        def chosen(name: str, default: Any) -> Any:
+            value = getattr(body, name)
+            return self.sampling_defaults.get(name, default) if value is None else value
+
         return Sampling(
             max_tokens=max_tokens or 0,  # 0: as many as the context allows
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(body.top_k or 0, 0),  # -1 and 0 both mean "off"
+            temperature=chosen("temperature", 1.0),
+            top_p=chosen("top_p", 1.0),
+            top_k=max(chosen("top_k", 0), 0),  # -1 and 0 both mean "off"
             seed=body.seed,
             min_tokens=body.min_tokens,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
-            repetition_penalty=body.repetition_penalty or 1.0,
-            min_p=body.min_p or 0.0,
+            repetition_penalty=chosen("repetition_penalty", 1.0),
+            min_p=chosen("min_p", 0.0),
             logit_bias=body.logit_bias_pairs,
         )
 

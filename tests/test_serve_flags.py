@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,12 @@ def test_cache_flags_map_to_these_engine_config_fields(monkeypatch):
 def test_cache_flags_build_a_real_engine_config():
     config = engine_config(parse_serve_args(CACHE_FLAGS), MODEL)
     assert {name: getattr(config, name) for name in CACHE_FIELDS} == CACHE_FIELDS
+
+
+def test_a_missing_generation_config_folder_fails_before_start_up(qwen2_vl_tiny, tmp_path):
+    command = [sys.executable, "-m", "iris_serve.server.cli", "serve", str(qwen2_vl_tiny),
+               "--generation-config", str(tmp_path / "nowhere")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"--generation-config {tmp_path / 'nowhere'}: no " in done.stderr
+    assert "started" not in done.stderr  # no child was started

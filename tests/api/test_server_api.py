@@ -6,14 +6,21 @@ from __future__ import annotations
 import base64
 import json
 
+import pytest
+from fastapi.testclient import TestClient
+
 from iris_serve.ipc.messages import Sampling
+from iris_serve.server.app import create_app
 from tests.fake_engine import (
     MAX_MODEL_LEN,
     MODEL,
     TEXT,
     USER,
+    FakeEngine,
     Script,
     chat,
+    one_token_each,
+    settings,
     sse_events,
 )
 
@@ -285,9 +292,40 @@ def test_tokenize_and_detokenize(client, tokenizer):
     response = client.post("/tokenize", json={"messages": [{"role": "user", "content": [image]}]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
     assert client.post("/tokenize", json={}).status_code == 400
-    assert client.post("/tokenize", json={"prompt": "x", "model": "nope"}).status_code == 400
+    assert client.post("/tokenize", json={"prompt": "x", "model": "nope"}).status_code == 404
 
     tokens = tokenizer.encode("Hi 😀 世界")
     assert client.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": "Hi 😀 世界"}
     response = client.post("/detokenize", json={"tokens": [1, 10**6]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"
+
+
+def test_the_models_generation_config_fills_only_the_fields_a_request_leaves_out(
+    qwen2_vl_tiny, tokenizer, tmp_path
+):
+    """As vLLM's `--generation-config auto`: Qwen's published sampling settings are the
+    defaults; a request's own value wins; `vllm` ignores the file."""
+    from iris_serve.server.generation_config import sampling_defaults
+
+    folder = tmp_path / "config"
+    folder.mkdir()
+    published = {"temperature": 0.1, "top_k": 1, "top_p": 0.001, "repetition_penalty": 1.05}
+    (folder / "generation_config.json").write_text(json.dumps({**published, "do_sample": True}))
+    defaults = sampling_defaults(str(folder), qwen2_vl_tiny)
+    assert defaults == published
+    assert sampling_defaults("vllm", folder) == {}
+    assert sampling_defaults("auto", qwen2_vl_tiny) == {}  # the tiny model publishes none
+    with pytest.raises(FileNotFoundError):
+        sampling_defaults(str(tmp_path / "nowhere"), qwen2_vl_tiny)
+
+    engine = FakeEngine()
+    engine.reset(one_token_each(tokenizer))
+    app = create_app(settings(qwen2_vl_tiny, sampling_defaults=defaults), engine)
+    with TestClient(app) as client:
+        assert chat(client).status_code == 200
+        assert chat(client, temperature=0.7, top_k=-1).status_code == 200
+    first, second = (request.sampling for request in engine.requests)
+    assert (first.temperature, first.top_k, first.top_p, first.repetition_penalty) == (
+        0.1, 1, 0.001, 1.05,
+    )  # fmt: skip
+    assert (second.temperature, second.top_k, second.top_p) == (0.7, 0, 0.001)

@@ -25,7 +25,6 @@ _CHAT_ERRORS = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ({"model": "gpt-5"}, "model"),
     ({"n": 2}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
@@ -204,3 +203,16 @@ def test_a_completion_field_not_implemented_is_refused_unless_off(client, field,
     refused = client.post("/v1/completions", json={**body, field: value})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == field
     assert client.post("/v1/completions", json={**body, field: off}).status_code == 200
+
+
+def test_an_unknown_model_is_a_404_everywhere_and_a_known_one_has_its_card(client, engine):
+    for response in (
+        chat(client, model="gpt-5"),
+        client.post("/v1/completions", json={"model": "gpt-5", "prompt": "x"}),
+        client.get("/v1/models/gpt-5"),
+    ):
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["param"] == "model"
+    assert engine.requests == []
+    card = client.get("/v1/models/alias")
+    assert card.status_code == 200 and card.json()["id"] == "alias"

@@ -72,8 +72,9 @@ def test_openai_client(server, tokenizer):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL, messages=USER, n=2)
     assert error.value.body["param"] == "n"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):  # as from OpenAI and vLLM
         client.chat.completions.create(model="nope", messages=USER)
+    assert client.models.retrieve("alias").id == "alias"
     assert client.chat.completions.create(model=MODEL, messages=USER).choices[0].message.content
 
 
