@@ -85,6 +85,8 @@ class Sampling(_Frozen, frozen=True):
     repetition_penalty: float = 1.0
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # None: no logprobs; N >= 0: each sampled token's logprob and the N most likely tokens'
+    logprobs: int | None = None
 
 
 class ShmHandle(_Frozen, frozen=True):
@@ -244,6 +246,15 @@ SchedulerToTokenizer: TypeAlias = ReleaseImages
 # --- scheduler / tokenizer worker → server ----------------------------------------
 
 
+class TokenLogprob(_Frozen, frozen=True):
+    """A sampled token's log-probability under the model (log-softmax of its logits, before
+    any sampling parameter) and the `Sampling.logprobs` most likely tokens', best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class RequestOutput(_Struct):
     """What one request produced in one engine step (token counts are totals so far)."""
 
@@ -254,6 +265,7 @@ class RequestOutput(_Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
 
 
 class TokenBatch(_Message, tag=_TOKEN_BATCH):

@@ -30,7 +30,7 @@ from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.device_state import DeviceState
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
 from iris_serve.scheduler.image_encoder import ImageEncoder, request_scoped_keys
-from iris_serve.scheduler.model_runner import Followers, ModelRunner
+from iris_serve.scheduler.model_runner import Followers, ModelRunner, Sampled
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 from iris_serve.scheduler.pixels import Pin, PixelStore
@@ -269,14 +269,14 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _account(self, plan: StepPlan, sampled: list[int]) -> list[RequestOutput]:
+    def _account(self, plan: StepPlan, sampled: Sampled) -> list[RequestOutput]:
         outputs = []
-        tokens = iter(sampled)
+        tokens = iter(zip(sampled.tokens, sampled.logprobs, strict=True))
         for chunk in plan.chunks:
             request = chunk.request  # its progress was advanced when the step was planned
             if not chunk.completes_sequence:
                 continue
-            token = next(tokens)
+            token, logprob = next(tokens)
             request.output_token_ids.append(token)
             self._generation_tokens += 1
             reason = self._finish_reason(request, token)
@@ -289,6 +289,7 @@ class Engine:
                 RequestOutput(
                     request_id=request.request_id,
                     new_token_ids=[token],
+                    logprobs=None if logprob is None else [logprob],
                     finished=reason is not None,
                     finish_reason=reason,
                     prompt_tokens=request.prompt_len,

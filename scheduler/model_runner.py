@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from iris_serve.ipc.messages import TokenLogprob
 from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk
 from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
 from iris_serve.scheduler.image_encoder import ChunkImages
-from iris_serve.scheduler.sampling import Sampler, SamplingRow
+from iris_serve.scheduler.sampling import Sampler, SamplingRow, token_logprobs
 from iris_serve.scheduler.step_faults import RanksOutOfStep
 
 if TYPE_CHECKING:
@@ -38,6 +39,15 @@ class StepInputs:
     # host copies of input_ids and positions (rank 0 sends them without a device read)
     host_input_ids: list[int] | None = None
     host_positions: torch.Tensor | None = None
+
+
+@dataclass
+class Sampled:
+    """A step's sampled tokens, one per chunk that completes its sequence, and, where its
+    request asked for them, their logprobs (None for the others)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 class Followers(Protocol):
@@ -63,7 +73,7 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, images: list[ChunkImages]) -> list[int]:
+    def execute(self, plan: StepPlan, images: list[ChunkImages]) -> Sampled:
         """Runs the step, splicing in each chunk's `images` (parallel to `plan.chunks`);
         returns one sampled token per chunk that completes its sequence.
 
@@ -82,7 +92,7 @@ class ModelRunner:
                     f"a tensor-parallel forward failed on rank 0: {error}"
                 ) from error
         if logits is None:
-            return []
+            return Sampled([], [])
         sampling_chunks = [c for c in plan.chunks if c.completes_sequence]
         rows = [
             SamplingRow(
@@ -94,7 +104,10 @@ class ModelRunner:
             )
             for c in sampling_chunks
         ]
-        return self.sampler(logits, rows).tolist()
+        # From the model's own logits, before the sampler biases or penalises them in place.
+        raw = token_logprobs(logits, [row.params.logprobs for row in rows])
+        tokens = self.sampler(logits, rows)
+        return Sampled(tokens.tolist(), raw(tokens) if raw else [None] * len(rows))
 
     def inputs(self, plan: StepPlan, images: list[ChunkImages]) -> StepInputs:
         chunks = plan.chunks

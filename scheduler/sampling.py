@@ -12,12 +12,12 @@ tokens do not depend on which other requests share the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from iris_serve.ipc.messages import Sampling
+from iris_serve.ipc.messages import Sampling, TokenLogprob
 
 
 def check_sampling(params: Sampling) -> None:
@@ -42,6 +42,8 @@ def check_sampling(params: Sampling) -> None:
         raise ValueError(f"repetition_penalty must be positive, got {params.repetition_penalty}")
     if not 0 <= params.min_p <= 1:
         raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+    if params.logprobs is not None and params.logprobs < 0:
+        raise ValueError(f"logprobs must be non-negative, got {params.logprobs}")
 
 
 @dataclass
@@ -183,3 +185,32 @@ def _token_counts(sequences: list[Sequence[int]], vocab: int, device: torch.devi
     counts = torch.zeros(len(sequences), vocab + 1, device=device)
     counts.scatter_add_(1, index.to(device), torch.ones(index.shape, device=device))
     return counts[:, :vocab]
+
+
+def token_logprobs(
+    logits: torch.Tensor, wanted: Sequence[int | None]
+) -> Callable[[torch.Tensor], list[TokenLogprob | None]] | None:
+    """Log-softmax of the rows whose request wants logprobs (`wanted[i]`: how many top
+    tokens, None: none), taken now, before sampling changes `logits`; returns the function
+    that, given the sampled tokens, reads each row's token and top-N in one host transfer
+    (None when no row wants any)."""
+    rows = [i for i, n in enumerate(wanted) if n is not None]
+    if not rows:
+        return None
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    k = min(max(wanted[i] or 0 for i in rows), logprobs.shape[-1])
+    top = logprobs.topk(k, dim=-1) if k else None
+
+    def read(tokens: torch.Tensor) -> list[TokenLogprob | None]:
+        index = torch.tensor(rows, device=tokens.device)
+        chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1)
+        host = chosen.tolist(), tokens[index].tolist()
+        top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top else ([], [])
+        out: list[TokenLogprob | None] = [None] * len(wanted)
+        for j, i in enumerate(rows):
+            n = wanted[i] or 0
+            pairs = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True)) if n else ()
+            out[i] = TokenLogprob(host[1][j], host[0][j], pairs)
+        return out
+
+    return read

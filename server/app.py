@@ -48,6 +48,7 @@ class AppSettings:
     api_key: str | None = None
     version: str = "0.1.0"
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config
+    max_logprobs: int = 20
 
 
 def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
@@ -64,6 +65,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
         settings.max_model_len,
         metrics=board,
         sampling_defaults=settings.sampling_defaults,
+        max_logprobs=settings.max_logprobs,
     )
     created = int(time.time())
 

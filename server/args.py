@@ -69,6 +69,10 @@ class ServeArgs:
             "generation_config.json, as vLLM), vllm (ignore it), or a folder holding one",
         ),
     )
+    max_logprobs: int = field(
+        default=20,
+        metadata=_flag("--max-logprobs", "most top logprobs a request may ask for", min=0),
+    )
     scheduler_threads: int | None = field(
         default=None,
         metadata=_flag(

@@ -242,6 +242,7 @@ async def _serve_http(
             info[scheduler_name(r, replicas)]["max_model_len"] for r in range(replicas)
         ),
         sampling_defaults=defaults,
+        max_logprobs=args.max_logprobs,
         api_key=args.api_key,
     )
     config = uvicorn.Config(

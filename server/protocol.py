@@ -11,9 +11,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from iris_serve.server import unimplemented
+from iris_serve.server.logprobs import ChatLogprobs, CompletionLogprobs
 
 _INT64 = 2**63
 Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
@@ -160,9 +168,23 @@ class ChatCompletionRequest(
 ):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
     # extra variables for the model's chat template (`enable_thinking`, `add_vision_id`, ...)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """Top tokens per sampled token (0: the sampled one's only); None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -187,6 +209,11 @@ class CompletionRequest(
     unimplemented.refusing_base("_CompletionRefusals", unimplemented.COMPLETION, _Generate)
 ):
     prompt: str | list[TokenId]  # a batch of one ("prompt": ["text"] or [[ids]]) is unwrapped
+    logprobs: Annotated[int, Field(ge=0)] | None = None  # top tokens per sampled token
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -265,7 +292,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -281,7 +308,7 @@ class ChatCompletion(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]  # {"role", "content"} first, {"content"} next, {} at the finish
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -297,7 +324,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

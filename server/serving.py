@@ -28,11 +28,13 @@ from iris_serve.ipc.messages import (
     RequestOutput,
     Sampling,
     TokenizeRequest,
+    TokenLogprob,
     context_length_error,
 )
 from iris_serve.server.detokenizer import TextStream
 from iris_serve.server.engine_client import EngineClient, EngineRequestError
 from iris_serve.server.errors import APIError, ClientDisconnected
+from iris_serve.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from iris_serve.server.metrics import MetricsBoard
 from iris_serve.server.protocol import (
     AssistantMessage,
@@ -58,6 +60,7 @@ class Delta:
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort" on the last one
     usage: Usage
+    logprobs: tuple[TokenLogprob, ...] = ()  # of this delta's tokens, when asked for
 
 
 @dataclass(frozen=True)
@@ -83,13 +86,16 @@ class OpenAIServing:
         max_model_len: int,
         metrics: MetricsBoard | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        max_logprobs: int = 20,
     ) -> None:
         self.client = client
+        self.max_logprobs = max_logprobs  # top tokens a request may ask for (vLLM's flag)
         # the model's generation_config.json (`server.generation_config`): a request's
         # own fields win
         self.sampling_defaults = sampling_defaults or {}
         self.metrics = metrics if metrics is not None else MetricsBoard()
         self.tokenizer = tokenizer
+        self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
@@ -110,19 +116,19 @@ class OpenAIServing:
             chat_template_kwargs=body.chat_template_kwargs,
         )
         deltas = self._deltas(request, body, arrival)
+        logprobs = body.requested_logprobs is not None
         if body.stream:
             first = await _unless_disconnected(raw, anext(deltas))
-            chunks = self._chat_chunks(meta, first, deltas, body.include_usage)
+            chunks = self._chat_chunks(meta, first, deltas, body.include_usage, logprobs)
             return _event_stream(chunks)
-        text, last = await _unless_disconnected(raw, _collect(deltas))
+        text, last, items = await _unless_disconnected(raw, _collect(deltas))
+        choice = ChatChoice(
+            message=AssistantMessage(content=text),
+            logprobs=chat_logprobs(items, self.token_text) if logprobs else None,
+            finish_reason=last.finish_reason,
+        )
         return ChatCompletion(
-            id=meta.id,
-            created=meta.created,
-            model=meta.model,
-            choices=[
-                ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)
-            ],
-            usage=last.usage,
+            id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=last.usage
         )
 
     async def completion(self, body: CompletionRequest, raw: Request) -> Any:
@@ -133,17 +139,19 @@ class OpenAIServing:
             raise APIError(400, f"token id {max(prompt)} is out of the vocabulary", param="prompt")
         request = TokenizeRequest(meta.id, self._sampling(body), prompt=prompt)
         deltas = self._deltas(request, body, arrival)
+        logprobs = body.requested_logprobs is not None
         if body.stream:
             first = await _unless_disconnected(raw, anext(deltas))
-            chunks = self._completion_chunks(meta, first, deltas, body.include_usage)
+            chunks = self._completion_chunks(meta, first, deltas, body.include_usage, logprobs)
             return _event_stream(chunks)
-        text, last = await _unless_disconnected(raw, _collect(deltas))
+        text, last, items = await _unless_disconnected(raw, _collect(deltas))
+        choice = CompletionChoice(
+            text=text,
+            logprobs=completion_logprobs(items, self.token_text) if logprobs else None,
+            finish_reason=last.finish_reason,
+        )
         return Completion(
-            id=meta.id,
-            created=meta.created,
-            model=meta.model,
-            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
-            usage=last.usage,
+            id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=last.usage
         )
 
     def check_model(self, model: str | None) -> str:
@@ -173,6 +181,13 @@ class OpenAIServing:
         if biased:
             raise APIError(400, f"logit_bias token {biased[0]} is out of the vocabulary",
                            param="logit_bias")  # fmt: skip
+        wanted = body.requested_logprobs
+        if wanted is not None and wanted > self.max_logprobs:
+            raise APIError(
+                400,
+                f"at most {self.max_logprobs} top logprobs (--max-logprobs), got {wanted}",
+                param="top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs",
+            )
         if max_tokens is not None and body.min_tokens > max_tokens:
             raise APIError(
                 400,
@@ -198,6 +213,7 @@ class OpenAIServing:
             repetition_penalty=chosen("repetition_penalty", 1.0),
             min_p=chosen("min_p", 0.0),
             logit_bias=body.logit_bias_pairs,
+            logprobs=wanted,
         )
 
     # -- the engine side ----------------------------------------------------------------
@@ -230,7 +246,7 @@ class OpenAIServing:
                             await self.client.abort(request_id)
                         settled, reason = True, "stop"
                     settled = settled or output.finished
-                    yield Delta(piece, reason, usage)
+                    yield Delta(piece, reason, usage, tuple(output.logprobs or ()))
                     if reason is not None:
                         return
                 settled = True  # the engine ended it without a last output
@@ -251,20 +267,32 @@ class OpenAIServing:
     # -- streaming ----------------------------------------------------------------------
 
     async def _chat_chunks(
-        self, meta: _Meta, first: Delta, deltas: AsyncIterator[Delta], include_usage: bool
+        self,
+        meta: _Meta,
+        first: Delta,
+        deltas: AsyncIterator[Delta],
+        include_usage: bool,
+        logprobs: bool,
     ) -> AsyncIterator[str]:
+        pending: list[TokenLogprob] = []  # tokens whose text is not out yet
+
         def chunk(delta: dict[str, str], finish_reason: Any = None) -> str:
-            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+            items = chat_logprobs(pending, self.token_text) if logprobs and pending else None
+            pending.clear()
+            choice = ChatChunkChoice(delta=delta, logprobs=items, finish_reason=finish_reason)
             return sse(ChatCompletionChunk(**_fields(meta), choices=[choice]))
 
         async with _closing(deltas):
             # The first chunk goes out with the first token, text or not (clients time
-            # TTFT by it); every later content chunk carries new text.
+            # TTFT by it); every later content chunk carries new text (and the logprobs
+            # of the tokens since the previous chunk).
+            pending.extend(first.logprobs)
             yield chunk({"role": "assistant", "content": first.text})
             last = first
             try:
                 while last.finish_reason is None:
                     last = await anext(deltas)
+                    pending.extend(last.logprobs)
                     if last.text:
                         yield chunk({"content": last.text})
             except EngineRequestError as e:
@@ -277,18 +305,34 @@ class OpenAIServing:
             yield _DONE
 
     async def _completion_chunks(
-        self, meta: _Meta, first: Delta, deltas: AsyncIterator[Delta], include_usage: bool
+        self,
+        meta: _Meta,
+        first: Delta,
+        deltas: AsyncIterator[Delta],
+        include_usage: bool,
+        logprobs: bool,
     ) -> AsyncIterator[str]:
+        pending: list[TokenLogprob] = []
+        offset = 0  # characters of the answer's tokens so far (text_offset)
+
         def chunk(text: str, finish_reason: Any = None) -> str:
-            choice = CompletionChoice(text=text, finish_reason=finish_reason)
+            nonlocal offset
+            items = None
+            if logprobs and pending:
+                items = completion_logprobs(pending, self.token_text, offset)
+                offset += sum(len(token) for token in items.tokens)
+            pending.clear()
+            choice = CompletionChoice(text=text, logprobs=items, finish_reason=finish_reason)
             return sse(Completion(**_fields(meta), choices=[choice]))
 
         async with _closing(deltas):
+            pending.extend(first.logprobs)
             yield chunk(first.text)
             last = first
             try:
                 while last.finish_reason is None:
                     last = await anext(deltas)
+                    pending.extend(last.logprobs)
                     if last.text:
                         yield chunk(last.text)
             except EngineRequestError as e:
@@ -326,13 +370,16 @@ async def _closing(iterator: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]
             await aclose()
 
 
-async def _collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
+async def _collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta, list[TokenLogprob]]:
+    """The whole answer, its last delta and every token's logprobs (when asked for)."""
     async with _closing(deltas):
         parts = []
+        logprobs: list[TokenLogprob] = []
         async for delta in deltas:
             parts.append(delta.text)
+            logprobs.extend(delta.logprobs)
             if delta.finish_reason is not None:
-                return "".join(parts), delta
+                return "".join(parts), delta, logprobs
     raise RuntimeError("the request ended without a finish reason")  # _deltas always sets one
 
 

@@ -48,8 +48,6 @@ def _true(value: Any) -> bool:
 
 # field -> (the values that change nothing, what to say about it)
 GENERATE: dict[str, tuple[NoOp, str]] = {
-    "logprobs": (_absent, "logprobs are not implemented yet"),
-    "top_logprobs": (_absent, "logprobs are not implemented yet"),
     "prompt_logprobs": (_absent, "prompt logprobs are not implemented yet"),
     "best_of": (_one, "only best_of=1 is supported"),
     "use_beam_search": (_absent, "beam search is not supported"),

@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from iris_serve.ipc.messages import RequestOutput, TokenizeRequest
+from iris_serve.ipc.messages import RequestOutput, TokenizeRequest, TokenLogprob
 from iris_serve.server.app import AppSettings
 from iris_serve.server.engine_client import EngineRequestError
 
@@ -44,6 +44,16 @@ class Script:
     cached_tokens: int = 3
     error: EngineRequestError | None = None  # raised after the chunks
     hang: bool = False  # after the chunks, wait until aborted
+
+
+def scripted_logprobs(tokens: list[int], top: int | None) -> list[TokenLogprob] | None:
+    """Made-up logprobs, one per token: token t has -t/1000 and its top are t, t+1, ..."""
+    if top is None:
+        return None
+    return [
+        TokenLogprob(t, -t / 1000, tuple((t + i, -(t + i) / 1000) for i in range(top)))
+        for t in tokens
+    ]
 
 
 @dataclass
@@ -82,6 +92,7 @@ class FakeEngine:
                 prompt_tokens=script.prompt_tokens,
                 cached_tokens=script.cached_tokens,
                 completion_tokens=total,
+                logprobs=scripted_logprobs(chunk, request.sampling.logprobs),
             )
         if script.error is not None:
             raise script.error

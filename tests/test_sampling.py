@@ -190,3 +190,37 @@ def test_a_penalty_in_the_engine_gives_transformers_tokens(qwen2_5_vl_tiny):
     assert ours == output[0, input_ids.shape[1] :].tolist()
     plain = cpu_engine(qwen2_5_vl_tiny).generate([prompt], Sampling(temperature=0.0, max_tokens=16))
     assert ours != plain[0], "the penalty was meant to change the answer"
+
+
+def test_logprobs_are_the_log_softmax_of_transformers_logits(qwen3_vl_tiny):
+    """Each sampled token's logprob and the top 3 equal transformers' log-softmax at that
+    position (teacher-forced on the same tokens), whatever the sampler did after."""
+    from iris_serve.tokenizer_worker.prompt import PromptBuilder
+    from tests.reference import chat_prompt, cpu_engine, hf_model, make_image
+
+    builder = PromptBuilder(qwen3_vl_tiny)
+    prompt = chat_prompt(builder, "Describe it.", [make_image(48, 40, seed=6)])
+    sampling = Sampling(temperature=0.0, max_tokens=6, logprobs=3, repetition_penalty=1.3)
+    engine = cpu_engine(qwen3_vl_tiny)
+    engine.add_request("r", prompt, sampling)
+    outputs = list(engine.run_until_idle())
+    tokens = [t for out in outputs for t in out.new_token_ids]
+    logprobs = [lp for out in outputs for lp in out.logprobs or []]
+    assert [lp.token_id for lp in logprobs] == tokens and len(tokens) == 6
+
+    model = hf_model(str(qwen3_vl_tiny))
+    ids = torch.tensor([list(prompt.token_ids) + tokens])
+    with torch.inference_mode():
+        logits = model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.cat(prompt.pixels),
+            image_grid_thw=torch.tensor([image.grid_thw for image in prompt.images]),
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
+        ).logits[0, len(prompt.token_ids) - 1 : -1]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    for step, (ours, expected) in enumerate(zip(logprobs, reference, strict=True)):
+        assert ours.logprob == pytest.approx(expected[ours.token_id].item(), abs=1e-4), step
+        top = expected.topk(3)
+        assert [t for t, _ in ours.top] == top.indices.tolist(), step
+        assert [v for _, v in ours.top] == pytest.approx(top.values.tolist(), abs=1e-4)

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import hf_generate, make_image
@@ -133,6 +134,55 @@ def test_openai_client_streaming_and_not_with_an_image(server, builder, qwen2_5_
     text, prompt_len, _ = reference_text(qwen2_5_vl_tiny, builder, "hi", [local_bytes])
     assert with_file.choices[0].message.content == text
     assert with_file.usage.prompt_tokens == prompt_len  # the file's image tokens included
+
+
+def test_logprobs_and_a_penalty_over_http_equal_transformers(server, builder, qwen2_5_vl_tiny):
+    """The OpenAI client's logprobs are the log-softmax of transformers' logits at each
+    answer token, and a repetition penalty gives `generate(repetition_penalty=...)`."""
+    from PIL import Image
+
+    from tests.reference import hf_model
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=120)
+    image = png_bytes(make_image(64, 48, seed=9))
+    messages = chat_body("What is it?", [image])["messages"]
+    completion = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"repetition_penalty": 1.4, "min_tokens": MAX_TOKENS},
+    )  # fmt: skip
+    content = completion.choices[0].logprobs.content
+    assert len(content) == MAX_TOKENS
+
+    model = hf_model(str(qwen2_5_vl_tiny))
+    template = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
+    ]
+    prompt = builder.build(builder.render_chat(template), [Image.open(io.BytesIO(image))])
+    input_ids = torch.tensor([prompt.token_ids])
+    vision = {
+        "pixel_values": torch.cat(prompt.pixels),
+        "image_grid_thw": torch.tensor([im.grid_thw for im in prompt.images]),
+    }
+    with torch.inference_mode():
+        generated = model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=(input_ids == model.config.image_token_id).int(), **vision,
+            max_new_tokens=MAX_TOKENS, do_sample=False, repetition_penalty=1.4,
+            min_new_tokens=MAX_TOKENS,
+        )  # fmt: skip
+        ids = generated[:, : input_ids.shape[1] + MAX_TOKENS]
+        logits = model(
+            input_ids=ids, attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=(ids == model.config.image_token_id).int(), **vision,
+        ).logits[0, input_ids.shape[1] - 1 : -1]  # fmt: skip
+    answer = generated[0, input_ids.shape[1] :].tolist()
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    assert [c.token for c in content] == [builder.tokenizer.decode([t]) for t in answer]
+    for token, ours, expected in zip(answer, content, reference, strict=True):
+        assert ours.logprob == pytest.approx(expected[token].item(), abs=1e-4)
+        assert [top.logprob for top in ours.top_logprobs] == pytest.approx(
+            expected.topk(2).values.tolist(), abs=1e-4
+        )
 
 
 def test_sixteen_concurrent_requests_all_finish_correctly(server, builder, qwen2_5_vl_tiny):

@@ -49,6 +49,9 @@ _CHAT_ERRORS = [
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # over --max-logprobs
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
 ]
 
 
@@ -151,8 +154,6 @@ def test_api_key(qwen2_vl_tiny, tokenizer):
 
 # (field, a value that changes the answer, the value a client sends for "off")
 _UNIMPLEMENTED_CHAT = [
-    ("logprobs", True, False),
-    ("top_logprobs", 5, 0),
     ("prompt_logprobs", 1, None),
     ("best_of", 2, 1),
     ("use_beam_search", True, False),
@@ -195,9 +196,7 @@ def test_a_chat_field_not_implemented_is_refused_unless_off(client, engine, fiel
     assert chat(client, **{field: off}).status_code == 200, f"{field}={off!r} was refused"
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "off"), [("echo", True, False), ("suffix", "end", ""), ("logprobs", 3, 0)]
-)
+@pytest.mark.parametrize(("field", "value", "off"), [("echo", True, False), ("suffix", "end", "")])
 def test_a_completion_field_not_implemented_is_refused_unless_off(client, field, value, off):
     body = {"prompt": "Once", "max_tokens": 2}
     refused = client.post("/v1/completions", json={**body, field: value})

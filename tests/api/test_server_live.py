@@ -109,3 +109,46 @@ def test_disconnect_before_any_token_aborts(server, stream):
         assert engine.got_request.wait(WAIT)
     assert engine.got_abort.wait(WAIT), "no abort after the client left"
     assert engine.aborted == [engine.requests[0].request_id]
+
+
+def test_logprobs_through_the_openai_client(server, tokenizer):
+    """Chat (streamed and not) and completions carry one entry per token with its top
+    alternatives, in OpenAI's shapes; the engine was asked for the right number."""
+    url, engine = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=WAIT)
+    ids = tokenizer.encode(TEXT)
+
+    completion = client.chat.completions.create(
+        model=MODEL, messages=USER, logprobs=True, top_logprobs=2
+    )
+    assert engine.requests[-1].sampling.logprobs == 2
+    content = completion.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in ids]
+    assert [c.logprob for c in content] == [-t / 1000 for t in ids]
+    assert [c.bytes for c in content] == [list(c.token.encode()) for c in content]
+    assert [[top.logprob for top in c.top_logprobs] for c in content] == [
+        [-t / 1000, -(t + 1) / 1000] for t in ids
+    ]
+
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=USER, logprobs=True, stream=True)
+    )
+    streamed = [
+        c
+        for chunk in chunks
+        if chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
+    assert [c.logprob for c in streamed] == [-t / 1000 for t in ids]
+    assert all(c.top_logprobs == [] for c in streamed)
+
+    plain = client.chat.completions.create(model=MODEL, messages=USER)
+    assert plain.choices[0].logprobs is None and engine.requests[-1].sampling.logprobs is None
+
+    text = client.completions.create(model=MODEL, prompt="Once", logprobs=1)
+    logprobs = text.choices[0].logprobs
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in ids]
+    assert logprobs.token_logprobs == [-t / 1000 for t in ids]
+    assert logprobs.top_logprobs == [{tokenizer.decode([t]): -t / 1000} for t in ids]
+    assert logprobs.text_offset[0] == 0
+    assert logprobs.text_offset[-1] == len("".join(logprobs.tokens[:-1]))
