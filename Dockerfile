@@ -23,6 +23,7 @@ RUN python -c "import torch; print('torch', torch.__version__, 'cuda', torch.ver
     && python -c "import torch; assert torch.version.cuda, 'pip replaced the CUDA torch'"
 
 EXPOSE 8000
-# Shared-memory arenas live in /dev/shm: run with --shm-size=8g (or --ipc=host) for
-# image-heavy traffic; the default 64 MiB holds only a few images per worker.
+# Shared-memory arenas live in /dev/shm: each tokenizer worker (2 by default) takes
+# --mm-processor-cache-gb (1 GiB by default), so run with --shm-size=4g or more (or
+# --ipc=host). With Docker's default 64 MiB, `iris serve` refuses to start and says so.
 ENTRYPOINT ["iris", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -17,12 +17,19 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from iris_serve.ipc.shm_arena import instance_prefix, new_instance_id, sweep, sweep_orphans
+from iris_serve.ipc.shm_arena import (
+    SHM_DIR,
+    instance_prefix,
+    new_instance_id,
+    sweep,
+    sweep_orphans,
+)
 from iris_serve.ipc.sockets import new_run_dir
 from iris_serve.scheduler import (
     EngineConfig,
@@ -46,6 +53,10 @@ def serve(args: ServeArgs) -> int:
     model_path = resolve_model_path(args.model)
     try:  # before minutes of start-up, not after
         defaults = sampling_defaults(args.generation_config, model_path)
+        check_port_free(args.host, args.port)
+        check_shared_memory(
+            tokenizer_workers(args) * worker_config(args, 0, model_path, "", Path()).arena_bytes
+        )
     except (OSError, ValueError) as error:
         logger.error("%s", error)
         return 1
@@ -74,6 +85,33 @@ def serve(args: ServeArgs) -> int:
         for name in sweep(instance_prefix(instance)):
             logger.info("removed shared memory %s", name)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises naming the port when another process listens on it (uvicorn would find out
+    only after the workers and the model have started)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise OSError(
+                f"cannot listen on {host}:{port}: {error.strerror} (another server?); "
+                "pick another --port"
+            ) from None
+
+
+def check_shared_memory(needed: int, shm_dir: Path = SHM_DIR) -> None:
+    """Raises when /dev/shm cannot hold the tokenizer workers' arenas (Docker's default is
+    64 MiB), with the two ways out, instead of ENOSPC from a worker mid start-up."""
+    free = shutil.disk_usage(shm_dir).free
+    if needed > free:
+        raise OSError(
+            f"{shm_dir} has {free / 2**30:.2f} GiB free but the tokenizer workers' arenas need "
+            f"{needed / 2**30:.2f} GiB: give the container more (docker run --shm-size "
+            f"{-(-needed // 2**30) + 1}g) or lower --mm-processor-cache-gb / "
+            "--tokenizer-workers"
+        )
 
 
 def resolve_model_path(model: str | None) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -98,9 +99,31 @@ def test_cache_flags_build_a_real_engine_config():
 
 
 def test_a_missing_generation_config_folder_fails_before_start_up(qwen2_vl_tiny, tmp_path):
-    command = [sys.executable, "-m", "iris_serve.server.cli", "serve", str(qwen2_vl_tiny),
-               "--generation-config", str(tmp_path / "nowhere")]  # fmt: skip
+    stderr = serve_fails_fast(str(qwen2_vl_tiny), "--generation-config", str(tmp_path / "nowhere"))
+    assert f"--generation-config {tmp_path / 'nowhere'}: no " in stderr
+
+
+def serve_fails_fast(*argv: str) -> str:
+    """`iris serve ARGV` exits 1 before starting any child; returns its stderr."""
+    command = [sys.executable, "-m", "iris_serve.server.cli", "serve", *argv]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
-    assert f"--generation-config {tmp_path / 'nowhere'}: no " in done.stderr
+    assert done.returncode == 1, done.stderr
     assert "started" not in done.stderr  # no child was started
+    return done.stderr
+
+
+def test_a_busy_port_is_refused_before_start_up(qwen2_vl_tiny):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        stderr = serve_fails_fast(str(qwen2_vl_tiny), "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in stderr and "--port" in stderr
+
+
+def test_arenas_larger_than_dev_shm_are_refused_with_the_way_out(qwen2_vl_tiny):
+    free = launcher.shutil.disk_usage("/dev/shm").free
+    size = f"{free // 2**30 + 8}GiB"
+    stderr = serve_fails_fast(str(qwen2_vl_tiny), "--mm-shm-arena-bytes", size)
+    assert "/dev/shm has" in stderr and "--shm-size" in stderr
+    assert "--mm-processor-cache-gb" in stderr
