@@ -88,6 +88,8 @@ class _InFlight:
                 break
             self.items.popleft()
             following.new_token_ids = item.new_token_ids + following.new_token_ids
+            if item.logprobs is not None or following.logprobs is not None:
+                following.logprobs = (item.logprobs or []) + (following.logprobs or [])
             item = following  # counts are totals, so the later output's are right
         return item
 

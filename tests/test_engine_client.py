@@ -20,6 +20,7 @@ from iris_serve.ipc.messages import (
     Sampling,
     TokenBatch,
     TokenizeRequest,
+    TokenLogprob,
     WorkerStats,
 )
 from iris_serve.ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
@@ -93,8 +94,13 @@ def test_routing_dispatch_and_unknown_ids():
         with pytest.raises(StopAsyncIteration):
             await anext(streams["a"])
 
-        await h.send(TokenBatch([_out("b", [8]), _out("b", [9], "stop")]))
+        with_logprobs = [_out("b", [8]), _out("b", [9], "stop")]
+        for output, token in zip(with_logprobs, (8, 9), strict=True):
+            output.logprobs = [TokenLogprob(token, -1.0)]
+        await h.send(TokenBatch(with_logprobs))
         rest = [o async for o in streams["b"]]  # queued outputs may arrive merged
+        # merged or not, every token keeps its logprobs, in order
+        assert [lp.token_id for o in rest for lp in o.logprobs or []] == [8, 9]
         assert [t for o in rest for t in o.new_token_ids] == [8, 9]
         assert rest[-1].finished and rest[-1].finish_reason == "stop"
         assert h.client.num_in_flight == 0
