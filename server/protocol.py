@@ -107,7 +107,7 @@ class _Generate(unimplemented.refusing_base("_GenerateRefusals", unimplemented.G
     # OpenAI's shape: token id (as a string) -> bias in [-100, 100]
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     skip_special_tokens: bool = True
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=128)] = 1  # choices (OpenAI's bounds)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -122,13 +122,6 @@ class _Generate(unimplemented.refusing_base("_GenerateRefusals", unimplemented.G
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items() if v))
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -107,29 +108,38 @@ class OpenAIServing:
         arrival = time.perf_counter()
         meta = self._meta("chatcmpl", body.model)
         kwargs = body.mm_processor_kwargs
-        request = TokenizeRequest(
-            request_id=meta.id,
-            sampling=self._sampling(body),
-            messages=[message.wire() for message in body.messages],
-            max_pixels=kwargs.max_pixels if kwargs else None,
-            min_pixels=kwargs.min_pixels if kwargs else None,
-            chat_template_kwargs=body.chat_template_kwargs,
-        )
-        deltas = self._deltas(request, body, arrival)
+        messages = [message.wire() for message in body.messages]
+        requests = [
+            TokenizeRequest(
+                request_id=request_id,
+                sampling=sampling,
+                messages=messages,
+                max_pixels=kwargs.max_pixels if kwargs else None,
+                min_pixels=kwargs.min_pixels if kwargs else None,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+            for request_id, sampling in self._choices(meta.id, body)
+        ]
         logprobs = body.requested_logprobs is not None
         if body.stream:
+            deltas = self._deltas(requests[0], body, arrival)
             first = await _unless_disconnected(raw, anext(deltas))
             chunks = self._chat_chunks(meta, first, deltas, body.include_usage, logprobs)
             return _event_stream(chunks)
-        text, last, items = await _unless_disconnected(raw, _collect(deltas))
-        choice = ChatChoice(
-            message=AssistantMessage(content=text),
-            logprobs=chat_logprobs(items, self.token_text) if logprobs else None,
-            finish_reason=last.finish_reason,
-        )
+        answers = await _unless_disconnected(raw, self._answers(requests, body, arrival))
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=text),
+                logprobs=chat_logprobs(items, self.token_text) if logprobs else None,
+                finish_reason=last.finish_reason,
+            )
+            for i, (text, last, items) in enumerate(answers)
+        ]
         return ChatCompletion(
-            id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=last.usage
-        )
+            id=meta.id, created=meta.created, model=meta.model, choices=choices,
+            usage=_usage_of(answers),
+        )  # fmt: skip
 
     async def completion(self, body: CompletionRequest, raw: Request) -> Any:
         arrival = time.perf_counter()
@@ -137,22 +147,30 @@ class OpenAIServing:
         prompt = body.prompt
         if isinstance(prompt, list) and max(prompt) >= self.vocab_size:
             raise APIError(400, f"token id {max(prompt)} is out of the vocabulary", param="prompt")
-        request = TokenizeRequest(meta.id, self._sampling(body), prompt=prompt)
-        deltas = self._deltas(request, body, arrival)
+        requests = [
+            TokenizeRequest(request_id, sampling, prompt=prompt)
+            for request_id, sampling in self._choices(meta.id, body)
+        ]
         logprobs = body.requested_logprobs is not None
         if body.stream:
+            deltas = self._deltas(requests[0], body, arrival)
             first = await _unless_disconnected(raw, anext(deltas))
             chunks = self._completion_chunks(meta, first, deltas, body.include_usage, logprobs)
             return _event_stream(chunks)
-        text, last, items = await _unless_disconnected(raw, _collect(deltas))
-        choice = CompletionChoice(
-            text=text,
-            logprobs=completion_logprobs(items, self.token_text) if logprobs else None,
-            finish_reason=last.finish_reason,
-        )
+        answers = await _unless_disconnected(raw, self._answers(requests, body, arrival))
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=text,
+                logprobs=completion_logprobs(items, self.token_text) if logprobs else None,
+                finish_reason=last.finish_reason,
+            )
+            for i, (text, last, items) in enumerate(answers)
+        ]
         return Completion(
-            id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=last.usage
-        )
+            id=meta.id, created=meta.created, model=meta.model, choices=choices,
+            usage=_usage_of(answers),
+        )  # fmt: skip
 
     def check_model(self, model: str | None) -> str:
         """The served name a request asked for (the first one when it names none)."""
@@ -164,6 +182,40 @@ class OpenAIServing:
         return model
 
     # -- request building ---------------------------------------------------------------
+
+    def _choices(
+        self, response_id: str, body: ChatCompletionRequest | CompletionRequest
+    ) -> list[tuple[str, Sampling]]:
+        """(engine request id, sampling) of each of the `n` choices: choice i of a seeded
+        request draws with seed + i, so the choices differ and each is reproducible."""
+        sampling = self._sampling(body)
+        if body.n == 1:
+            return [(response_id, sampling)]
+        if body.stream:
+            raise APIError(400, "n > 1 is not implemented for streamed responses", param="n")
+        return [
+            (
+                f"{response_id}-{i}",
+                sampling
+                if sampling.seed is None
+                else msgspec.structs.replace(sampling, seed=_wrap_int64(sampling.seed + i)),
+            )
+            for i in range(body.n)
+        ]
+
+    async def _answers(
+        self,
+        requests: list[TokenizeRequest],
+        body: ChatCompletionRequest | CompletionRequest,
+        arrival: float,
+    ) -> list[tuple[str, Delta, list[TokenLogprob]]]:
+        """Every choice's whole answer. The first runs alone until its first token, so its
+        prompt's KV pages are in the prefix cache when the others arrive: n choices cost
+        one prefill (and each image one encoding), not n."""
+        first = self._deltas(requests[0], body, arrival)
+        head = await anext(first)
+        others = [_collect(self._deltas(r, body, arrival)) for r in requests[1:]]
+        return list(await asyncio.gather(_collect(_starting_with(head, first)), *others))
 
     def _meta(self, prefix: str, model: str | None) -> _Meta:
         return _Meta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.check_model(model))
@@ -403,3 +455,23 @@ async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]])
     # The body was read already, so the next message is the disconnect.
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _starting_with(head: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """`head`, then `rest`'s deltas; closing it closes `rest`."""
+    async with _closing(rest):
+        yield head
+        async for delta in rest:
+            yield delta
+
+
+def _usage_of(answers: list[tuple[str, Delta, list[TokenLogprob]]]) -> Usage:
+    """The prompt once (as OpenAI counts it; the first choice's cache hits), every choice's
+    completion tokens."""
+    first = answers[0][1].usage
+    completion = sum(last.usage.completion_tokens for _, last, _ in answers)
+    return Usage.of(first.prompt_tokens, completion, first.prompt_tokens_details.cached_tokens)
+
+
+def _wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63

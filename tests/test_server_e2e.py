@@ -185,6 +185,30 @@ def test_logprobs_and_a_penalty_over_http_equal_transformers(server, builder, qw
         )
 
 
+def test_n_choices_share_the_prompts_pages_and_its_image(server, builder, qwen2_5_vl_tiny):
+    """n=3: three answers, each transformers' (greedy), for one image encoding and one
+    prefill: the second and third choice find the prompt's full pages cached."""
+    image = png_bytes(make_image(80, 60, seed=31))
+    before = server.metrics()
+    response = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json=chat_body("Three answers?", [image], n=3),
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    expected, prompt_len, _ = reference_text(qwen2_5_vl_tiny, builder, "Three answers?", [image])
+    assert [c["message"]["content"] for c in response.json()["choices"]] == [expected] * 3
+    server.wait_for_metrics(IDLE)
+    after = server.metrics()
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    assert grew("iris_mm_images_encoded_total") == 1
+    full_pages = (prompt_len - 1) // 16 * 16  # the last prompt token is always computed
+    assert full_pages > 0 and grew("iris_prefix_cache_hit_tokens_total") >= 2 * full_pages
+
+
 def test_sixteen_concurrent_requests_all_finish_correctly(server, builder, qwen2_5_vl_tiny):
     cases = [
         (
@@ -258,7 +282,7 @@ def test_bad_images_get_a_400_and_the_server_stays_healthy(server, case):
         ({"max_tokens": 5000}, "max_tokens", 400),
         ({"messages_images": 5}, "messages", 400),
         ({"model": "no-such-model"}, "model", 404),
-        ({"n": 2}, "n", 400),
+        ({"n": 2, "stream": True}, "n", 400),
     ],
 )
 def test_limits_get_a_400(server, change, param, status):

@@ -329,3 +329,21 @@ def test_the_models_generation_config_fills_only_the_fields_a_request_leaves_out
         0.1, 1, 0.001, 1.05,
     )  # fmt: skip
     assert (second.temperature, second.top_k, second.top_p) == (0.7, 0, 0.001)
+
+
+def test_n_choices_are_separate_seeded_requests_after_the_first_has_begun(
+    client, engine, tokenizer
+):
+    response = chat(client, n=3, seed=7, temperature=0.8)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == TEXT for c in body["choices"])
+    ids = [r.request_id for r in engine.requests]
+    assert ids == [f"{body['id']}-{i}" for i in range(3)]  # the first went out first
+    assert [r.sampling.seed for r in engine.requests] == [7, 8, 9]
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == 11  # the prompt once, as OpenAI counts it
+    assert usage["completion_tokens"] == 3 * len(tokenizer.encode(TEXT))  # every choice's
+    text = client.post("/v1/completions", json={"prompt": "Once", "n": 2}).json()
+    assert [c["index"] for c in text["choices"]] == [0, 1]

@@ -70,7 +70,7 @@ def test_openai_client(server, tokenizer):
 
     assert [m.id for m in client.models.list()] == [MODEL, "alias"]
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model=MODEL, messages=USER, n=2)
+        client.chat.completions.create(model=MODEL, messages=USER, n=2, stream=True)
     assert error.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):  # as from OpenAI and vLLM
         client.chat.completions.create(model="nope", messages=USER)
