@@ -74,6 +74,14 @@ class EngineConfig:
         ),
     )
     num_kv_pages: int | None = None  # overrides both budgets (tests force preemption with it)
+    seed: int | None = field(
+        default=None,
+        metadata=_flag(
+            "--seed",
+            "seed of the scheduler's random generator: unseeded sampling repeats across "
+            "restarts for the same requests in the same order",
+        ),
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata=_flag(

@@ -83,6 +83,8 @@ class Engine:
                 f"that size (`iris serve` starts one); this engine has {tp.size} rank(s)"
             )
         self.config = config
+        if config.seed is not None:  # unseeded requests draw from torch's default generator
+            torch.manual_seed(config.seed)
         state = DeviceState.build(config, tp, replica)
         self.device, self.dtype, self.model = state.device, state.dtype, state.model
         self.kv_cache, self.attention = state.kv_cache, state.attention

@@ -49,12 +49,15 @@ class AppSettings:
     version: str = "0.1.0"
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config
     max_logprobs: int = 20
+    chat_template: str | None = None  # replaces the tokenizer's (the workers get it too)
 
 
 def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
     if not settings.served_model_names:
         raise ValueError("served_model_names is empty")
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+    if settings.chat_template is not None:
+        tokenizer.chat_template = settings.chat_template
     board = getattr(client, "metrics", None)  # ZmqEngineClient feeds one
     if board is None:
         board = MetricsBoard()

@@ -69,6 +69,23 @@ class ServeArgs:
             "generation_config.json, as vLLM), vllm (ignore it), or a folder holding one",
         ),
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--chat-template",
+            "a Jinja chat template, or the file holding one, instead of the model's",
+        ),
+    )
+    revision: str | None = field(
+        default=None, metadata=_flag("--revision", "the hub revision (branch, tag, commit)")
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=_flag(
+            "--trust-remote-code",
+            "accepted for vLLM compatibility; Iris runs its own model code, so it has no effect",
+        ),
+    )
     max_logprobs: int = field(
         default=20,
         metadata=_flag("--max-logprobs", "most top logprobs a request may ask for", min=0),

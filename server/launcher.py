@@ -12,6 +12,7 @@ It imports each role's public surface only (`iris_serve.scheduler`,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -50,8 +51,12 @@ def serve(args: ServeArgs) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    model_path = resolve_model_path(args.model)
+    model_path = resolve_model_path(args.model, args.revision)
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code has no effect: Iris runs its own model code")
     try:  # before minutes of start-up, not after
+        # from here on, args.chat_template is the template's text, not its file
+        args = dataclasses.replace(args, chat_template=read_chat_template(args.chat_template))
         defaults = sampling_defaults(args.generation_config, model_path)
         check_port_free(args.host, args.port)
         check_shared_memory(
@@ -114,8 +119,22 @@ def check_shared_memory(needed: int, shm_dir: Path = SHM_DIR) -> None:
         )
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """A local folder as is; None → the built-in tiny checkpoint; else a hub id."""
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the template itself (vLLM's rule: a value
+    without a `{` that names no file is a mistyped path, refused)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise FileNotFoundError(f"--chat-template {value}: no such file")
+    return value
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """A local folder as is; None → the built-in tiny checkpoint; else a hub id (at
+    `revision`)."""
     if model is None:
         from iris_serve.scheduler import builtin_checkpoint
 
@@ -126,7 +145,7 @@ def resolve_model_path(model: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
-    return Path(snapshot_download(model, allow_patterns=patterns))
+    return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
 
 
 def _children(
@@ -185,6 +204,7 @@ def worker_config(
         instance_id=instance,
         log_level=args.log_level,
         replica=worker_id % args.data_parallel_size,
+        chat_template=args.chat_template,
         **args.worker,
     )
 
@@ -281,6 +301,7 @@ async def _serve_http(
         ),
         sampling_defaults=defaults,
         max_logprobs=args.max_logprobs,
+        chat_template=args.chat_template,
         api_key=args.api_key,
     )
     config = uvicorn.Config(

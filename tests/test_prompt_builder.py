@@ -65,3 +65,11 @@ def test_placeholder_count_must_match_the_images(qwen2_vl_tiny):
     text = builder.render_chat([{"role": "user", "content": [{"type": "image"}]}])
     with pytest.raises(ValueError, match="1 image placeholders for 2 images"):
         builder.build(text, [make_image(30, 30), make_image(30, 30)])
+
+
+def test_a_chat_template_replaces_the_checkpoints(qwen2_vl_tiny):
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    custom = PromptBuilder(qwen2_vl_tiny, chat_template=template)
+    messages = [{"role": "user", "content": "hi"}]
+    assert custom.render_chat(messages) == "<<hi>>"
+    assert PromptBuilder(qwen2_vl_tiny).render_chat(messages) != "<<hi>>"

@@ -224,3 +224,17 @@ def test_logprobs_are_the_log_softmax_of_transformers_logits(qwen3_vl_tiny):
         top = expected.topk(3)
         assert [t for t, _ in ours.top] == top.indices.tolist(), step
         assert [v for _, v in ours.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_the_engine_seed_makes_unseeded_sampling_repeat(qwen2_5_vl_tiny):
+    from iris_serve.ipc.local import PromptInput
+    from tests.reference import cpu_engine
+
+    prompt = PromptInput.text(range(100, 140))
+    sampling = Sampling(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sample(seed: int) -> list[int]:
+        return cpu_engine(qwen2_5_vl_tiny, seed=seed).generate([prompt], sampling)[0]
+
+    assert sample(5) == sample(5)
+    assert sample(5) != sample(6)

@@ -127,3 +127,21 @@ def test_arenas_larger_than_dev_shm_are_refused_with_the_way_out(qwen2_vl_tiny):
     stderr = serve_fails_fast(str(qwen2_vl_tiny), "--mm-shm-arena-bytes", size)
     assert "/dev/shm has" in stderr and "--shm-size" in stderr
     assert "--mm-processor-cache-gb" in stderr
+
+
+def test_vllm_compatibility_flags_parse():
+    args = parse_serve_args(
+        ["--trust-remote-code", "--revision", "v1", "--seed", "3", "--chat-template", "t.jinja"]
+    )
+    assert args.trust_remote_code and args.revision == "v1"
+    assert args.engine["seed"] == 3 and args.chat_template == "t.jinja"
+
+
+def test_a_chat_template_is_a_file_or_the_template_itself(tmp_path):
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert launcher.read_chat_template(str(tmp_path / "t.jinja")) == template
+    assert launcher.read_chat_template(template) == template
+    assert launcher.read_chat_template(None) is None
+    with pytest.raises(FileNotFoundError, match="--chat-template"):
+        launcher.read_chat_template(str(tmp_path / "missing.jinja"))

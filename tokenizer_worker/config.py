@@ -102,6 +102,7 @@ class WorkerConfig:
     max_image_pixels: int = 8192 * 8192
     log_level: str = "INFO"
     replica: int = 0  # the data-parallel replica whose scheduler gets this worker's requests
+    chat_template: str | None = None  # replaces the tokenizer's (`iris serve --chat-template`)
 
     @property
     def name(self) -> str:

@@ -36,9 +36,12 @@ class PlaceholderMismatch(ValueError):
 
 
 class PromptBuilder:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
+        """`chat_template`: a Jinja template replacing the checkpoint's own."""
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
         self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.image_token_id: int = config["image_token_id"]

@@ -92,7 +92,7 @@ class TokenizerWorker:
     def open(cls, config: WorkerConfig) -> TokenizerWorker:
         """Load the tokenizer and processor and create the arena (replacing a stale one
         of the same name, left by a killed predecessor)."""
-        builder = PromptBuilder(config.model_path)
+        builder = PromptBuilder(config.model_path, chat_template=config.chat_template)
         fetcher = MediaFetcher.from_config(config)
         name = segment_name(config.instance_id, config.worker_id)
         (SHM_DIR / name).unlink(missing_ok=True)

@@ -347,3 +347,11 @@ def test_n_choices_are_separate_seeded_requests_after_the_first_has_begun(
     assert usage["completion_tokens"] == 3 * len(tokenizer.encode(TEXT))  # every choice's
     text = client.post("/v1/completions", json={"prompt": "Once", "n": 2}).json()
     assert [c["index"] for c in text["choices"]] == [0, 1]
+
+
+def test_a_chat_template_given_to_the_server_renders_tokenize(qwen2_vl_tiny, tokenizer):
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    app = create_app(settings(qwen2_vl_tiny, chat_template=template), FakeEngine())
+    with TestClient(app) as client:
+        body = client.post("/tokenize", json={"messages": USER}).json()
+    assert body["tokens"] == tokenizer.encode("<<Say hello.>>", add_special_tokens=False)
