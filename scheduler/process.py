@@ -262,7 +262,20 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
         loop.stopping = True
 
     signal.signal(signal.SIGTERM, stop)
-    ready.put((config.name, True, {"max_model_len": engine.max_model_len}))
+    ready.put(
+        (
+            config.name,
+            True,
+            {
+                "max_model_len": engine.max_model_len,
+                "architecture": engine.model.config.architecture,
+                "device": str(engine.device),
+                "dtype": str(engine.dtype).removeprefix("torch."),
+                "kv_pages": engine.kv_cache.num_pages,
+                "page_size": engine.kv_cache.page_size,
+            },
+        )
+    )
     logger.info(
         "scheduler ready on %s (%s): %d KV pages of %d tokens, max_model_len %d",
         engine.device,

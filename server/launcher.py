@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from iris_serve.ipc.messages import EngineStats
 from iris_serve.ipc.shm_arena import (
     SHM_DIR,
     instance_prefix,
@@ -40,6 +41,7 @@ from iris_serve.scheduler import (
 )
 from iris_serve.server.args import ServeArgs
 from iris_serve.server.generation_config import sampling_defaults
+from iris_serve.server.stats_log import LOG_INTERVAL_SECONDS, banner, throughput_line
 from iris_serve.tokenizer_worker import WorkerConfig, run_worker
 
 logger = logging.getLogger("iris.launcher")
@@ -314,15 +316,38 @@ async def _serve_http(
     server = uvicorn.Server(config)
     failure: list[str] = []
     watchdog = asyncio.create_task(_watch(children, server, failure))
+    schedulers = [info[scheduler_name(r, replicas)] for r in range(replicas)]
+    arena = worker_config(args, 0, model_path, "", Path()).arena_bytes
+    url = f"http://{args.host}:{args.port}"
+    logger.info(banner(settings.served_model_names[0], url, schedulers, client.num_workers, arena))
+    throughput = asyncio.create_task(_log_throughput(client.metrics, replicas))
     try:
         await server.serve()
     finally:
         watchdog.cancel()
+        throughput.cancel()
         await client.close()
     if failure:
         logger.error("shutting down: %s", failure[0])
         return 1
     return 0
+
+
+async def _log_throughput(board: Any, replicas: int) -> None:
+    """A throughput line every `LOG_INTERVAL_SECONDS` while the engine has work."""
+    idle = EngineStats(0, 0, 0, 0, 0)
+
+    def snapshot() -> list[EngineStats]:
+        return [board.engines.get(r, idle) for r in range(replicas)]
+
+    before, since = snapshot(), time.monotonic()
+    while True:
+        await asyncio.sleep(LOG_INTERVAL_SECONDS)  # a log cadence, not synchronisation
+        now, at = snapshot(), time.monotonic()
+        line = throughput_line(before, now, at - since)
+        if line is not None:
+            logger.info(line)
+        before, since = now, at
 
 
 async def _watch(children: list[BaseProcess], server: Any, failure: list[str]) -> None:

@@ -209,6 +209,12 @@ def test_n_choices_share_the_prompts_pages_and_its_image(server, builder, qwen2_
     assert full_pages > 0 and grew("iris_prefix_cache_hit_tokens_total") >= 2 * full_pages
 
 
+def test_the_start_up_banner_says_what_is_served_and_where(server):
+    line = next(line for line in server.log.splitlines() if "Iris serving" in line)
+    assert "Iris serving tiny (Qwen2_5_VLForConditionalGeneration, float32 on cpu)" in line
+    assert server.base_url in line and "max_model_len 1024" in line
+
+
 def test_sixteen_concurrent_requests_all_finish_correctly(server, builder, qwen2_5_vl_tiny):
     cases = [
         (

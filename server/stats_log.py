@@ -1,0 +1,54 @@
+"""The launcher's log lines a newcomer reads: the start-up banner, and a throughput line
+every few seconds while the engine works (as vLLM logs one)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from iris_serve.ipc.messages import EngineStats
+
+LOG_INTERVAL_SECONDS = 10.0
+
+
+def banner(
+    model: str, url: str, schedulers: Sequence[Mapping[str, Any]], workers: int, arena: int
+) -> str:
+    """One line: what is served, where, on what, with how much cache."""
+    first = schedulers[0]
+    tokens = first["kv_pages"] * first["page_size"]
+    return (
+        f"Iris serving {model} ({first['architecture']}, {first['dtype']} on "
+        f"{first['device']}) at {url}: KV cache {first['kv_pages']} pages x "
+        f"{first['page_size']} tokens = {tokens} tokens per rank, max_model_len "
+        f"{first['max_model_len']}; {len(schedulers)} scheduler replica(s); {workers} "
+        f"tokenizer worker(s) with {arena / 2**30:.2f} GiB arenas"
+    )
+
+
+def throughput_line(
+    before: Sequence[EngineStats], now: Sequence[EngineStats], seconds: float
+) -> str | None:
+    """Prompt and generation tokens/s over the interval, requests running and waiting,
+    KV use and cache hit rates, summed over replicas; None when nothing happened."""
+
+    def total(stats: Sequence[EngineStats], name: str) -> int:
+        return sum(getattr(s, name) for s in stats)
+
+    def grew(name: str) -> int:
+        return total(now, name) - total(before, name)
+
+    running, waiting = total(now, "num_running"), total(now, "num_waiting")
+    prompt, generated = grew("prompt_tokens"), grew("generation_tokens")
+    if not (prompt or generated or running or waiting):
+        return None
+    pages = total(now, "kv_pages_total")
+    hits, misses = grew("mm_embedding_cache_hits"), grew("mm_embedding_cache_misses")
+    prefix = grew("prefix_cache_hit_tokens")
+    return (
+        f"prompt {prompt / seconds:.1f} tok/s, generation {generated / seconds:.1f} tok/s, "
+        f"running {running}, waiting {waiting}, KV cache "
+        f"{100 * total(now, 'kv_pages_used') / pages if pages else 0:.1f}% used, prefix "
+        f"cache {100 * prefix / prompt if prompt else 0:.1f}% of prompt tokens, image "
+        f"embeddings {100 * hits / (hits + misses) if hits + misses else 0:.1f}% cached"
+    )
