@@ -112,14 +112,14 @@ def _run(engine: Any, broadcaster: _CountingBroadcaster | None, workload: Worklo
         outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
         while engine.has_unfinished_requests():
             prefilled = all(outputs.values())
-            sent = len(broadcaster.send_seconds) if broadcaster is not None else 0
+            sent = broadcaster.num_steps if broadcaster is not None else 0
             started = time.perf_counter()
             for output in engine.step():
                 outputs[output.request_id].extend(output.new_token_ids)
             step = Step(time.perf_counter() - started)
-            if broadcaster is not None and len(broadcaster.send_seconds) > sent:
-                step.message_bytes = broadcaster.message_bytes[sent]
-                step.send_seconds = broadcaster.send_seconds[sent]
+            if broadcaster is not None and broadcaster.num_steps > sent:
+                step.message_bytes = broadcaster.last_message_bytes
+                step.send_seconds = broadcaster.last_send_seconds
                 step.image_rows = broadcaster.image_rows[sent]
                 step.image_bytes = broadcaster.image_bytes[sent]
             if prefilled or not workload.decode_only:

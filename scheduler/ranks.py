@@ -101,21 +101,24 @@ class StepBroadcaster:
         ]
         self._sent: dict[str, _Sent] = {}
         self.num_steps = 0
-        self.message_bytes: list[int] = []  # of every step sent (bench, tests)
-        # wall time of every `send` (encoding, ZMQ sends, image rows): rank 0's per-step
-        # overhead of tensor parallelism beyond the collectives (bench.tensor_parallel)
-        self.send_seconds: list[float] = []
+        # the last step's message size and `send` time (encoding, ZMQ sends, image rows):
+        # rank 0's per-step cost of tensor parallelism beyond the collectives; bounded
+        # state, read by bench.tensor_parallel and the tests
+        self.last_message_bytes = 0
+        self.last_send_seconds = 0.0
+        self.max_message_bytes = 0
 
     def send(self, plan: StepPlan, inputs: StepInputs) -> None:
         started = time.perf_counter()
         message = self.message(plan, inputs)
         data = TO_FOLLOWER.encode(message)
-        self.message_bytes.append(len(data))
+        self.last_message_bytes = len(data)
+        self.max_message_bytes = max(self.max_message_bytes, len(data))
         for socket in self.sockets:
             socket.send_encoded(data)
         if inputs.image_embeddings is not None:
             torch.distributed.broadcast(inputs.image_embeddings.contiguous(), src=0)
-        self.send_seconds.append(time.perf_counter() - started)
+        self.last_send_seconds = time.perf_counter() - started
 
     def message(self, plan: StepPlan, inputs: StepInputs) -> RankStep:
         chunks = []

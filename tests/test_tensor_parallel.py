@@ -98,7 +98,7 @@ def test_two_ranks_give_the_reference_tokens_cold_preempted_and_warm(tiny_checkp
     # per token (id, three positions), a page list per sequence, a little per chunk.
     per_sequence = 64 + 4 * num_pages
     bound = 16 * BUDGET + per_sequence * len(prompts) + 256
-    assert max(run.message_bytes) <= bound, (max(run.message_bytes), bound)
+    assert run.max_message_bytes <= bound, (run.max_message_bytes, bound)
 
 
 def test_four_ranks_with_replicated_kv_heads_give_the_reference_tokens(tiny_checkpoint):
@@ -124,7 +124,7 @@ def test_a_large_image_does_not_grow_the_step_message(tiny_checkpoint):
     large = chat_prompt(builder, text, [make_image(900, 700, seed=9)])
     sampling = Sampling(temperature=0.0, max_tokens=2)
     sizes = [
-        max(generate_tp(model_dir, 2, [[p]], sampling, max_num_batched_tokens=BUDGET).message_bytes)
+        generate_tp(model_dir, 2, [[p]], sampling, max_num_batched_tokens=BUDGET).max_message_bytes
         for p in (small, large)
     ]
     pixel_bytes = large.pixels[0].numel() * large.pixels[0].element_size()

@@ -4,7 +4,7 @@
 
 `generate_tp(model_dir, size, rounds, **engine_overrides)` runs each round's prompts to
 completion (all added at once) on one group and returns, per round, the outputs and the
-engine's stats after it, plus the bytes of every step message rank 0 sent.
+engine's stats after it, plus the largest step message rank 0 sent.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ RESULT_TIMEOUT_SECONDS = 300.0
 class TPRun:
     outputs: list[list[list[int]]]  # per round, per prompt
     stats: list[Any]  # EngineSnapshot after each round
-    message_bytes: list[int]  # every RankStep rank 0 sent, in order
+    max_message_bytes: int  # the largest RankStep rank 0 sent
 
 
 class _Ready:
@@ -65,7 +65,7 @@ def _rank_main(
         for prompts in rounds:
             outputs.append(engine.generate(prompts, sampling))
             stats.append(engine.stats())
-        connection.send(("result", TPRun(outputs, stats, broadcaster.message_bytes)))
+        connection.send(("result", TPRun(outputs, stats, broadcaster.max_message_bytes)))
         status = 0
     except BaseException as error:
         connection.send(("error", f"{type(error).__name__}: {error}"))
