@@ -168,6 +168,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
             )
         return {"prompt": tokenizer.decode(body.tokens)}
 
+    app.state.serving = serving  # the launcher drains it at shutdown
     return app
 
 

@@ -86,6 +86,15 @@ class ServeArgs:
             "accepted for vLLM compatibility; Iris runs its own model code, so it has no effect",
         ),
     )
+    shutdown_timeout: float = field(
+        default=5.0,
+        metadata=_flag(
+            "--shutdown-timeout",
+            "seconds running requests may take to finish after SIGINT/SIGTERM; then they "
+            "end as aborted (streams with finish_reason abort and [DONE])",
+            min=0,
+        ),
+    )
     max_logprobs: int = field(
         default=20,
         metadata=_flag("--max-logprobs", "most top logprobs a request may ask for", min=0),

@@ -24,6 +24,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+
 from iris_serve.ipc.messages import EngineStats
 from iris_serve.ipc.shm_arena import (
     SHM_DIR,
@@ -287,8 +289,6 @@ async def _serve_http(
     children: list[BaseProcess],
     defaults: dict[str, Any],
 ) -> int:
-    import uvicorn
-
     from iris_serve.server.app import AppSettings, create_app
     from iris_serve.server.engine_client import ZmqEngineClient
 
@@ -306,14 +306,16 @@ async def _serve_http(
         chat_template=args.chat_template,
         api_key=args.api_key,
     )
+    app = create_app(settings, client)
     config = uvicorn.Config(
-        create_app(settings, client),
+        app,
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=5,
+        # the drain below ends what is left first; this only bounds closing the sockets
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
     )
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config, app.state.serving.drain, args.shutdown_timeout)
     failure: list[str] = []
     watchdog = asyncio.create_task(_watch(children, server, failure))
     schedulers = [info[scheduler_name(r, replicas)] for r in range(replicas)]
@@ -331,6 +333,28 @@ async def _serve_http(
         logger.error("shutting down: %s", failure[0])
         return 1
     return 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's graceful shutdown (stop accepting, let open requests finish), plus: at
+    `timeout` seconds, whatever still runs is aborted in the engine, so every stream ends
+    with a finish reason and `[DONE]` rather than being cut."""
+
+    def __init__(self, config: Any, drain: Any, timeout: float) -> None:
+        super().__init__(config)
+        self._drain, self._timeout = drain, timeout
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        async def drain_later() -> None:
+            await asyncio.sleep(self._timeout)  # the grace period, not synchronisation
+            logger.info("shutdown: ending the requests still running after %.0f s", self._timeout)
+            await self._drain()
+
+        drainer = asyncio.create_task(drain_later())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drainer.cancel()
 
 
 async def _log_throughput(board: Any, replicas: int) -> None:

@@ -101,6 +101,14 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self._background: set[asyncio.Task[None]] = set()
+        self._in_flight: set[str] = set()  # engine request ids with a client waiting
+
+    async def drain(self) -> None:
+        """Ends every request still running, as aborts: each open stream finishes with
+        `finish_reason: "abort"` and `[DONE]`, each waiting response with what it has
+        (the server's shutdown, once `--shutdown-timeout` is up)."""
+        for request_id in list(self._in_flight):
+            await self.client.abort(request_id)
 
     # -- routes -------------------------------------------------------------------------
 
@@ -281,6 +289,7 @@ class OpenAIServing:
             self.tokenizer, stop=body.stop_strings, skip_special_tokens=body.skip_special_tokens
         )
         request_id = request.request_id
+        self._in_flight.add(request_id)
         settled = False  # nothing of this request runs in the engine any more
         usage = Usage()
         first_token = True
@@ -307,6 +316,7 @@ class OpenAIServing:
             settled = True  # the engine (or a worker) ended it with an error
             raise
         finally:
+            self._in_flight.discard(request_id)
             if not settled:
                 self._abort_soon(request_id)
 

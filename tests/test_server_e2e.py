@@ -452,3 +452,33 @@ def test_a_child_killed_with_sigkill_stops_everything_cleanly(
         assert status == 1
         assert f"{victim} (pid {match.group(1)}) died: killed by SIGKILL" in running.log
         wait_until_gone(running)
+
+
+def test_sigterm_lets_running_streams_end_with_a_finish_reason_and_done(qwen2_vl_tiny, tmp_path):
+    """Graceful drain: no new connections; a stream still running after --shutdown-timeout
+    ends as aborted, with its finish chunk and [DONE], and the server exits 0."""
+    with iris_server(qwen2_vl_tiny, "--shutdown-timeout", "1", tmp_path=tmp_path) as running:
+        lines: list[str] = []
+        started = threading.Event()
+        body = {"messages": [{"role": "user", "content": "Go on."}], "max_tokens": 8000,
+                "ignore_eos": True, "stream": True, "temperature": 0}  # fmt: skip
+
+        def read() -> None:
+            url = f"{running.base_url}/v1/chat/completions"
+            with httpx.stream("POST", url, json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(60), running.log
+        running.process.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert not reader.is_alive()
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        finish = json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"]
+        assert finish == "abort"
+        assert running.process.wait(timeout=30) == 0
+        wait_until_gone(running)
