@@ -383,3 +383,19 @@ def test_segment_attention_equals_a_loop_over_segments(max_scores):
     expected = torch.cat([one(a, b) for a, b in itertools.pairwise(cu) if b > a])
     plan = SegmentPlan(cu, torch.device("cpu"), max_scores=max_scores)
     torch.testing.assert_close(plan.attend(q, k, v), expected, **TOL)
+
+
+def test_loading_reports_its_progress(qwen2_5_vl_tiny, monkeypatch, caplog):
+    """A long load logs how far it is (here every tensor: the interval is set to 0)."""
+    import logging
+
+    from iris_serve.scheduler.models import loader
+    from iris_serve.scheduler.models.registry import load_model
+
+    monkeypatch.setattr(loader, "PROGRESS_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="iris.loader"):
+        load_model(qwen2_5_vl_tiny, torch.float32, "cpu")
+    lines = [r.getMessage() for r in caplog.records if r.name == "iris.loader"]
+    percents = [float(line.split()[2].rstrip("%")) for line in lines[:-1]]
+    assert len(percents) > 10 and percents == sorted(percents) and percents[-1] == 100.0
+    assert lines[-1].startswith("loaded ") and "GiB of weights in" in lines[-1]

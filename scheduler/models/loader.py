@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+
+logger = logging.getLogger("iris.loader")
+PROGRESS_SECONDS = 5.0  # a progress line at most this often while weights load
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -103,6 +108,7 @@ def load_named_weights(
 
     unexpected: list[str] = []
     bad_shape: list[str] = []
+    progress = _Progress(sum(p.numel() * p.element_size() for p in params.values()))
     for ckpt_name, tensor in weights:
         renamed = rename(ckpt_name)
         if renamed is None:
@@ -128,6 +134,8 @@ def load_named_weights(
         with torch.no_grad():
             destination.copy_(tensor)
         needed.discard((target, shard or 0))
+        progress.add(destination.numel() * destination.element_size())
+    progress.done()
 
     problems = []
     if unexpected:
@@ -166,3 +174,28 @@ def _checkpoint_name(
 def _names(names: list[str], limit: int = 20) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+class _Progress:
+    """Logs how far loading is, at most every `PROGRESS_SECONDS` (a 7B checkpoint takes
+    tens of seconds; a silent start-up looks hung), then once at the end if it took that
+    long."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total, self.loaded = total_bytes, 0
+        self.started = self.logged = time.monotonic()
+
+    def add(self, nbytes: int) -> None:
+        self.loaded += nbytes
+        now = time.monotonic()
+        if now - self.logged >= PROGRESS_SECONDS:
+            self.logged = now
+            logger.info(
+                "loading weights: %.0f%% (%.2f of %.2f GiB)",
+                100 * self.loaded / max(self.total, 1), self.loaded / 2**30, self.total / 2**30,
+            )  # fmt: skip
+
+    def done(self) -> None:
+        seconds = time.monotonic() - self.started
+        if seconds >= PROGRESS_SECONDS:
+            logger.info("loaded %.2f GiB of weights in %.0f s", self.loaded / 2**30, seconds)
