@@ -328,7 +328,7 @@ class OpenAIServing:
 
     # -- streaming ----------------------------------------------------------------------
 
-    async def _chat_chunks(
+    def _chat_chunks(
         self,
         meta: _Meta,
         first: Delta,
@@ -336,37 +336,23 @@ class OpenAIServing:
         include_usage: bool,
         logprobs: bool,
     ) -> AsyncIterator[str]:
-        pending: list[TokenLogprob] = []  # tokens whose text is not out yet
-
-        def chunk(delta: dict[str, str], finish_reason: Any = None) -> str:
-            items = chat_logprobs(pending, self.token_text) if logprobs and pending else None
-            pending.clear()
-            choice = ChatChunkChoice(delta=delta, logprobs=items, finish_reason=finish_reason)
+        def chunk(text: str, items: list[TokenLogprob], finish: Any, opening: bool) -> str:
+            # The first chunk goes out with the first token, text or not (clients time
+            # TTFT by it) and names the role; the finish chunk's delta is empty.
+            delta = {"role": "assistant", "content": text} if opening else {"content": text}
+            choice = ChatChunkChoice(
+                delta={} if finish is not None else delta,
+                logprobs=chat_logprobs(items, self.token_text) if logprobs and items else None,
+                finish_reason=finish,
+            )
             return sse(ChatCompletionChunk(**_fields(meta), choices=[choice]))
 
-        async with _closing(deltas):
-            # The first chunk goes out with the first token, text or not (clients time
-            # TTFT by it); every later content chunk carries new text (and the logprobs
-            # of the tokens since the previous chunk).
-            pending.extend(first.logprobs)
-            yield chunk({"role": "assistant", "content": first.text})
-            last = first
-            try:
-                while last.finish_reason is None:
-                    last = await anext(deltas)
-                    pending.extend(last.logprobs)
-                    if last.text:
-                        yield chunk({"content": last.text})
-            except EngineRequestError as e:
-                yield sse(e.body())
-                yield _DONE
-                return
-            yield chunk({}, last.finish_reason)
-            if include_usage:
-                yield sse(ChatCompletionChunk(**_fields(meta), choices=[], usage=last.usage))
-            yield _DONE
+        def usage(last: Usage) -> str:
+            return sse(ChatCompletionChunk(**_fields(meta), choices=[], usage=last))
 
-    async def _completion_chunks(
+        return _events(first, deltas, chunk, usage if include_usage else None)
+
+    def _completion_chunks(
         self,
         meta: _Meta,
         first: Delta,
@@ -374,37 +360,53 @@ class OpenAIServing:
         include_usage: bool,
         logprobs: bool,
     ) -> AsyncIterator[str]:
-        pending: list[TokenLogprob] = []
         offset = 0  # characters of the answer's tokens so far (text_offset)
 
-        def chunk(text: str, finish_reason: Any = None) -> str:
+        def chunk(text: str, items: list[TokenLogprob], finish: Any, opening: bool) -> str:
             nonlocal offset
-            items = None
-            if logprobs and pending:
-                items = completion_logprobs(pending, self.token_text, offset)
-                offset += sum(len(token) for token in items.tokens)
-            pending.clear()
-            choice = CompletionChoice(text=text, logprobs=items, finish_reason=finish_reason)
+            shown = None
+            if logprobs and items:
+                shown = completion_logprobs(items, self.token_text, offset)
+                offset += sum(len(token) for token in shown.tokens)
+            choice = CompletionChoice(text=text, logprobs=shown, finish_reason=finish)
             return sse(Completion(**_fields(meta), choices=[choice]))
 
-        async with _closing(deltas):
-            pending.extend(first.logprobs)
-            yield chunk(first.text)
-            last = first
-            try:
-                while last.finish_reason is None:
-                    last = await anext(deltas)
-                    pending.extend(last.logprobs)
-                    if last.text:
-                        yield chunk(last.text)
-            except EngineRequestError as e:
-                yield sse(e.body())
-                yield _DONE
-                return
-            yield chunk("", last.finish_reason)
-            if include_usage:
-                yield sse(Completion(**_fields(meta), choices=[], usage=last.usage))
+        def usage(last: Usage) -> str:
+            return sse(Completion(**_fields(meta), choices=[], usage=last))
+
+        return _events(first, deltas, chunk, usage if include_usage else None)
+
+
+async def _events(
+    first: Delta,
+    deltas: AsyncIterator[Delta],
+    chunk: Callable[[str, list[TokenLogprob], Any, bool], str],
+    usage: Callable[[Usage], str] | None,
+) -> AsyncIterator[str]:
+    """One answer's SSE events, in either API's shape (`chunk(text, logprobs, finish
+    reason, opening)`): the opening chunk, a chunk per new text (with the logprobs of the
+    tokens since the previous chunk), the finish chunk, the usage chunk if asked, [DONE];
+    an engine error mid-stream is an error event, then [DONE]."""
+    async with _closing(deltas):
+        pending = list(first.logprobs)
+        yield chunk(first.text, pending, None, True)
+        pending = []
+        last = first
+        try:
+            while last.finish_reason is None:
+                last = await anext(deltas)
+                pending.extend(last.logprobs)
+                if last.text:
+                    yield chunk(last.text, pending, None, False)
+                    pending = []
+        except EngineRequestError as e:
+            yield sse(e.body())
             yield _DONE
+            return
+        yield chunk("", pending, last.finish_reason, False)
+        if usage is not None:
+            yield usage(last.usage)
+        yield _DONE
 
 
 def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
