@@ -52,7 +52,8 @@ def free_port() -> int:
 
 
 def parse_metrics(text: str) -> Metrics:
-    """Prometheus text format → `{name or name{labels}: value}` (comments skipped).
+    """Prometheus text format → `{name or name{labels}: value}` (comments skipped), less
+    the `model_name` label every sample carries (a server serves one model).
 
     A data-parallel server (`--data-parallel-size N`, N > 1) labels every engine sample
     `replica="r"`; a sample seen only so labelled also gets the sum over replicas under
@@ -66,8 +67,9 @@ def parse_metrics(text: str) -> Metrics:
         if not match:
             continue
         key, value = match.group(1), float(match.group(2))
+        key = without_label(key, "model_name") or key
         values[key] = value
-        unlabelled = _without_replica(key)
+        unlabelled = without_label(key, "replica")
         if unlabelled is not None:
             summed[unlabelled] = summed.get(unlabelled, 0.0) + value
     for key, value in summed.items():
@@ -75,14 +77,14 @@ def parse_metrics(text: str) -> Metrics:
     return values
 
 
-def _without_replica(key: str) -> str | None:
-    """`name{...,replica="r",...}` → `name{...}` (`name` when nothing is left); None
-    when the sample has no `replica` label."""
+def without_label(key: str, drop: str) -> str | None:
+    """`name{...,drop="v",...}` → `name{...}` (`name` when nothing is left); None when
+    the sample has no label `drop`."""
     name, brace, labels = key.partition("{")
     if not brace:
         return None
     pairs = _LABEL.findall(labels.removesuffix("}"))
-    rest = [f'{label}="{value}"' for label, value in pairs if label != "replica"]
+    rest = [f'{label}="{value}"' for label, value in pairs if label != drop]
     if len(rest) == len(pairs):
         return None
     return f"{name}{{{','.join(rest)}}}" if rest else name

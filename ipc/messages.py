@@ -325,6 +325,9 @@ class EngineStats(_Message, tag=_ENGINE_STATS):
     # vision-tower call durations observed since the previous EngineStats (a histogram feed)
     encoder_seconds: list[float] = []
     replica: NonNegative = 0  # the data-parallel replica whose scheduler sent it
+    # prompt tokens looked up in the prefix cache at requests' first admission (the
+    # denominator of `prefix_cache_hit_tokens`; 0 with the prefix cache off)
+    prefix_cache_query_tokens: int = 0
 
 
 class WorkerStats(_Message, tag=_WORKER_STATS):

@@ -147,6 +147,7 @@ class BatchPlanner:
             request.num_cached_tokens = num_cached_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.hit_tokens += num_cached_tokens
+                self.prefix_cache.query_tokens += request.num_tokens
         return True
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:

@@ -61,6 +61,7 @@ class EngineSnapshot:
     prompt_tokens: int  # of the requests admitted
     generation_tokens: int
     prefix_cache_hit_tokens: int  # prompt tokens found in the prefix cache
+    prefix_cache_query_tokens: int  # prompt tokens looked up in it
     mm_embedding_cache_hits: int  # images a request got without the vision tower
     mm_embedding_cache_misses: int
     mm_embedding_cache_usage_bytes: int
@@ -221,6 +222,9 @@ class Engine:
             generation_tokens=self._generation_tokens,
             prefix_cache_hit_tokens=(
                 self.prefix_cache.hit_tokens if self.prefix_cache is not None else 0
+            ),
+            prefix_cache_query_tokens=(
+                self.prefix_cache.query_tokens if self.prefix_cache is not None else 0
             ),
             mm_embedding_cache_hits=cache.hits,
             mm_embedding_cache_misses=cache.misses,

@@ -67,6 +67,7 @@ class PrefixCache:
         self.pool = pool
         self.page_size = page_size
         self.hit_tokens = 0  # tokens found cached at requests' first admission
+        self.query_tokens = 0  # tokens looked up then (the hit rate's denominator)
 
     def match(self, request: Request) -> list[int]:
         """Cached pages holding the longest prefix of the request's tokens, stopping

@@ -61,6 +61,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
     board = getattr(client, "metrics", None)  # ZmqEngineClient feeds one
     if board is None:
         board = MetricsBoard()
+    board.serve_model(settings.served_model_names[0], settings.max_model_len)  # vLLM's label
     serving = OpenAIServing(
         client,
         tokenizer,

@@ -1,5 +1,7 @@
 """`/metrics` in the Prometheus text format: the other processes' totals and gauges, and
-the histograms the server observes.
+the histograms the server observes. Iris's own series are `iris_*`; next to them, the
+`vllm:*` series a vLLM Grafana dashboard and the Kubernetes inference gateway read, with
+vLLM's names, buckets and meaning (`vllm/v1/metrics/loggers.py`).
 
 The scheduler and every tokenizer worker push `EngineStats` / `WorkerStats` when their
 values change; the board keeps the latest of each, and a collector reads them at
@@ -7,10 +9,21 @@ scrape time, so a scrape never waits on another process. Their counters arrive a
 totals since start and are exposed as they are (worker totals summed across workers):
 nothing is added up here, so nothing is counted twice. Histograms are observed here:
 `iris_mm_encoder_seconds` from the encoder timings each `EngineStats` carries (those
-since the previous one), `iris_time_to_first_token_seconds` by the HTTP handlers.
+since the previous one); the per-request ones by the HTTP handlers, the time to first
+token when it arrives (`observe_first_token`), the rest when the request ends with a
+finish reason (`observe_finished`). A request whose client left, or that failed, counts
+in the time to first token only.
 
-With data-parallel replicas (`num_replicas > 1`) every engine metric has one sample per
-replica, labelled `replica="r"`; a single scheduler's are unlabelled.
+Every series is labelled `model_name`: the first served name, as /v1/models lists it
+(vLLM's label). With data-parallel replicas (`num_replicas > 1`) every `iris_*` engine
+metric has one sample per replica, labelled `replica="r"`; a single scheduler's carry no
+replica label. The `vllm:*` engine series always carry vLLM's `engine="r"` label
+("0" for a single scheduler). The per-request series are the server's, over all
+replicas: the server does not know which replica ran a request.
+
+Not exposed: `vllm:request_queue_time_seconds` and vLLM's prefill, decode and inference
+times. They need the scheduler's per-request timestamps (queued, first scheduled), and
+`RequestOutput` carries none; the server alone cannot tell queueing from prefill.
 
 Every board has its own `CollectorRegistry`, so several apps in one process (tests)
 never clash. Before the first stats arrive, every value reads zero.
@@ -18,13 +31,17 @@ never clash. Before the first stats arrive, every value reads zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import get_args
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from iris_serve.ipc.messages import EngineStats, WorkerStats
+from iris_serve.ipc.messages import EngineStats, FinishReason, WorkerStats
+from iris_serve.server.protocol import Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
 
@@ -33,18 +50,67 @@ TTFT_BUCKETS = (
     *(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
     *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0),
 )
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read alike
+VLLM_TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+VLLM_ITL_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+VLLM_REQUEST_LATENCY_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0),
+    *(40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+DEFAULT_MAX_MODEL_LEN = 32768  # sizes the token-count buckets until `serve_model`
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50, ... up to `max_model_len`."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
 
 _NO_ENGINE = EngineStats(num_running=0, num_waiting=0, kv_pages_used=0, kv_pages_total=0,
                          pinned_images=0)  # fmt: skip
 
+_RUNNING = "Requests in the scheduler's running batch."
+_WAITING = "Requests the scheduler holds that are not running: not yet admitted, or preempted."
+_KV_USAGE = (
+    "Fraction of KV pages held by requests, 0 to 1 (cached pages no request holds count as "
+    "free: a new request may take them)."
+)
+_PREEMPTIONS = (
+    "Preemptions: a running request sent back to wait, its KV pages freed (a request "
+    "preempted twice counts twice)."
+)
+_PROMPT_TOKENS = "Prompt tokens of the requests the scheduler accepted, image tokens included."
+_GENERATION_TOKENS = "Tokens the engine sampled."
+_PREFIX_QUERIES = "Prompt tokens looked up in the prefix cache at requests' first admission."
+_PREFIX_HITS = (
+    "Prompt tokens whose KV the prefix cache held at requests' first admission (a request "
+    "admitted again after a preemption is not counted again)."
+)
+
+
+def _kv_usage(e: EngineStats) -> float:
+    return e.kv_pages_used / e.kv_pages_total if e.kv_pages_total else 0.0
+
+
 # name, type, help, value from the latest EngineStats
 _ENGINE: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
-    ("iris_num_requests_running", "gauge", "Requests in the running batch.",
-     lambda e: e.num_running),
-    ("iris_num_requests_waiting", "gauge", "Requests waiting to run.", lambda e: e.num_waiting),
-    ("iris_kv_cache_usage_ratio", "gauge", "Fraction of KV pages in use.",
-     lambda e: e.kv_pages_used / e.kv_pages_total if e.kv_pages_total else 0.0),
-    ("iris_kv_cache_used_pages", "gauge", "KV pages in use.", lambda e: e.kv_pages_used),
+    ("iris_num_requests_running", "gauge", _RUNNING, lambda e: e.num_running),
+    ("iris_num_requests_waiting", "gauge", _WAITING, lambda e: e.num_waiting),
+    ("iris_kv_cache_usage_ratio", "gauge", _KV_USAGE, _kv_usage),
+    ("iris_kv_cache_used_pages", "gauge", "KV pages held by requests.",
+     lambda e: e.kv_pages_used),
     ("iris_kv_cache_total_pages", "gauge", "KV pages in the pool.", lambda e: e.kv_pages_total),
     ("iris_scheduler_pinned_images", "gauge",
      "Arena entries pinned by requests in the scheduler.", lambda e: e.pinned_images),
@@ -58,14 +124,14 @@ _ENGINE: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
      "Most device memory the scheduler's torch has allocated since it started "
      "(torch.cuda.max_memory_allocated; 0 on CPU).",
      lambda e: e.device_memory_peak_bytes),
-    ("iris_num_preemptions_total", "counter", "Requests preempted.",
-     lambda e: e.num_preemptions),
-    ("iris_prompt_tokens_total", "counter", "Prompt tokens admitted.", lambda e: e.prompt_tokens),
-    ("iris_generation_tokens_total", "counter", "Tokens generated.",
+    ("iris_num_preemptions_total", "counter", _PREEMPTIONS, lambda e: e.num_preemptions),
+    ("iris_prompt_tokens_total", "counter", _PROMPT_TOKENS, lambda e: e.prompt_tokens),
+    ("iris_generation_tokens_total", "counter", _GENERATION_TOKENS,
      lambda e: e.generation_tokens),
-    ("iris_prefix_cache_hit_tokens_total", "counter",
-     "Prompt tokens whose KV came from the prefix cache.",
+    ("iris_prefix_cache_hit_tokens_total", "counter", _PREFIX_HITS,
      lambda e: e.prefix_cache_hit_tokens),
+    ("iris_prefix_cache_query_tokens_total", "counter", _PREFIX_QUERIES,
+     lambda e: e.prefix_cache_query_tokens),
     ("iris_mm_images_encoded_total", "counter", "Images run through the vision encoder.",
      lambda e: e.images_encoded),
     ("iris_mm_embedding_cache_hits_total", "counter",
@@ -100,42 +166,144 @@ _WORKERS: list[tuple[str, str, str, Callable[[WorkerStats], float]]] = [
      lambda w: w.processor_cache_misses),
 ]  # fmt: skip
 
+# vLLM's engine series: the same figures as the iris_* ones, by vLLM's names
+_VLLM_ENGINE: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
+    ("vllm:num_requests_running", "gauge", _RUNNING, lambda e: e.num_running),
+    ("vllm:num_requests_waiting", "gauge", _WAITING, lambda e: e.num_waiting),
+    ("vllm:kv_cache_usage_perc", "gauge", _KV_USAGE, _kv_usage),
+    ("vllm:prompt_tokens_total", "counter", _PROMPT_TOKENS, lambda e: e.prompt_tokens),
+    ("vllm:generation_tokens_total", "counter", _GENERATION_TOKENS,
+     lambda e: e.generation_tokens),
+    ("vllm:num_preemptions_total", "counter", _PREEMPTIONS, lambda e: e.num_preemptions),
+    ("vllm:prefix_cache_queries_total", "counter", _PREFIX_QUERIES,
+     lambda e: e.prefix_cache_query_tokens),
+    ("vllm:prefix_cache_hits_total", "counter", _PREFIX_HITS,
+     lambda e: e.prefix_cache_hit_tokens),
+]  # fmt: skip
+
 
 class MetricsBoard:
-    """The latest stats of every process, and the server's histograms, in one registry."""
+    """The latest stats of every process, and the server's own series, in one registry."""
 
-    def __init__(self, num_replicas: int = 1) -> None:
+    def __init__(
+        self,
+        num_replicas: int = 1,
+        model_name: str = "",
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    ) -> None:
         self.num_replicas = num_replicas
         self.engines: dict[int, EngineStats] = {}  # the latest of each replica
         self.workers: dict[int, WorkerStats] = {}
+        self.serve_model(model_name, max_model_len)
+
+    def serve_model(self, model_name: str, max_model_len: int) -> None:
+        """Labels every series `model_name` and sizes the token-count buckets by
+        `max_model_len` (as vLLM does). The app calls it before the server starts: the
+        server's own series start again, empty."""
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_LatestStats(self))
-        self.encoder_seconds = Histogram(
-            "iris_mm_encoder_seconds",
-            "Duration of one vision-encoder call.",
-            buckets=ENCODER_BUCKETS,
-            registry=self.registry,
-        )
-        self.time_to_first_token = Histogram(
-            "iris_time_to_first_token_seconds",
-            "From a request's arrival at the server to its first generated token.",
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        )
+        self.observed = _ServerSeries(self.registry, model_name, max_model_len)
 
     def update(self, stats: EngineStats | WorkerStats) -> None:
         if isinstance(stats, EngineStats):
             self.engines[stats.replica] = stats
             for seconds in stats.encoder_seconds:
-                self.encoder_seconds.observe(seconds)
+                self.observed.encoder_seconds.observe(seconds)
         else:
             self.workers[stats.worker_id] = stats
 
     def observe_first_token(self, seconds: float) -> None:
-        self.time_to_first_token.observe(seconds)
+        """A request's first generated token reached the server `seconds` after it did."""
+        self.observed.iris_first_token.observe(seconds)
+        self.observed.first_token.observe(seconds)
+
+    def observe_finished(
+        self,
+        finish_reason: str,
+        usage: Usage,
+        arrival: float,
+        received: Sequence[tuple[float, int]],
+    ) -> None:
+        """A request ended with `finish_reason` now: its token counts, its arrival, and
+        `(when, how many tokens)` of each of its outputs that carried tokens (times are
+        `time.perf_counter()`).
+
+        Inter-token latencies: one per token after the first, as vLLM observes one per
+        engine step (Iris's engine samples one token per step). The engine client merges
+        outputs that queued up while the server was busy, so an output of k tokens
+        splits its gap from the previous output into k equal latencies (the sum stays
+        exact); tokens that came with the first token count 0."""
+        series = self.observed
+        series.success.labels(self.model_name, finish_reason).inc()
+        series.e2e.observe(time.perf_counter() - arrival)
+        series.prompt_tokens.observe(usage.prompt_tokens)
+        series.generation_tokens.observe(usage.completion_tokens)
+        for _ in range(received[0][1] - 1 if received else 0):
+            series.inter_token.observe(0.0)
+        for (before, _), (at, tokens) in itertools.pairwise(received):
+            for _ in range(tokens):
+                series.inter_token.observe((at - before) / tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ServerSeries:
+    """The series the server observes itself, for one served model."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
+        def histogram(name: str, help_text: str, buckets: Sequence[float]) -> Histogram:
+            family = Histogram(name, help_text, ["model_name"], buckets=buckets, registry=registry)
+            return family.labels(model_name)  # exposed (empty) before the first observation
+
+        first_token = (
+            "From a request's arrival at the server to the server's receipt of its first "
+            "generated token (each of n choices is a request)."
+        )
+        finished = "requests that ended with a finish reason"
+        self.encoder_seconds = histogram(
+            "iris_mm_encoder_seconds", "Duration of one vision-encoder call.", ENCODER_BUCKETS
+        )
+        self.iris_first_token = histogram(
+            "iris_time_to_first_token_seconds", first_token, TTFT_BUCKETS
+        )
+        self.first_token = histogram(
+            "vllm:time_to_first_token_seconds", first_token, VLLM_TTFT_BUCKETS
+        )
+        self.inter_token = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between a request's successive generated tokens as the server receives "
+            "them, one per token after the first (outputs that queued up and arrived "
+            f"merged share their gap evenly); {finished}.",
+            VLLM_ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            f"From a request's arrival at the server to its last output; {finished}.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = histogram(
+            "vllm:request_prompt_tokens",
+            f"Prompt tokens of each request, image tokens included; {finished}.",
+            token_buckets(max_model_len),
+        )
+        self.generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            f"Tokens the engine generated for each request; {finished}.",
+            token_buckets(max_model_len),
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Requests that ended with a finish reason, by reason: stop (an end-of-sequence "
+            "or stop token, or a stop string), length (max_tokens or the context length), "
+            "abort (the engine ended it, as the server's shutdown does). Requests whose "
+            "client left, or that failed, are not counted.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        for reason in get_args(FinishReason):
+            self.success.labels(model_name, reason)  # every reason reads 0 from the start
 
 
 class _LatestStats:
@@ -146,29 +314,37 @@ class _LatestStats:
 
     def collect(self) -> Iterator[Metric]:
         board = self.board
+        model = board.model_name
         engines = [board.engines.get(r, _NO_ENGINE) for r in range(board.num_replicas)]
+        single = board.num_replicas == 1
+        labels = ["model_name"] if single else ["model_name", "replica"]
+        rows = [[model] if single else [model, str(r)] for r in range(board.num_replicas)]
         for name, kind, help_text, value in _ENGINE:
-            if board.num_replicas == 1:
-                yield _family(name, kind, help_text, value(engines[0]))
-            else:
-                yield _per_replica(name, kind, help_text, [value(e) for e in engines])
-        workers = list(self.board.workers.values())
+            yield _family(name, kind, help_text, labels, rows, [value(e) for e in engines])
+        vllm_rows = [[model, str(r)] for r in range(board.num_replicas)]
+        for name, kind, help_text, value in _VLLM_ENGINE:
+            values = [value(e) for e in engines]
+            yield _family(name, kind, help_text, ["model_name", "engine"], vllm_rows, values)
+        workers = list(board.workers.values())
         for name, kind, help_text, value in _WORKERS:
-            yield _family(name, kind, help_text, sum(value(w) for w in workers))
+            total = sum(value(w) for w in workers)
+            yield _family(name, kind, help_text, ["model_name"], [[model]], [total])
 
 
-def _per_replica(name: str, kind: str, help_text: str, values: list[float]) -> Metric:
+def _family(
+    name: str,
+    kind: str,
+    help_text: str,
+    labels: list[str],
+    rows: list[list[str]],
+    values: list[float],
+) -> Metric:
+    """A gauge or counter family with one sample per row of label values."""
     family: CounterMetricFamily | GaugeMetricFamily
-    if kind == "counter":
-        family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=["replica"])
-    else:
-        family = GaugeMetricFamily(name, help_text, labels=["replica"])
-    for replica, value in enumerate(values):
-        family.add_metric([str(replica)], value)
-    return family
-
-
-def _family(name: str, kind: str, help_text: str, value: float) -> Metric:
     if kind == "counter":  # named without `_total`: the family adds it to the sample
-        return CounterMetricFamily(name.removesuffix("_total"), help_text, value=value)
-    return GaugeMetricFamily(name, help_text, value=value)
+        family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=labels)
+    else:
+        family = GaugeMetricFamily(name, help_text, labels=labels)
+    for row, value in zip(rows, values, strict=True):
+        family.add_metric(row, value)
+    return family

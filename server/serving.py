@@ -6,7 +6,9 @@ three ways — the engine finishes it, a stop string cuts it (then the engine is
 abort), or the client leaves (then too). Nothing is sent before the engine's first
 output, so an error found while tokenizing (an unreadable image, a prompt over the
 limit) is a plain HTTP error even for `stream=true`. The time from the handler's start to
-the first output that carries a token is observed as the request's time to first token.
+the first output that carries a token is observed as the request's time to first token;
+a request that ends with a finish reason is observed again as it ends (its latencies and
+token counts: `MetricsBoard.observe_finished`).
 """
 
 from __future__ import annotations
@@ -292,13 +294,14 @@ class OpenAIServing:
         self._in_flight.add(request_id)
         settled = False  # nothing of this request runs in the engine any more
         usage = Usage()
-        first_token = True
+        received: list[tuple[float, int]] = []  # (when, tokens) of each output with tokens
         try:
             async with _closing(self.client.generate(request)) as outputs:
                 async for output in outputs:
-                    if first_token and output.new_token_ids:
-                        first_token = False
-                        self.metrics.observe_first_token(time.perf_counter() - arrival)
+                    if output.new_token_ids:
+                        received.append((time.perf_counter(), len(output.new_token_ids)))
+                        if len(received) == 1:
+                            self.metrics.observe_first_token(received[0][0] - arrival)
                     usage = _usage(output)
                     reason = output.finish_reason if output.finished else None
                     piece = text.update(output.new_token_ids, finish_reason=reason)
@@ -307,10 +310,13 @@ class OpenAIServing:
                             await self.client.abort(request_id)
                         settled, reason = True, "stop"
                     settled = settled or output.finished
+                    if reason is not None:
+                        self.metrics.observe_finished(reason, usage, arrival, received)
                     yield Delta(piece, reason, usage, tuple(output.logprobs or ()))
                     if reason is not None:
                         return
                 settled = True  # the engine ended it without a last output
+                self.metrics.observe_finished("abort", usage, arrival, received)
                 yield Delta(text.update([], finish_reason="abort"), "abort", usage)
         except EngineRequestError:
             settled = True  # the engine (or a worker) ended it with an error

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.server_process import without_label
+
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_SECONDS = 180.0
 STOP_TIMEOUT_SECONDS = 30.0
@@ -35,12 +37,14 @@ class RunningServer:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
+        """`{name or name{labels}: value}` less the `model_name` label (one model)."""
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
             match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$", line)
             if match:
-                values[match.group(1)] = float(match.group(2))
+                key = match.group(1)
+                values[without_label(key, "model_name") or key] = float(match.group(2))
         return values
 
     def wait_for_metrics(self, expected: dict[str, float], timeout: float = 30.0) -> None:

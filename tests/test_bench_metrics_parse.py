@@ -53,6 +53,20 @@ def test_a_single_scheduler_reads_as_before():
     }
 
 
+def test_the_model_name_label_is_left_out():
+    text = (
+        'iris_generation_tokens_total{model_name="m"} 64.0\n'
+        'iris_mm_images_encoded_total{model_name="m",replica="0"} 3.0\n'
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 9.0\n'
+    )
+    assert parse_metrics(text) == {
+        "iris_generation_tokens_total": 64.0,
+        'iris_mm_images_encoded_total{replica="0"}': 3.0,
+        "iris_mm_images_encoded_total": 3.0,
+        'vllm:prompt_tokens_total{engine="0"}': 9.0,
+    }
+
+
 def test_an_unlabelled_sample_of_the_same_name_is_not_overwritten():
     text = 'x_total 1.0\nx_total{replica="0"} 2.0\nx_total{replica="1"} 3.0\n'
     assert parse_metrics(text)["x_total"] == 1.0

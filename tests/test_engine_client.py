@@ -265,7 +265,7 @@ def test_app_over_zmq(qwen2_vl_tiny: Path):
                 assert answer["choices"][0]["message"]["content"] == "Hello world, how are you?"
                 assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
                 metrics = client.get("/metrics").text
-                assert "iris_num_requests_running 0.0" in metrics.splitlines()
+                assert 'iris_num_requests_running{model_name="tiny"} 0.0' in metrics.splitlines()
 
                 body = {"messages": body["messages"], "stream": True, "stop": ", how"}
                 streamed = client.post("/v1/chat/completions", json=body).text

@@ -132,6 +132,7 @@ def test_the_last_token_is_never_served_from_the_cache():
     assert run_step(p) == {"exact": (4, 4), "longer": (8, 1)}
     assert exact.num_cached_tokens == 4 and longer.num_cached_tokens == 8
     assert p.prefix_cache.hit_tokens == 12
+    assert p.prefix_cache.query_tokens == 8 + 8 + 9  # every prompt token looked up counts
 
 
 def test_disabled_cache_matches_and_registers_nothing():
@@ -219,6 +220,7 @@ def test_preempting_a_request_frees_no_page_another_request_holds():
     assert run_step(p) == {"b": (12, 2)}
     assert b.num_cached_tokens == 8  # what usage reports: the first admission's hit
     assert p.prefix_cache.hit_tokens == 8 + 8
+    assert p.prefix_cache.query_tokens == 8 + 9 + 10  # b's second admission is not a query
     p.finish(b)
     assert pool.num_free == pool.num_pages
 

@@ -96,6 +96,9 @@ def test_a_four_turn_conversation_reuses_every_previous_turn(each_arch_dir, each
         f"\n{each_arch_dir}: {iris.stats().prefix_cache_hit_tokens}/{total_prompt} prompt tokens cached"
     )
     assert iris.stats().prefix_cache_hit_tokens > total_prompt // 3
+    # /metrics' hit-rate denominator: every prompt looked up once; none without the cache
+    assert iris.stats().prefix_cache_query_tokens == total_prompt
+    assert plain.stats().prefix_cache_query_tokens == 0
 
 
 def test_prompts_that_differ_only_in_the_image_share_no_image_page(

@@ -335,6 +335,16 @@ def test_metrics_count_an_answer_by_the_time_it_arrives(server):
         assert delta["iris_tokenizer_requests_total"] == 1, f"request {i}"
         assert delta["iris_prompt_tokens_total"] == usage["prompt_tokens"], f"request {i}"
         assert delta["iris_generation_tokens_total"] == usage["completion_tokens"], f"request {i}"
+        # vLLM's names: the engine's counters, and the server's per-request series
+        assert delta['vllm:prompt_tokens_total{engine="0"}'] == usage["prompt_tokens"]
+        assert delta['vllm:prefix_cache_queries_total{engine="0"}'] == usage["prompt_tokens"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert delta['vllm:prefix_cache_hits_total{engine="0"}'] == cached
+        reason = response.json()["choices"][0]["finish_reason"]
+        assert delta[f'vllm:request_success_total{{finished_reason="{reason}"}}'] == 1
+        assert delta["vllm:e2e_request_latency_seconds_count"] == 1
+        assert delta["vllm:request_generation_tokens_sum"] == usage["completion_tokens"]
+        assert delta["vllm:inter_token_latency_seconds_count"] == usage["completion_tokens"] - 1
         before = after
 
 
