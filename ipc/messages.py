@@ -164,7 +164,8 @@ class TokenizeRequest(_Message, tag=_TOKENIZE):
     Exactly one of `messages` (chat completions: the OpenAI message list as received)
     and `prompt` (completions: text or token ids) is set. `max_pixels`/`min_pixels`
     override the processor's defaults for this request's images; `chat_template_kwargs`
-    are extra variables for the chat template (checked by the server).
+    are extra variables for the chat template (checked by the server); `tools` are the
+    OpenAI tool definitions the template renders into the prompt.
     """
 
     request_id: str
@@ -174,6 +175,7 @@ class TokenizeRequest(_Message, tag=_TOKENIZE):
     max_pixels: int | None = None
     min_pixels: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):

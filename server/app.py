@@ -50,6 +50,7 @@ class AppSettings:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config
     max_logprobs: int = 20
     chat_template: str | None = None  # replaces the tokenizer's (the workers get it too)
+    tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, parsed so
 
 
 def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
@@ -70,6 +71,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
         metrics=board,
         sampling_defaults=settings.sampling_defaults,
         max_logprobs=settings.max_logprobs,
+        tool_call_parser=settings.tool_call_parser,
     )
     created = int(time.time())
 

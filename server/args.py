@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from iris_serve.scheduler import EngineConfig
 from iris_serve.server.config_flags import GiB, add_config_flags, config_kwargs
@@ -93,6 +93,22 @@ class ServeArgs:
             "seconds running requests may take to finish after SIGINT/SIGTERM; then they "
             "end as aborted (streams with finish_reason abort and [DONE])",
             min=0,
+        ),
+    )
+    enable_auto_tool_choice: bool = field(
+        default=False,
+        metadata=_flag(
+            "--enable-auto-tool-choice",
+            'let the model decide when to call tools (tool_choice "auto", the default '
+            "when a request has tools), reading its calls with --tool-call-parser",
+        ),
+    )
+    tool_call_parser: Literal["hermes"] = field(
+        default="hermes",
+        metadata=_flag(
+            "--tool-call-parser",
+            "how the model writes tool calls: hermes (<tool_call>{json}</tool_call>: "
+            "Qwen2.5-VL, Qwen3-VL)",
         ),
     )
     max_logprobs: int = field(

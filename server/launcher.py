@@ -304,6 +304,7 @@ async def _serve_http(
         sampling_defaults=defaults,
         max_logprobs=args.max_logprobs,
         chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         api_key=args.api_key,
     )
     app = create_app(settings, client)

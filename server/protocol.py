@@ -26,7 +26,7 @@ from iris_serve.server.logprobs import ChatLogprobs, CompletionLogprobs
 _INT64 = 2**63
 Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
 TokenId = Annotated[int, Field(ge=0)]
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class _Body(BaseModel):
@@ -73,6 +73,33 @@ class ChatMessage(BaseModel):
         return isinstance(self.content, list) and any(
             isinstance(part, ImageURLPart) for part in self.content
         )
+
+
+# --- tools -------------------------------------------------------------------------
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 # --- requests ------------------------------------------------------------------------
@@ -166,6 +193,8 @@ class ChatCompletionRequest(
     mm_processor_kwargs: MMProcessorKwargs | None = None
     # extra variables for the model's chat template (`enable_thinking`, `add_vision_id`, ...)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
 
     @field_validator("top_logprobs")
     @classmethod
@@ -279,7 +308,8 @@ def _omitted_when_none() -> Any:
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is tool calls only (as OpenAI sends it)
+    tool_calls: list[dict[str, Any]] | None = _omitted_when_none()
 
 
 class ChatChoice(BaseModel):
@@ -300,7 +330,8 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role", "content"} first, {"content"} next, {} at the finish
+    # {"role", "content"} first, then {"content"} or {"tool_calls"}, {} at the finish
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 

@@ -14,18 +14,14 @@ token counts: `MetricsBoard.observe_finished`).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 
 from iris_serve.ipc.messages import (
     RequestOutput,
@@ -51,19 +47,19 @@ from iris_serve.server.protocol import (
     CompletionRequest,
     Usage,
 )
+from iris_serve.server.streaming import (
+    Delta,
+    closing,
+    collect,
+    event_stream,
+    events,
+    read_answer,
+    sse,
+    starting_with,
+)
+from iris_serve.server.tool_choice import ToolPlan, plan_tools
 
 T = TypeVar("T")
-_DONE = "data: [DONE]\n\n"
-
-
-@dataclass
-class Delta:
-    """New text of one request; `finish_reason` set on the last one."""
-
-    text: str
-    finish_reason: str | None  # "stop" | "length" | "abort" on the last one
-    usage: Usage
-    logprobs: tuple[TokenLogprob, ...] = ()  # of this delta's tokens, when asked for
 
 
 @dataclass(frozen=True)
@@ -71,13 +67,6 @@ class _Meta:
     id: str
     created: int
     model: str
-
-
-def sse(payload: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event, framed exactly as OpenAI clients split them."""
-    if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json()}\n\n"
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 class OpenAIServing:
@@ -90,8 +79,10 @@ class OpenAIServing:
         metrics: MetricsBoard | None = None,
         sampling_defaults: dict[str, Any] | None = None,
         max_logprobs: int = 20,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.client = client
+        self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is off
         self.max_logprobs = max_logprobs  # top tokens a request may ask for (vLLM's flag)
         # the model's generation_config.json (`server.generation_config`): a request's
         # own fields win
@@ -117,6 +108,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Any:
         arrival = time.perf_counter()
         meta = self._meta("chatcmpl", body.model)
+        plan = plan_tools(body, self.tool_call_parser)
         kwargs = body.mm_processor_kwargs
         messages = [message.wire() for message in body.messages]
         requests = [
@@ -127,22 +119,25 @@ class OpenAIServing:
                 max_pixels=kwargs.max_pixels if kwargs else None,
                 min_pixels=kwargs.min_pixels if kwargs else None,
                 chat_template_kwargs=body.chat_template_kwargs,
+                tools=plan.tools,
             )
             for request_id, sampling in self._choices(meta.id, body)
         ]
         logprobs = body.requested_logprobs is not None
         if body.stream:
             deltas = self._deltas(requests[0], body, arrival)
+            reader = plan.reader()
+            if reader is not None:
+                deltas = read_answer(deltas, reader, plan)
             first = await _unless_disconnected(raw, anext(deltas))
             chunks = self._chat_chunks(meta, first, deltas, body.include_usage, logprobs)
-            return _event_stream(chunks)
+            return event_stream(chunks)
         answers = await _unless_disconnected(raw, self._answers(requests, body, arrival))
         choices = [
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content=text),
+                **_chat_answer(text, last.finish_reason, plan),
                 logprobs=chat_logprobs(items, self.token_text) if logprobs else None,
-                finish_reason=last.finish_reason,
             )
             for i, (text, last, items) in enumerate(answers)
         ]
@@ -166,7 +161,7 @@ class OpenAIServing:
             deltas = self._deltas(requests[0], body, arrival)
             first = await _unless_disconnected(raw, anext(deltas))
             chunks = self._completion_chunks(meta, first, deltas, body.include_usage, logprobs)
-            return _event_stream(chunks)
+            return event_stream(chunks)
         answers = await _unless_disconnected(raw, self._answers(requests, body, arrival))
         choices = [
             CompletionChoice(
@@ -224,8 +219,8 @@ class OpenAIServing:
         one prefill (and each image one encoding), not n."""
         first = self._deltas(requests[0], body, arrival)
         head = await anext(first)
-        others = [_collect(self._deltas(r, body, arrival)) for r in requests[1:]]
-        return list(await asyncio.gather(_collect(_starting_with(head, first)), *others))
+        others = [collect(self._deltas(r, body, arrival)) for r in requests[1:]]
+        return list(await asyncio.gather(collect(starting_with(head, first)), *others))
 
     def _meta(self, prefix: str, model: str | None) -> _Meta:
         return _Meta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.check_model(model))
@@ -296,7 +291,7 @@ class OpenAIServing:
         usage = Usage()
         received: list[tuple[float, int]] = []  # (when, tokens) of each output with tokens
         try:
-            async with _closing(self.client.generate(request)) as outputs:
+            async with closing(self.client.generate(request)) as outputs:
                 async for output in outputs:
                     if output.new_token_ids:
                         received.append((time.perf_counter(), len(output.new_token_ids)))
@@ -342,10 +337,14 @@ class OpenAIServing:
         include_usage: bool,
         logprobs: bool,
     ) -> AsyncIterator[str]:
-        def chunk(text: str, items: list[TokenLogprob], finish: Any, opening: bool) -> str:
+        def chunk(piece: Delta, items: list[TokenLogprob], finish: Any, opening: bool) -> str:
             # The first chunk goes out with the first token, text or not (clients time
             # TTFT by it) and names the role; the finish chunk's delta is empty.
-            delta = {"role": "assistant", "content": text} if opening else {"content": text}
+            delta: dict[str, Any] = {"role": "assistant"} if opening else {}
+            if piece.text or opening:
+                delta["content"] = piece.text
+            if piece.tool_calls:
+                delta["tool_calls"] = piece.tool_calls
             choice = ChatChunkChoice(
                 delta={} if finish is not None else delta,
                 logprobs=chat_logprobs(items, self.token_text) if logprobs and items else None,
@@ -356,7 +355,7 @@ class OpenAIServing:
         def usage(last: Usage) -> str:
             return sse(ChatCompletionChunk(**_fields(meta), choices=[], usage=last))
 
-        return _events(first, deltas, chunk, usage if include_usage else None)
+        return events(first, deltas, chunk, usage if include_usage else None)
 
     def _completion_chunks(
         self,
@@ -368,57 +367,34 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         offset = 0  # characters of the answer's tokens so far (text_offset)
 
-        def chunk(text: str, items: list[TokenLogprob], finish: Any, opening: bool) -> str:
+        def chunk(piece: Delta, items: list[TokenLogprob], finish: Any, opening: bool) -> str:
             nonlocal offset
             shown = None
             if logprobs and items:
                 shown = completion_logprobs(items, self.token_text, offset)
                 offset += sum(len(token) for token in shown.tokens)
-            choice = CompletionChoice(text=text, logprobs=shown, finish_reason=finish)
+            choice = CompletionChoice(text=piece.text, logprobs=shown, finish_reason=finish)
             return sse(Completion(**_fields(meta), choices=[choice]))
 
         def usage(last: Usage) -> str:
             return sse(Completion(**_fields(meta), choices=[], usage=last))
 
-        return _events(first, deltas, chunk, usage if include_usage else None)
+        return events(first, deltas, chunk, usage if include_usage else None)
 
 
-async def _events(
-    first: Delta,
-    deltas: AsyncIterator[Delta],
-    chunk: Callable[[str, list[TokenLogprob], Any, bool], str],
-    usage: Callable[[Usage], str] | None,
-) -> AsyncIterator[str]:
-    """One answer's SSE events, in either API's shape (`chunk(text, logprobs, finish
-    reason, opening)`): the opening chunk, a chunk per new text (with the logprobs of the
-    tokens since the previous chunk), the finish chunk, the usage chunk if asked, [DONE];
-    an engine error mid-stream is an error event, then [DONE]."""
-    async with _closing(deltas):
-        pending = list(first.logprobs)
-        yield chunk(first.text, pending, None, True)
-        pending = []
-        last = first
-        try:
-            while last.finish_reason is None:
-                last = await anext(deltas)
-                pending.extend(last.logprobs)
-                if last.text:
-                    yield chunk(last.text, pending, None, False)
-                    pending = []
-        except EngineRequestError as e:
-            yield sse(e.body())
-            yield _DONE
-            return
-        yield chunk("", pending, last.finish_reason, False)
-        if usage is not None:
-            yield usage(last.usage)
-        yield _DONE
-
-
-def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
-    # no-cache and X-Accel-Buffering: proxies (nginx) pass each event on at once.
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+def _chat_answer(text: str, finish_reason: str | None, plan: ToolPlan) -> dict[str, Any]:
+    """A whole chat answer's message and finish reason, its tool calls read out."""
+    reader = plan.reader()
+    if reader is None:
+        return {"message": AssistantMessage(content=text), "finish_reason": finish_reason}
+    reader.feed(text)
+    reader.finish()
+    answer = reader.answer()
+    calls = [call.openai() for call in answer.tool_calls] or None
+    return {
+        "message": AssistantMessage(content=answer.content, tool_calls=calls),
+        "finish_reason": plan.finish_reason(finish_reason, answer),
+    }
 
 
 def _fields(meta: _Meta) -> dict[str, Any]:
@@ -427,30 +403,6 @@ def _fields(meta: _Meta) -> dict[str, Any]:
 
 def _usage(output: RequestOutput) -> Usage:
     return Usage.of(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
-
-
-@asynccontextmanager
-async def _closing(iterator: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
-    """Closes an async generator on exit (plain async iterators have nothing to close)."""
-    try:
-        yield iterator
-    finally:
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-async def _collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta, list[TokenLogprob]]:
-    """The whole answer, its last delta and every token's logprobs (when asked for)."""
-    async with _closing(deltas):
-        parts = []
-        logprobs: list[TokenLogprob] = []
-        async for delta in deltas:
-            parts.append(delta.text)
-            logprobs.extend(delta.logprobs)
-            if delta.finish_reason is not None:
-                return "".join(parts), delta, logprobs
-    raise RuntimeError("the request ended without a finish reason")  # _deltas always sets one
 
 
 async def _unless_disconnected(raw: Request, awaitable: Awaitable[T]) -> T:
@@ -473,14 +425,6 @@ async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]])
     # The body was read already, so the next message is the disconnect.
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-async def _starting_with(head: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-    """`head`, then `rest`'s deltas; closing it closes `rest`."""
-    async with _closing(rest):
-        yield head
-        async for delta in rest:
-            yield delta
 
 
 def _usage_of(answers: list[tuple[str, Delta, list[TokenLogprob]]]) -> Usage:

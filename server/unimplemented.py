@@ -66,10 +66,9 @@ GENERATE: dict[str, tuple[NoOp, str]] = {
     "prediction": (_absent, "predicted outputs are not supported"),
 }
 CHAT: dict[str, tuple[NoOp, str]] = {
-    "tools": (_absent, "tool calling is not implemented yet"),
-    "tool_choice": (_no_tool, "tool calling is not implemented yet"),
-    "functions": (_absent, "function calling is not implemented yet"),
-    "function_call": (_no_tool, "function calling is not implemented yet"),
+    "functions": (_absent, "the deprecated functions field is not supported; use tools"),
+    "function_call": (_no_tool, "the deprecated function_call field is not supported; "
+                      "use tool_choice"),
     "audio": (_absent, "audio output is not supported"),
     "modalities": (_text_only, "only text output is supported"),
     "web_search_options": (lambda v: v is None, "web search is not supported"),  # {}: on

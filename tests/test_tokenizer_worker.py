@@ -171,6 +171,45 @@ def test_chat_template_kwargs_reach_the_template(worker: TokenizerWorker, builde
     release_all(worker, numbered)
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_a_tool_round_trip_is_rendered_as_qwen_writes_it(worker: TokenizerWorker, builder):
+    """Tools in the system turn, the assistant's call with its arguments as an object
+    (OpenAI sends a JSON string; encoded again it would read as a string), the tool's
+    result as a <tool_response> in a user turn; an image in the history still counts."""
+    image = make_image(64, 48, seed=5)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [
+        *chat(image_part(data_url(image)), text="Weather where this was taken?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 22C"},
+    ]
+    out = worker.handle(request(messages, tools=TOOLS))
+    assert isinstance(out, EngineRequest), out
+    text = builder.tokenizer.decode(unpack_token_ids(out.token_ids))
+    assert '\n<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny, 22C\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n") and len(out.images) == 1
+    release_all(worker, out)
+
+    bad = dict(call, function={"name": "get_weather", "arguments": "{not json"})
+    refused = worker.handle(request([*messages[:2], {"role": "assistant", "tool_calls": [bad]}],
+                                    rid="r2", tools=TOOLS))  # fmt: skip
+    assert isinstance(refused, RequestError) and "arguments is not valid JSON" in refused.message
+    assert worker.arena.num_pinned == 0
+
+
 def test_cache_hit_skips_processing_and_min_max_pixels_change_the_key(worker: TokenizerWorker):
     url = data_url(make_image(200, 150, seed=4), "JPEG")
     messages = chat(image_part(url), image_part(url))  # the same image twice
@@ -245,9 +284,9 @@ BAD_REQUESTS = {
         "unsupported URL scheme",
     ),
     "role": (
-        dict(messages=[{"role": "tool", "content": "x"}]),
+        dict(messages=[{"role": "function", "content": "x"}]),
         "messages",
-        "unsupported role 'tool'",
+        "unsupported role 'function'",
     ),
     "part": (dict(messages=chat({"type": "input_audio"})), "messages", "unsupported content part"),
     "pad in text": (dict(messages=chat(text="<|image_pad|>")), "messages", "0 images"),

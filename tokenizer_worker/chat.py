@@ -6,17 +6,26 @@ a string, or a list of parts `{"type": "text", "text": ...}`,
 `{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (or the URL as a plain
 string) and `{"type": "image", "image": url}`. Each image part becomes the template's
 `{"type": "image"}` placeholder; `detail` is accepted and ignored (the processor's
-min/max pixels decide the resolution).
+min/max pixels decide the resolution). An assistant message's `tool_calls` keep their
+OpenAI shape with `arguments` decoded from its JSON string into an object, as Qwen's
+templates expect (they `tojson` it: a string would come out encoded twice).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from iris_serve.ipc.content_parts import IMAGE_PART_TYPES, image_part_url
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 class ChatError(ValueError):
@@ -48,19 +57,49 @@ def parse_messages(messages: object) -> Chat:
         role = message.get("role")
         if role not in ROLES:
             raise ChatError(
-                f"{where}: unsupported role {role!r} (system, developer, user or assistant)"
+                f"{where}: unsupported role {role!r} (system, developer, user, assistant or tool)"
             )
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
+        entry: dict[str, Any]
         if isinstance(content, str):
-            rendered.append({"role": ROLES[role], "content": content})
+            entry = {"role": ROLES[role], "content": content}
         elif isinstance(content, list):
             parts = [_part(part, f"{where}.content[{j}]", urls) for j, part in enumerate(content)]
-            rendered.append({"role": ROLES[role], "content": parts})
+            entry = {"role": ROLES[role], "content": parts}
         else:
             raise ChatError(f"{where}.content must be a string or a list of content parts")
+        if role == "assistant" and message.get("tool_calls"):
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "tool" and "tool_call_id" in message:
+            entry["tool_call_id"] = message["tool_call_id"]
+        rendered.append(entry)
     return Chat(rendered, urls)
+
+
+def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise ChatError(f"{where} must be a list")
+    rendered = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatError(f"{where}[{j}] must have a function with a name")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError:
+                raise ChatError(f"{where}[{j}].function.arguments is not valid JSON") from None
+        rendered.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return rendered
 
 
 def _part(part: object, where: str, urls: list[str]) -> dict[str, Any]:

@@ -107,11 +107,17 @@ class PromptBuilder:
 
     # --- text --------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
-        """The chat template's text, generation prompt added; `template_kwargs` are extra
-        template variables (`chat_template_kwargs` of the request)."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The chat template's text, generation prompt added; `tools` are OpenAI tool
+        definitions, `template_kwargs` extra template variables (`chat_template_kwargs`
+        of the request)."""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -181,7 +181,7 @@ class TokenizerWorker:
                 raise BadRequest(f"at most {limit} images per prompt, got {len(chat.image_urls)}")
             try:
                 text = self.builder.render_chat(
-                    chat.messages, **(request.chat_template_kwargs or {})
+                    chat.messages, request.tools, **(request.chat_template_kwargs or {})
                 )
             except TemplateError as e:
                 raise BadRequest(f"the chat template rejected the messages: {e}") from None

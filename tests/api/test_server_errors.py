@@ -171,8 +171,6 @@ _UNIMPLEMENTED_CHAT = [
     ("guided_grammar", "root ::= 'a'", None),
     ("logits_processors", ["x"], None),
     ("prediction", {"type": "content", "content": "x"}, None),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], []),
-    ("tool_choice", "required", "none"),
     ("functions", [{"name": "f"}], None),
     ("function_call", {"name": "f"}, "auto"),
     ("audio", {"voice": "alloy", "format": "wav"}, None),

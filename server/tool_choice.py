@@ -1,0 +1,210 @@
+"""A chat request's `tools` and `tool_choice` → what the prompt shows, how the answer is
+constrained and how it is read back, as vLLM serves them:
+
+- `none` (the default without tools): tools, if any, are shown to the model; its answer
+  is plain content.
+- `auto` (the default with tools; needs `--enable-auto-tool-choice`): the model decides;
+  its `<tool_call>` blocks are read by the parser (`server.tool_parser`), and an answer
+  with calls finishes with `tool_calls`.
+- `required`: decoding is constrained to a JSON array of `{"name", "parameters"}`
+  objects, one of the tools each (at least one), read back into calls; finishes with
+  `tool_calls`.
+- a named function: decoding is constrained to that tool's parameters schema; the whole
+  answer is the call's arguments. Finishes with `stop`, as OpenAI and vLLM do.
+
+`required` and named choices are enforced by the grammar, not hoped for: with random
+weights as much as with a real model, the answer is a valid call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from iris_serve.server.errors import APIError
+from iris_serve.server.protocol import ChatCompletionRequest, NamedToolChoice
+from iris_serve.server.tool_parser import HermesParser, ParsedAnswer, ToolCall, new_call_id
+
+Mode = Literal["none", "auto", "required", "named"]
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class AnswerReader(Protocol):
+    """Turns an answer's text deltas into OpenAI delta pieces, then the whole answer."""
+
+    def feed(self, delta: str) -> list[dict[str, Any]]: ...
+
+    def finish(self) -> list[dict[str, Any]]: ...
+
+    def answer(self) -> ParsedAnswer: ...
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: Mode
+    tools: list[dict[str, Any]] | None = None  # what the chat template renders
+    name: str | None = None  # the named function
+
+    def reader(self) -> AnswerReader | None:
+        if self.mode == "auto":
+            return HermesParser()
+        if self.mode == "named":
+            assert self.name is not None
+            return _ArgumentsReader(self.name)
+        if self.mode == "required":
+            return _CallListReader()
+        return None
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The schema decoding is constrained to (None: unconstrained)."""
+        if self.mode == "named":
+            return _parameters(self._function(self.name))
+        if self.mode == "required":
+            assert self.tools is not None
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [tool["function"]["name"]]},
+                        "parameters": _parameters(tool["function"]),
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for tool in self.tools
+            ]
+            return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return None
+
+    def finish_reason(self, reason: str | None, answer: ParsedAnswer | None) -> str | None:
+        """`tool_calls` for a finished auto or required answer with calls."""
+        called = answer is not None and bool(answer.tool_calls)
+        if reason == "stop" and called and self.mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+    def _function(self, name: str | None) -> dict[str, Any]:
+        assert self.tools is not None
+        return next(t["function"] for t in self.tools if t["function"]["name"] == name)
+
+
+def plan_tools(body: ChatCompletionRequest, tool_call_parser: str | None) -> ToolPlan:
+    """Checks the request's tools and choice against each other and the server's flags."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return ToolPlan("none")
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    names = [tool.function.name for tool in body.tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools have the same function name twice", param="tools")
+    choice = choice or "auto"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        return ToolPlan("named", tools, choice.function.name)
+    if choice == "auto" and tool_call_parser is None:
+        raise APIError(
+            400,
+            'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
+            '(and --tool-call-parser hermes); "required", a named function and "none" '
+            "work without it",
+            param="tool_choice",
+        )
+    return ToolPlan(choice, tools)
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or ANY_OBJECT
+
+
+class _ArgumentsReader:
+    """A named choice: the whole answer is the call's arguments."""
+
+    def __init__(self, name: str) -> None:
+        self._call = ToolCall(new_call_id(), name, "")
+        self._opened = False
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        pieces = []
+        if not self._opened:
+            self._opened = True
+            header = {"index": 0, "id": self._call.id, "type": "function",
+                      "function": {"name": self._call.name, "arguments": ""}}  # fmt: skip
+            pieces.append({"tool_calls": [header]})
+        if delta:
+            self._call.arguments += delta
+            pieces.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
+        return pieces
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self.feed("") if not self._opened else []
+
+    def answer(self) -> ParsedAnswer:
+        return ParsedAnswer(None, [self._call])
+
+
+class _CallListReader:
+    """`required`: the answer is a JSON array of `{"name", "parameters"}`; each call is
+    sent once its object is complete (its arguments whole)."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._scanned = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._item_start: int | None = None
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self._text += delta
+        pieces: list[dict[str, Any]] = []
+        for i in range(self._scanned, len(self._text)):
+            char = self._text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+                if self._depth == 2 and char == "{":
+                    self._item_start = i
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 1 and self._item_start is not None:
+                    self._send(self._text[self._item_start : i + 1], pieces)
+                    self._item_start = None
+        self._scanned = len(self._text)
+        return pieces
+
+    def finish(self) -> list[dict[str, Any]]:
+        return []
+
+    def answer(self) -> ParsedAnswer:
+        return ParsedAnswer(None, self.calls)
+
+    def _send(self, item: str, pieces: list[dict[str, Any]]) -> None:
+        try:
+            call = json.loads(item)
+        except json.JSONDecodeError:
+            return  # the grammar rules this out; a broken item is not a call
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return
+        arguments = json.dumps(call.get("parameters", {}), ensure_ascii=False)
+        tool_call = ToolCall(new_call_id(), call["name"], arguments)
+        index = len(self.calls)
+        self.calls.append(tool_call)
+        pieces.append({"tool_calls": [{"index": index, **tool_call.openai()}]})

@@ -1,0 +1,310 @@
+"""Hermes-style tool calls in generated text → OpenAI `tool_calls`, streamed or not.
+
+Qwen2.5-VL and Qwen3-VL answer a tool request with
+`<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>` blocks (the format their
+chat templates ask for; vLLM's and SGLang's `hermes` parser). `HermesParser` reads the
+text as it is generated and turns it into OpenAI chat deltas:
+
+- text outside the blocks is `content`; whitespace next to a block is dropped (the
+  newlines between calls), and a partial `<tool_call>` at the end of the text is held
+  back until it is known to be one;
+- a call's first delta carries `index`, `id`, `type` and `function.name` (once the name is
+  complete), the next ones only `function.arguments` fragments: the model's own text of
+  the arguments object, strictly appended, never the block's closing brace (the OpenAI
+  SDK concatenates every fragment, so nothing may be sent twice or taken back);
+- a block whose JSON does not start with its name is held until it closes, then sent
+  whole (or as content, when it is not a call at all); a call without arguments gets `{}`.
+
+A non-streamed answer is the same parser fed the whole text at once (`parse_tool_calls`),
+so a streamed answer and a non-streamed one can never disagree (the tests feed every
+split). A block cut off by `max_tokens` stays a call with the arguments it had, as
+OpenAI returns it with `finish_reason: "length"`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+
+# `{"name": "<json string>"` at the start of a block, then `, "arguments":`
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_ARGUMENTS_KEY = re.compile(r'\s*,\s*"arguments"\s*:\s*')
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    """One whole call, as a non-streamed answer carries it."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass
+class ParsedAnswer:
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[ToolCall]
+
+
+@dataclass
+class _Call:
+    """The block being read: where it starts in the text and what of it was sent."""
+
+    start: int  # first character after OPEN_TAG
+    index: int | None = None  # its place in `tool_calls`, once its header was sent
+    id: str = ""
+    name: str = ""
+    name_end: int = 0
+    value: _JsonValue | None = None  # the arguments' value, once its key was read
+    arguments: list[str] = field(default_factory=list)  # fragments sent
+
+
+class HermesParser:
+    """Feeds on text deltas; returns the OpenAI delta pieces each one completes:
+    `{"content": ...}` or `{"tool_calls": [...]}` (one call each)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._pos = 0  # the text before this is handled
+        self._call: _Call | None = None
+        self._after_block = False  # whitespace here is between blocks: dropped
+        self.calls: list[ToolCall] = []
+        self._content: list[str] = []
+
+    @property
+    def called(self) -> bool:
+        return bool(self.calls) or (self._call is not None and self._call.index is not None)
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        pieces: list[dict[str, Any]] = []
+        while self._step(pieces, final=False):
+            pass
+        return pieces
+
+    def finish(self) -> list[dict[str, Any]]:
+        """What the end of the text releases: held-back content, a cut-off call's rest."""
+        pieces: list[dict[str, Any]] = []
+        while self._step(pieces, final=True):
+            pass
+        if self._call is not None:
+            self._close_call(len(self.text), closed=False, pieces=pieces)
+            self._step(pieces, final=True)
+        return pieces
+
+    def answer(self) -> ParsedAnswer:
+        content = "".join(self._content)
+        return ParsedAnswer(content if content or not self.calls else None, self.calls)
+
+    # -- outside a block ------------------------------------------------------------
+
+    def _step(self, pieces: list[dict[str, Any]], final: bool) -> bool:
+        """Handles what it can of the unhandled text; True when there may be more."""
+        if self._call is not None:
+            return self._step_call(pieces)
+        rest = self.text[self._pos :]
+        if self._after_block:
+            skipped = len(rest) - len(rest.lstrip())
+            self._pos += skipped
+            rest = rest[skipped:]
+        tag = rest.find(OPEN_TAG)
+        if tag >= 0:
+            self._say(rest[:tag].rstrip(), pieces)
+            self._pos += tag + len(OPEN_TAG)
+            self._call = _Call(start=self._pos)
+            return True
+        if final:
+            self._say(rest.rstrip() if self.called else rest, pieces)
+            self._pos = len(self.text)
+            return False
+        # Hold back what may still become a tag, and whitespace that may precede one.
+        sendable = rest[: len(rest) - _partial_tag_length(rest)].rstrip()
+        self._say(sendable, pieces)
+        self._pos += len(sendable)
+        return False
+
+    def _say(self, text: str, pieces: list[dict[str, Any]]) -> None:
+        if text:
+            self._after_block = False
+            self._content.append(text)
+            pieces.append({"content": text})
+
+    # -- inside a block -------------------------------------------------------------
+
+    def _step_call(self, pieces: list[dict[str, Any]]) -> bool:
+        call = self._call
+        assert call is not None
+        text = self.text
+        if call.index is None:
+            named = _NAME.match(text, call.start, _end_of_block(text, call.start))
+            if named is not None:
+                self._send_header(call, json.loads(named.group(1)), pieces)
+                call.name_end = named.end()
+        if call.index is not None and call.value is None:
+            key = _ARGUMENTS_KEY.match(text, call.name_end, _end_of_block(text, call.name_end))
+            if key is not None:
+                call.value = _JsonValue(key.end())
+        search_from = call.start
+        if call.value is not None:
+            # The block's end is only looked for after the arguments: a string in them
+            # may hold "</tool_call>".
+            if call.value.read(text, len(text)):
+                self._send_arguments(call, call.value.sendable(text), pieces)
+            if not call.value.done:
+                return False
+            search_from = call.value.pos
+        close = text.find(CLOSE_TAG, search_from)
+        if close >= 0:
+            self._close_call(close, closed=True, pieces=pieces)
+            return True
+        return False
+
+    def _send_header(self, call: _Call, name: str, pieces: list[dict[str, Any]]) -> None:
+        call.index, call.id, call.name = len(self.calls), new_call_id(), name
+        function = {"name": name, "arguments": ""}
+        header = {"index": call.index, "id": call.id, "type": "function", "function": function}
+        pieces.append({"tool_calls": [header]})
+
+    def _send_arguments(self, call: _Call, fragment: str, pieces: list[dict[str, Any]]) -> None:
+        if fragment:
+            call.arguments.append(fragment)
+            fragments = {"index": call.index, "function": {"arguments": fragment}}
+            pieces.append({"tool_calls": [fragments]})
+
+    def _close_call(self, end: int, closed: bool, pieces: list[dict[str, Any]]) -> None:
+        """Ends the block at `end`: a call gets what it still lacks; a block that is no
+        call is content after all."""
+        call = self._call
+        assert call is not None
+        self._call = None
+        self._pos = end + len(CLOSE_TAG) if closed else end
+        body = self.text[call.start : end]
+        whole = _json_object(body)
+        if call.index is None:
+            if whole is None or not isinstance(whole.get("name"), str):
+                self._say(OPEN_TAG + body + (CLOSE_TAG if closed else ""), pieces)
+                return
+            self._send_header(call, whole["name"], pieces)
+        if not call.arguments:
+            arguments = whole.get("arguments", {}) if whole is not None else {}
+            text = (
+                arguments
+                if isinstance(arguments, str)
+                else json.dumps(arguments, ensure_ascii=False)
+            )
+            self._send_arguments(call, text if whole is not None else "{}", pieces)
+        self.calls.append(ToolCall(call.id, call.name, "".join(call.arguments)))
+        self._after_block = True
+
+
+class _JsonValue:
+    """Reads one JSON value as it arrives, without parsing it: where it starts, how far
+    it goes so far and whether it is complete (brackets and strings tracked, so a `}`
+    inside a string does not end it)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start  # of the value, once its first character arrived
+        self.pos = start
+        self.began = False
+        self._opening = ""
+        self.done = False
+        self.sent = start
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    @property
+    def is_container(self) -> bool:
+        return self.began and self._opening in "{["
+
+    def read(self, text: str, limit: int) -> bool:
+        """Advances to `limit`; True when there may be something new to send."""
+        while self.pos < limit and not self.done:
+            char = text[self.pos]
+            if not self.began:
+                if char.isspace():
+                    self.pos += 1
+                    self.start = self.sent = self.pos
+                    continue
+                self.began, self._opening = True, char
+                if char not in '{["':
+                    self.done = True  # not an object: the block's end decides (see sendable)
+                    break
+            self._track(char)
+            self.pos += 1
+        return self.began
+
+    def sendable(self, text: str) -> str:
+        """The value's text not sent yet: objects and arrays as they come; strings whole
+        (decoded: arguments sent as a JSON string are that string), once complete;
+        other values never (they are not arguments; the block's end decides)."""
+        if self.is_container:
+            fragment, self.sent = text[self.sent : self.pos], self.pos
+            return fragment
+        if self._opening == '"' and self.done and self.sent < self.pos:
+            self.sent = self.pos
+            return str(json.loads(text[self.start : self.pos]))
+        return ""
+
+    def _track(self, char: str) -> None:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self._in_string = False
+                self.done = self._depth == 0
+        elif char == '"':
+            self._in_string = True
+        elif char in "{[":
+            self._depth += 1
+        elif char in "}]":
+            self._depth -= 1
+            self.done = self._depth == 0
+
+
+def parse_tool_calls(text: str) -> ParsedAnswer:
+    """A whole answer's content and tool calls: the streaming parser fed it at once."""
+    parser = HermesParser()
+    parser.feed(text)
+    parser.finish()
+    return parser.answer()
+
+
+def _end_of_block(text: str, start: int) -> int:
+    close = text.find(CLOSE_TAG, start)
+    return close if close >= 0 else len(text)
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _partial_tag_length(text: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of OPEN_TAG."""
+    for length in range(min(len(text), len(OPEN_TAG) - 1), 0, -1):
+        if OPEN_TAG.startswith(text[-length:]):
+            return length
+    return 0
