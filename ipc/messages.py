@@ -65,6 +65,17 @@ class _Message(_Struct, tag_field="kind"):
 # --- shared pieces ---------------------------------------------------------------
 
 
+class StructuredOutput(_Frozen, frozen=True):
+    """A constraint on a request's output, enforced token by token by the scheduler's
+    grammar matcher (`scheduler.structured_output`): each step masks the tokens that
+    would break it. `spec`: the JSON schema as JSON text (json_schema), a regular
+    expression (regex), a JSON list of the allowed strings (choice), a Lark grammar
+    (grammar); json_object needs none."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+
+
 class Sampling(_Frozen, frozen=True):
     """One request's sampling parameters; the scheduler samples with this very type
     (`scheduler.sampling.check_sampling` validates it on admission)."""
@@ -87,6 +98,7 @@ class Sampling(_Frozen, frozen=True):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     # None: no logprobs; N >= 0: each sampled token's logprob and the N most likely tokens'
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
 
 class ShmHandle(_Frozen, frozen=True):

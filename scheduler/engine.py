@@ -43,6 +43,7 @@ from iris_serve.scheduler.step_faults import (
     is_isolatable,
     release_device_memory,
 )
+from iris_serve.scheduler.structured_output import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Engine:
         self.kv_cache, self.attention = state.kv_cache, state.attention
         model_config = self.model.config
         self.eos_token_ids = frozenset(model_config.eos_token_ids)  # generate's rule
+        self.grammars = Grammars(config.model, model_config.vocab_size, self.eos_token_ids)
         capacity = self.kv_cache.num_pages * config.page_size
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
@@ -179,6 +181,8 @@ class Engine:
         )
         if sampling.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        if sampling.structured is not None:
+            request.grammar = self.grammars.matcher(sampling.structured)
         self.pixels.add(request_id, prompt.pixels, pins)
         self.requests[request_id] = request
         self.planner.add(request)
@@ -326,6 +330,17 @@ class Engine:
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         sampling = request.sampling
+        if request.grammar is not None:
+            # A complete grammar allows only EOS next, so a constrained request ends on
+            # EOS as any other (the server never shows a "stop"'s last token), min_tokens
+            # or not: nothing may follow a complete answer.
+            if not request.grammar.accept(token):
+                logger.warning(  # the mask allowed only what the grammar accepts: a bug
+                    "request %s left its grammar: %s", request.request_id, request.grammar.error
+                )
+                return "abort"
+            if token in self.eos_token_ids:
+                return "stop"
         if len(request.output_token_ids) >= sampling.min_tokens:
             if token in sampling.stop_token_ids:
                 return "stop"

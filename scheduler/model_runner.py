@@ -101,6 +101,7 @@ class ModelRunner:
                 c.request.suppressed_token_ids(),
                 c.request.prompt_token_ids,
                 c.request.output_token_ids,
+                c.request.grammar,
             )
             for c in sampling_chunks
         ]

@@ -14,6 +14,7 @@ import torch
 
 from iris_serve.ipc.messages import FinishReason, ImageRef, Sampling
 from iris_serve.scheduler.page_table import PageTable
+from iris_serve.scheduler.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -42,6 +43,7 @@ class Request:
     finish_reason: FinishReason | None = None  # "stop": EOS or a stop id; "length"; "abort"
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # structured output: where the output is in it
 
     num_cached_tokens: int = 0  # found in the prefix cache at the first admission (usage)
     page_table: PageTable = field(default_factory=PageTable)

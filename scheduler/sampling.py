@@ -1,7 +1,7 @@
 """The check on sampling parameters (the wire `Sampling`, run as it is) and the batched sampler.
 
 Every request in a step is sampled in one pass over a `[batch, vocab]` logits tensor, in
-vLLM's order: logit bias, min_tokens suppression, repetition penalty (prompt and output
+vLLM's order: the grammar mask of the rows with structured output, logit bias, min_tokens suppression, repetition penalty (prompt and output
 tokens, as transformers' `RepetitionPenaltyLogitsProcessor`), frequency and presence
 penalties (output tokens, OpenAI's definition); then greedy rows take the argmax and the
 others go through temperature, top-k, top-p and min-p masks and an exponential-race draw
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from iris_serve.ipc.messages import Sampling, TokenLogprob
+from iris_serve.scheduler.structured_output import GrammarMatcher, apply_bitmask, new_bitmask
 
 
 def check_sampling(params: Sampling) -> None:
@@ -55,6 +56,7 @@ class SamplingRow:
     suppress_token_ids: Sequence[int]  # e.g. EOS while fewer than min_tokens were generated
     prompt_token_ids: Sequence[int] = ()  # read only by the repetition penalty
     output_token_ids: Sequence[int] = ()  # read only by the penalties
+    grammar: GrammarMatcher | None = None  # structured output: masks what would break it
 
     @property
     def penalized(self) -> bool:
@@ -69,6 +71,7 @@ class Sampler:
         logits = logits.float()
         vocab = logits.shape[-1]
         device = logits.device
+        self._apply_grammars(logits, rows)
         self._add_bias(logits, rows)
         self._suppress(logits, rows)
         self._penalize(logits, rows)
@@ -96,6 +99,18 @@ class Sampler:
 
         is_greedy = torch.tensor([row.params.temperature == 0.0 for row in rows], device=device)
         return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+        if not constrained:
+            return
+        bitmask = new_bitmask(len(constrained), logits.shape[-1])
+        for k, i in enumerate(constrained):
+            grammar = rows[i].grammar
+            assert grammar is not None
+            grammar.fill_bitmask(bitmask, k)
+        apply_bitmask(logits, constrained, bitmask)
 
     @staticmethod
     def _add_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -143,9 +158,13 @@ class Sampler:
 
     @staticmethod
     def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """min_tokens: EOS and stop ids are masked, except under a grammar, which alone
+        decides when its output may end (masking EOS there could leave nothing)."""
         row_index: list[int] = []
         token_index: list[int] = []
         for i, row in enumerate(rows):
+            if row.grammar is not None:
+                continue
             row_index.extend([i] * len(row.suppress_token_ids))
             token_index.extend(row.suppress_token_ids)
         if row_index:

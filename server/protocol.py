@@ -102,6 +102,50 @@ class NamedToolChoice(_Body):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+# --- structured output -------------------------------------------------------------
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema with its schema')
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [
+            name
+            for name in ("json_", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+
 # --- requests ------------------------------------------------------------------------
 
 
@@ -135,6 +179,13 @@ class _Generate(unimplemented.refusing_base("_GenerateRefusals", unimplemented.G
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     skip_special_tokens: bool = True
     n: Annotated[int, Field(ge=1, le=128)] = 1  # choices (OpenAI's bounds)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs' fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 

@@ -57,6 +57,7 @@ from iris_serve.server.streaming import (
     sse,
     starting_with,
 )
+from iris_serve.server.structured_output import requested_constraint
 from iris_serve.server.tool_choice import ToolPlan, plan_tools
 
 T = TypeVar("T")
@@ -121,7 +122,7 @@ class OpenAIServing:
                 chat_template_kwargs=body.chat_template_kwargs,
                 tools=plan.tools,
             )
-            for request_id, sampling in self._choices(meta.id, body)
+            for request_id, sampling in self._choices(meta.id, body, plan)
         ]
         logprobs = body.requested_logprobs is not None
         if body.stream:
@@ -189,11 +190,14 @@ class OpenAIServing:
     # -- request building ---------------------------------------------------------------
 
     def _choices(
-        self, response_id: str, body: ChatCompletionRequest | CompletionRequest
+        self,
+        response_id: str,
+        body: ChatCompletionRequest | CompletionRequest,
+        plan: ToolPlan | None = None,
     ) -> list[tuple[str, Sampling]]:
         """(engine request id, sampling) of each of the `n` choices: choice i of a seeded
         request draws with seed + i, so the choices differ and each is reproducible."""
-        sampling = self._sampling(body)
+        sampling = self._sampling(body, plan)
         if body.n == 1:
             return [(response_id, sampling)]
         if body.stream:
@@ -225,7 +229,9 @@ class OpenAIServing:
     def _meta(self, prefix: str, model: str | None) -> _Meta:
         return _Meta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.check_model(model))
 
-    def _sampling(self, body: ChatCompletionRequest | CompletionRequest) -> Sampling:
+    def _sampling(
+        self, body: ChatCompletionRequest | CompletionRequest, plan: ToolPlan | None
+    ) -> Sampling:
         max_tokens, field = body.max_output_tokens
         too_long = (
             None
@@ -271,6 +277,7 @@ class OpenAIServing:
             min_p=chosen("min_p", 0.0),
             logit_bias=body.logit_bias_pairs,
             logprobs=wanted,
+            structured=requested_constraint(body, plan),
         )
 
     # -- the engine side ----------------------------------------------------------------

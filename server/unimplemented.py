@@ -30,10 +30,6 @@ def _one(value: Any) -> bool:
     return value is None or value == 1
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 def _no_tool(value: Any) -> bool:
     return value in (None, "none", "auto")  # no tools: "auto" and "none" mean the same
 
@@ -56,12 +52,6 @@ GENERATE: dict[str, tuple[NoOp, str]] = {
     "bad_words": (_absent, "bad_words is not implemented"),
     "allowed_token_ids": (_absent, "allowed_token_ids is not implemented"),
     "truncate_prompt_tokens": (_absent, "prompts are never truncated; shorten it"),
-    "response_format": (_text_format, "structured output is not implemented yet"),
-    "structured_outputs": (_absent, "structured output is not implemented yet"),
-    "guided_json": (_absent, "structured output is not implemented yet"),
-    "guided_regex": (_absent, "structured output is not implemented yet"),
-    "guided_choice": (_absent, "structured output is not implemented yet"),
-    "guided_grammar": (_absent, "structured output is not implemented yet"),
     "logits_processors": (_absent, "custom logits processors are not supported"),
     "prediction": (_absent, "predicted outputs are not supported"),
 }
