@@ -48,9 +48,12 @@ from iris_serve.server.protocol import (
     Usage,
 )
 from iris_serve.server.streaming import (
+    Answer,
+    ChunkMaker,
     Delta,
     closing,
     collect,
+    combined_usage,
     event_stream,
     events,
     read_answer,
@@ -96,11 +99,13 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self._background: set[asyncio.Task[None]] = set()
         self._in_flight: set[str] = set()  # engine request ids with a client waiting
+        self._draining = False  # shutting down: an abort now is the server's, not the client's
 
     async def drain(self) -> None:
         """Ends every request still running, as aborts: each open stream finishes with
         `finish_reason: "abort"` and `[DONE]`, each waiting response with what it has
         (the server's shutdown, once `--shutdown-timeout` is up)."""
+        self._draining = True
         for request_id in list(self._in_flight):
             await self.client.abort(request_id)
 
@@ -126,13 +131,22 @@ class OpenAIServing:
         ]
         logprobs = body.requested_logprobs is not None
         if body.stream:
-            deltas = self._deltas(requests[0], body, arrival)
-            reader = plan.reader()
-            if reader is not None:
-                deltas = read_answer(deltas, reader, plan)
-            first = await _unless_disconnected(raw, anext(deltas))
-            chunks = self._chat_chunks(meta, first, deltas, body.include_usage, logprobs)
-            return event_stream(chunks)
+            streams = [self._deltas(r, body, arrival) for r in requests]
+            readers = [plan.reader() for _ in streams]
+            streams = [
+                deltas if reader is None else read_answer(deltas, reader, plan)
+                for deltas, reader in zip(streams, readers, strict=True)
+            ]
+            first = await _unless_disconnected(raw, anext(streams[0]))
+            return self._stream(
+                meta,
+                first,
+                streams,
+                self._chat_chunk,
+                ChatCompletionChunk,
+                body.include_usage,
+                logprobs,
+            )
         answers = await _unless_disconnected(raw, self._answers(requests, body, arrival))
         choices = [
             ChatChoice(
@@ -159,10 +173,17 @@ class OpenAIServing:
         ]
         logprobs = body.requested_logprobs is not None
         if body.stream:
-            deltas = self._deltas(requests[0], body, arrival)
-            first = await _unless_disconnected(raw, anext(deltas))
-            chunks = self._completion_chunks(meta, first, deltas, body.include_usage, logprobs)
-            return event_stream(chunks)
+            streams = [self._deltas(r, body, arrival) for r in requests]
+            first = await _unless_disconnected(raw, anext(streams[0]))
+            return self._stream(
+                meta,
+                first,
+                streams,
+                self._completion_chunk,
+                Completion,
+                body.include_usage,
+                logprobs,
+            )
         answers = await _unless_disconnected(raw, self._answers(requests, body, arrival))
         choices = [
             CompletionChoice(
@@ -200,8 +221,6 @@ class OpenAIServing:
         sampling = self._sampling(body, plan)
         if body.n == 1:
             return [(response_id, sampling)]
-        if body.stream:
-            raise APIError(400, "n > 1 is not implemented for streamed responses", param="n")
         return [
             (
                 f"{response_id}-{i}",
@@ -314,12 +333,14 @@ class OpenAIServing:
                     settled = settled or output.finished
                     if reason is not None:
                         self.metrics.observe_finished(reason, usage, arrival, received)
-                    yield Delta(piece, reason, usage, tuple(output.logprobs or ()))
+                    logprobs = tuple(output.logprobs or ())
+                    yield Delta(piece, reason, usage, logprobs, error=self._cut(reason))
                     if reason is not None:
                         return
                 settled = True  # the engine ended it without a last output
                 self.metrics.observe_finished("abort", usage, arrival, received)
-                yield Delta(text.update([], finish_reason="abort"), "abort", usage)
+                piece = text.update([], finish_reason="abort")
+                yield Delta(piece, "abort", usage, error=self._cut("abort"))
         except EngineRequestError:
             settled = True  # the engine (or a worker) ended it with an error
             raise
@@ -327,6 +348,13 @@ class OpenAIServing:
             self._in_flight.discard(request_id)
             if not settled:
                 self._abort_soon(request_id)
+
+    def _cut(self, finish_reason: str | None) -> APIError | None:
+        """The error an aborted answer carries when the server's shutdown aborted it."""
+        if finish_reason == "abort" and self._draining:
+            return APIError(503, "the server shut down before this request finished "
+                                 "(--shutdown-timeout); retry it", type="server_shutdown")  # fmt: skip
+        return None
 
     def _abort_soon(self, request_id: str) -> None:
         """Abort from a cancelled task: a new task, so a pending cancel cannot stop it."""
@@ -336,14 +364,29 @@ class OpenAIServing:
 
     # -- streaming ----------------------------------------------------------------------
 
-    def _chat_chunks(
+    def _stream(
         self,
         meta: _Meta,
         first: Delta,
-        deltas: AsyncIterator[Delta],
+        streams: list[AsyncIterator[Delta]],
+        chunk_maker: Callable[[_Meta, int, bool], ChunkMaker],
+        envelope: type[ChatCompletionChunk] | type[Completion],
         include_usage: bool,
         logprobs: bool,
-    ) -> AsyncIterator[str]:
+    ) -> Any:
+        """The SSE response of `n` choices: the first one's first delta is in; the others
+        start as the stream is read (their prompts are in the prefix cache by then)."""
+        answers: list[Answer] = [
+            (first if i == 0 else None, deltas, chunk_maker(meta, i, logprobs))
+            for i, deltas in enumerate(streams)
+        ]
+
+        def usage(total: Usage) -> str:
+            return sse(envelope(**_fields(meta), choices=[], usage=total))
+
+        return event_stream(events(answers, usage if include_usage else None))
+
+    def _chat_chunk(self, meta: _Meta, index: int, logprobs: bool) -> ChunkMaker:
         def chunk(piece: Delta, items: list[TokenLogprob], finish: Any, opening: bool) -> str:
             # The first chunk goes out with the first token, text or not (clients time
             # TTFT by it) and names the role; the finish chunk's delta is empty.
@@ -353,25 +396,16 @@ class OpenAIServing:
             if piece.tool_calls:
                 delta["tool_calls"] = piece.tool_calls
             choice = ChatChunkChoice(
+                index=index,
                 delta={} if finish is not None else delta,
                 logprobs=chat_logprobs(items, self.token_text) if logprobs and items else None,
                 finish_reason=finish,
             )
             return sse(ChatCompletionChunk(**_fields(meta), choices=[choice]))
 
-        def usage(last: Usage) -> str:
-            return sse(ChatCompletionChunk(**_fields(meta), choices=[], usage=last))
+        return chunk
 
-        return events(first, deltas, chunk, usage if include_usage else None)
-
-    def _completion_chunks(
-        self,
-        meta: _Meta,
-        first: Delta,
-        deltas: AsyncIterator[Delta],
-        include_usage: bool,
-        logprobs: bool,
-    ) -> AsyncIterator[str]:
+    def _completion_chunk(self, meta: _Meta, index: int, logprobs: bool) -> ChunkMaker:
         offset = 0  # characters of the answer's tokens so far (text_offset)
 
         def chunk(piece: Delta, items: list[TokenLogprob], finish: Any, opening: bool) -> str:
@@ -380,13 +414,12 @@ class OpenAIServing:
             if logprobs and items:
                 shown = completion_logprobs(items, self.token_text, offset)
                 offset += sum(len(token) for token in shown.tokens)
-            choice = CompletionChoice(text=piece.text, logprobs=shown, finish_reason=finish)
+            choice = CompletionChoice(
+                index=index, text=piece.text, logprobs=shown, finish_reason=finish
+            )
             return sse(Completion(**_fields(meta), choices=[choice]))
 
-        def usage(last: Usage) -> str:
-            return sse(Completion(**_fields(meta), choices=[], usage=last))
-
-        return events(first, deltas, chunk, usage if include_usage else None)
+        return chunk
 
 
 def _chat_answer(text: str, finish_reason: str | None, plan: ToolPlan) -> dict[str, Any]:
@@ -435,11 +468,7 @@ async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]])
 
 
 def _usage_of(answers: list[tuple[str, Delta, list[TokenLogprob]]]) -> Usage:
-    """The prompt once (as OpenAI counts it; the first choice's cache hits), every choice's
-    completion tokens."""
-    first = answers[0][1].usage
-    completion = sum(last.usage.completion_tokens for _, last, _ in answers)
-    return Usage.of(first.prompt_tokens, completion, first.prompt_tokens_details.cached_tokens)
+    return combined_usage([last.usage for _, last, _ in answers])
 
 
 def _wrap_int64(value: int) -> int:

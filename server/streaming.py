@@ -9,6 +9,7 @@ same deltas.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from pydantic import BaseModel
 
 from iris_serve.ipc.messages import TokenLogprob
 from iris_serve.server.engine_client import EngineRequestError
+from iris_serve.server.errors import APIError
 from iris_serve.server.protocol import Usage
 from iris_serve.server.tool_choice import AnswerReader, ToolPlan
 
@@ -36,6 +38,7 @@ class Delta:
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] = ()  # of this delta's tokens, when asked for
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's delta entries
+    error: APIError | None = None  # why an aborted answer was cut (sent after its chunks)
 
 
 # chunk(delta, logprobs since the last chunk, finish reason, opening) -> one SSE event
@@ -49,35 +52,96 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def events(
-    first: Delta,
-    deltas: AsyncIterator[Delta],
-    chunk: ChunkMaker,
-    usage: Callable[[Usage], str] | None,
-) -> AsyncIterator[str]:
-    """One answer's SSE events, in either API's shape: the opening chunk, a chunk per
-    new text or tool-call fragment (with the logprobs of the tokens since the previous
-    chunk), the finish chunk, the usage chunk if asked, [DONE]; an engine error
-    mid-stream is an error event, then [DONE]."""
+# (its first delta when already awaited, its deltas, its chunk maker): one choice
+Answer = tuple[Delta | None, AsyncIterator[Delta], ChunkMaker]
+
+
+async def events(answers: list[Answer], usage: Callable[[Usage], str] | None) -> AsyncIterator[str]:
+    """A response's SSE events, in either API's shape, for one or more choices (`n`):
+    per choice the opening chunk, a chunk per new text or tool-call fragment (with the
+    logprobs of the tokens since its previous chunk) and its finish chunk, the choices'
+    chunks interleaved as they come; then the usage chunk if asked (the prompt once,
+    every choice's completion tokens), an error event if an answer was cut by the
+    server (its shutdown), and [DONE]. An engine error mid-stream is an error event,
+    then [DONE]."""
+    streams = [_choice_events(first, deltas, chunk) for first, deltas, chunk in answers]
+    lasts: list[Delta] = []
+    try:
+        async for item in _interleaved(streams):
+            if isinstance(item, Delta):
+                lasts.append(item)
+            else:
+                yield item
+    except EngineRequestError as e:
+        yield sse(e.body())
+        yield DONE
+        return
+    if usage is not None:
+        yield usage(combined_usage([last.usage for last in lasts]))
+    cut = next((last.error for last in lasts if last.error is not None), None)
+    if cut is not None:
+        yield sse(cut.body())
+    yield DONE
+
+
+def combined_usage(choices: list[Usage]) -> Usage:
+    """The prompt once (as OpenAI counts it; the first choice's cache hits), every choice's
+    completion tokens."""
+    first = choices[0]
+    completion = sum(usage.completion_tokens for usage in choices)
+    return Usage.of(first.prompt_tokens, completion, first.prompt_tokens_details.cached_tokens)
+
+
+async def _choice_events(
+    first: Delta | None, deltas: AsyncIterator[Delta], chunk: ChunkMaker
+) -> AsyncIterator[str | Delta]:
+    """One choice's chunks, then its last delta (for the usage)."""
     async with closing(deltas):
+        if first is None:
+            first = await anext(deltas)
         yield chunk(first, list(first.logprobs), None, True)
         pending: list[TokenLogprob] = []
         last = first
-        try:
-            while last.finish_reason is None:
-                last = await anext(deltas)
-                pending.extend(last.logprobs)
-                if last.text or last.tool_calls:
-                    yield chunk(last, pending, None, False)
-                    pending = []
-        except EngineRequestError as e:
-            yield sse(e.body())
-            yield DONE
-            return
+        while last.finish_reason is None:
+            last = await anext(deltas)
+            pending.extend(last.logprobs)
+            if last.text or last.tool_calls:
+                yield chunk(last, pending, None, False)
+                pending = []
         yield chunk(Delta("", None, last.usage), pending, last.finish_reason, False)
-        if usage is not None:
-            yield usage(last.usage)
-        yield DONE
+        yield last
+
+
+async def _interleaved(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The streams' items as each comes (each stream's own order kept); closing it
+    closes every stream. One stream is passed through without tasks."""
+    if len(streams) == 1:
+        async with closing(streams[0]):
+            async for item in streams[0]:
+                yield item
+        return
+    waiting: dict[asyncio.Future[T], AsyncIterator[T]] = {}
+    try:
+        for stream in streams:
+            waiting[asyncio.ensure_future(anext(stream))] = stream
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                stream = waiting.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                waiting[asyncio.ensure_future(anext(stream))] = stream
+                yield item
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        for stream in streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
@@ -101,7 +165,7 @@ async def read_answer(
                 reason = plan.finish_reason(reason, reader.answer())
             content = "".join(piece.get("content", "") for piece in pieces)
             calls = _merged([call for piece in pieces for call in piece.get("tool_calls", ())])
-            yield Delta(content, reason, delta.usage, delta.logprobs, calls)
+            yield Delta(content, reason, delta.usage, delta.logprobs, calls, delta.error)
             if reason is not None:
                 return
 

@@ -349,6 +349,34 @@ def test_n_choices_are_separate_seeded_requests_after_the_first_has_begun(
     assert [c["index"] for c in text["choices"]] == [0, 1]
 
 
+def test_n_choices_stream_interleaved_with_their_indices_and_one_usage(
+    client, engine, tokenizer
+):
+    """Each choice's chunks carry its index and arrive in its own order; every choice
+    opens with the role and ends with its finish reason; the usage chunk counts the
+    prompt once and every choice's tokens, then [DONE]."""
+    body = {"n": 3, "seed": 1, "stream": True, "stream_options": {"include_usage": True}}
+    events = sse_events(chat(client, **body).text)
+    *chunks, usage = events
+    per_choice: dict[int, list[dict]] = {}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        per_choice.setdefault(choice["index"], []).append(choice)
+    assert sorted(per_choice) == [0, 1, 2]
+    for choices in per_choice.values():
+        assert choices[0]["delta"]["role"] == "assistant"
+        assert "".join(c["delta"].get("content", "") for c in choices) == TEXT
+        assert [c["finish_reason"] for c in choices][-1] == "length"
+        assert all(c["finish_reason"] is None for c in choices[:-1])
+    assert [r.sampling.seed for r in engine.requests] == [1, 2, 3]
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 11
+    assert usage["usage"]["completion_tokens"] == 3 * len(tokenizer.encode(TEXT))
+    completion = sse_events(
+        client.post("/v1/completions", json={"prompt": "Once", "n": 2, "stream": True}).text
+    )
+    assert {c["choices"][0]["index"] for c in completion} == {0, 1}
+
+
 def test_a_chat_template_given_to_the_server_renders_tokenize(qwen2_vl_tiny, tokenizer):
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
     app = create_app(settings(qwen2_vl_tiny, chat_template=template), FakeEngine())

@@ -25,7 +25,6 @@ _CHAT_ERRORS = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ({"n": 2, "stream": True}, "n"),
     ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
@@ -76,7 +75,6 @@ def test_chat_request_errors(client, engine, fields, param):
         ({"prompt": [[1], [2]]}, "prompt"),
         ({"prompt": [1, 99999]}, "prompt"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "x", "n": 3, "stream": True}, "n"),
     ],
 )
 def test_completion_request_errors(client, engine, body, param):

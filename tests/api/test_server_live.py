@@ -70,8 +70,13 @@ def test_openai_client(server, tokenizer):
 
     assert [m.id for m in client.models.list()] == [MODEL, "alias"]
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model=MODEL, messages=USER, n=2, stream=True)
+        client.chat.completions.create(model=MODEL, messages=USER, n=0)
     assert error.value.body["param"] == "n"
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(model=MODEL, messages=USER, n=2, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [TEXT, TEXT]
     with pytest.raises(openai.NotFoundError):  # as from OpenAI and vLLM
         client.chat.completions.create(model="nope", messages=USER)
     assert client.models.retrieve("alias").id == "alias"
