@@ -349,9 +349,7 @@ def test_n_choices_are_separate_seeded_requests_after_the_first_has_begun(
     assert [c["index"] for c in text["choices"]] == [0, 1]
 
 
-def test_n_choices_stream_interleaved_with_their_indices_and_one_usage(
-    client, engine, tokenizer
-):
+def test_n_choices_stream_interleaved_with_their_indices_and_one_usage(client, engine, tokenizer):
     """Each choice's chunks carry its index and arrive in its own order; every choice
     opens with the role and ends with its finish reason; the usage chunk counts the
     prompt once and every choice's tokens, then [DONE]."""
