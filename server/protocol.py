@@ -246,6 +246,7 @@ class ChatCompletionRequest(
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
 
     @field_validator("top_logprobs")
     @classmethod

@@ -13,7 +13,9 @@ constrained and how it is read back, as vLLM serves them:
   answer is the call's arguments. Finishes with `stop`, as OpenAI and vLLM do.
 
 `required` and named choices are enforced by the grammar, not hoped for: with random
-weights as much as with a real model, the answer is a valid call.
+weights as much as with a real model, the answer is a valid call. `parallel_tool_calls:
+false` allows one call: the `required` grammar takes at most one, and an `auto` answer
+keeps its first.
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ class ToolPlan:
     mode: Mode
     tools: list[dict[str, Any]] | None = None  # what the chat template renders
     name: str | None = None  # the named function
+    single_call: bool = False  # parallel_tool_calls: false
 
     def reader(self) -> AnswerReader | None:
         if self.mode == "auto":
-            return HermesParser()
+            return _FirstCallOnly(HermesParser()) if self.single_call else HermesParser()
         if self.mode == "named":
             assert self.name is not None
             return _ArgumentsReader(self.name)
@@ -75,7 +78,8 @@ class ToolPlan:
                 }
                 for tool in self.tools
             ]
-            return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            most = {"maxItems": 1} if self.single_call else {}
+            return {"type": "array", "minItems": 1, **most, "items": {"anyOf": calls}}
         return None
 
     def finish_reason(self, reason: str | None, answer: ParsedAnswer | None) -> str | None:
@@ -110,6 +114,7 @@ def plan_tools(body: ChatCompletionRequest, tool_call_parser: str | None) -> Too
                 param="tool_choice",
             )
         return ToolPlan("named", tools, choice.function.name)
+    single_call = body.parallel_tool_calls is False
     if choice == "auto" and tool_call_parser is None:
         raise APIError(
             400,
@@ -118,11 +123,39 @@ def plan_tools(body: ChatCompletionRequest, tool_call_parser: str | None) -> Too
             "work without it",
             param="tool_choice",
         )
-    return ToolPlan(choice, tools)
+    return ToolPlan(choice, tools, single_call=single_call)
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return function.get("parameters") or ANY_OBJECT
+
+
+class _FirstCallOnly:
+    """An auto answer under `parallel_tool_calls: false`: calls after the first dropped."""
+
+    def __init__(self, reader: AnswerReader) -> None:
+        self._reader = reader
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        return self._first_only(self._reader.feed(delta))
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._first_only(self._reader.finish())
+
+    def answer(self) -> ParsedAnswer:
+        answer = self._reader.answer()
+        return ParsedAnswer(answer.content, answer.tool_calls[:1])
+
+    @staticmethod
+    def _first_only(pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        kept = []
+        for piece in pieces:
+            calls = [c for c in piece.get("tool_calls", ()) if c["index"] == 0]
+            if "tool_calls" not in piece:
+                kept.append(piece)
+            elif calls:
+                kept.append({"tool_calls": calls})
+        return kept
 
 
 class _ArgumentsReader:

@@ -6,7 +6,9 @@ a request may carry it only at the value that changes nothing (what clients send
 default: `null`, `false`, `0`, `[]`, `{"type": "text"}`, ...). Any other value is a 400
 naming the field (`error.param`), as pydantic reports a bad value of a known field.
 Unknown vendor fields stay ignored, as vLLM does, and so do known fields that change
-nothing in the answer (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`).
+nothing in the answer (`user`, `safety_identifier`, `metadata`, `store`, `service_tier`,
+`prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options`: Iris's prefix cache
+needs no hint).
 
 The bodies inherit these as declared fields (`refusing_base`), so they appear in the
 OpenAPI schema and in one table here, not as checks spread over the handlers.
@@ -60,6 +62,8 @@ CHAT: dict[str, tuple[NoOp, str]] = {
     "function_call": (_no_tool, "the deprecated function_call field is not supported; "
                       "use tool_choice"),
     "audio": (_absent, "audio output is not supported"),
+    "moderation": (_absent, "moderation is not supported"),
+    "verbosity": (lambda v: v is None, "verbosity is not supported; ask in the prompt"),
     "modalities": (_text_only, "only text output is supported"),
     "web_search_options": (lambda v: v is None, "web search is not supported"),  # {}: on
     "reasoning_effort": (_absent, "reasoning_effort is not supported; for Qwen3 thinking "

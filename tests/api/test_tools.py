@@ -152,3 +152,17 @@ def test_tool_misuse_is_refused(client, engine, body, param):
 def test_tool_choice_none_needs_no_flag(client, engine):
     assert chat(client, tools=[WEATHER], tool_choice="none").status_code == 200
     assert engine.requests[0].tools == [WEATHER]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(sdk):
+    client, _ = sdk
+    whole = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER, TIME], parallel_tool_calls=False
+    ).choices[0]
+    with client.chat.completions.stream(
+        model=MODEL, messages=USER, tools=[WEATHER, TIME], parallel_tool_calls=False
+    ) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    for choice in (whole, streamed):
+        assert calls_of(choice.message) == [("get_weather", {"city": "Paris", "days": 2})]
+        assert choice.finish_reason == "tool_calls"
