@@ -57,16 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main_generate(argv: list[str], prompt_builder: PromptBuilderFactory) -> int:
     """Parse `argv`, build the prompt with `prompt_builder(model_dir)`, generate, print
     the text and a one-line summary."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
 
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     from iris_serve.scheduler.engine import Engine
     from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
     model_dir = Path(args.model) if args.model else builtin_checkpoint()
     builder = prompt_builder(model_dir)
-    images = [Image.open(path) for path in args.image]
+    images = []
+    for path in args.image:
+        try:
+            images.append(Image.open(path))
+        except (OSError, UnidentifiedImageError) as error:  # missing, unreadable, no image
+            parser.error(f"--image {path}: {error}")
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
     prompt = builder.build(builder.render_chat([{"role": "user", "content": content}]), images)
 

@@ -112,7 +112,7 @@ def add_config_flags(
                 flag_spec["flag"],
                 dest=_dest(cls, field.name),
                 default=argparse.SUPPRESS,
-                help=_help(flag_spec, field, kind) if flag_spec is spec else flag_spec["help"],
+                help=_help(flag_spec, field, kind),
                 **_kind_kwargs(flag_spec, field, kind),
             )
 

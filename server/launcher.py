@@ -55,7 +55,11 @@ def serve(args: ServeArgs) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    model_path = resolve_model_path(args.model, args.revision)
+    try:
+        model_path = resolve_model_path(args.model, args.revision)
+    except FileNotFoundError as error:
+        logger.error("%s", error)
+        return 1
     if args.trust_remote_code:
         logger.info("--trust-remote-code has no effect: Iris runs its own model code")
     try:  # before minutes of start-up, not after
@@ -138,7 +142,8 @@ def read_chat_template(value: str | None) -> str | None:
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     """A local folder as is; None → the built-in tiny checkpoint; else a hub id (at
-    `revision`)."""
+    `revision`), from the local Hugging Face cache or downloaded. FileNotFoundError, in
+    one line, when it is none of these (not a traceback from the hub client)."""
     if model is None:
         from iris_serve.scheduler import builtin_checkpoint
 
@@ -146,10 +151,19 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
 
     patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
-    return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
+    except (HFValidationError, OSError) as error:  # the hub client's errors are OSErrors
+        raise FileNotFoundError(
+            f"model {model!r}: not a checkpoint folder, and the hub could not provide it "
+            f"({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from None
 
 
 def _children(

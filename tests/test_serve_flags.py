@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -12,8 +13,9 @@ import pytest
 
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.server import launcher
-from iris_serve.server.args import GiB, build_parser, parse_serve_args
+from iris_serve.server.args import GiB, ServeArgs, build_parser, parse_serve_args
 from iris_serve.server.launcher import engine_config, worker_config
+from iris_serve.tokenizer_worker import WorkerConfig
 
 MiB = 1 << 20
 MODEL = Path("/models/tiny")
@@ -119,6 +121,42 @@ def test_a_busy_port_is_refused_before_start_up(qwen2_vl_tiny):
         port = taken.getsockname()[1]
         stderr = serve_fails_fast(str(qwen2_vl_tiny), "--port", str(port))
     assert f"cannot listen on 127.0.0.1:{port}" in stderr and "--port" in stderr
+
+
+def test_a_model_that_is_neither_a_folder_nor_on_the_hub_is_one_line(tmp_path):
+    """HF_HUB_OFFLINE is set for tests: the hub id is looked up in the local cache only."""
+    stderr = serve_fails_fast(str(tmp_path / "no-such-model"))
+    assert "no such checkpoint folder" in stderr and "Traceback" not in stderr
+    stderr = serve_fails_fast("Qwen/No-Such-Model-7B")
+    assert (
+        "'Qwen/No-Such-Model-7B': not a checkpoint folder, and the hub could not provide" in stderr
+    )
+    assert "Traceback" not in stderr
+
+
+def test_help_shows_each_flags_default_without_importing_torch():
+    """`iris serve --help` builds its parser from the config dataclasses alone: no torch,
+    no transformers (what made it take seconds), and every flag with a value says its
+    default."""
+    code = (
+        "import sys; from iris_serve.server.args import build_parser; p = build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); "
+        "print(p.format_help())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "[]"
+    configs = {c.__name__: c for c in (ServeArgs, EngineConfig, WorkerConfig)}
+    checked = 0
+    for action in build_parser()._actions:
+        owner, _, name = action.dest.partition(".")  # flags are named after their field
+        if owner not in configs:
+            continue
+        field = next(f for f in dataclasses.fields(configs[owner]) if f.name == name)
+        if field.default is not None and not isinstance(field.default, bool):
+            assert action.help and "default" in action.help, action.option_strings
+            checked += 1
+    assert checked > 20
 
 
 def test_arenas_larger_than_dev_shm_are_refused_with_the_way_out(qwen2_vl_tiny):
