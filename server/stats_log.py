@@ -44,11 +44,12 @@ def throughput_line(
         return None
     pages = total(now, "kv_pages_total")
     hits, misses = grew("mm_embedding_cache_hits"), grew("mm_embedding_cache_misses")
-    prefix = grew("prefix_cache_hit_tokens")
+    # as vLLM's "Prefix cache hit rate": hit tokens over the tokens looked up
+    prefix, queried = grew("prefix_cache_hit_tokens"), grew("prefix_cache_query_tokens")
     return (
         f"prompt {prompt / seconds:.1f} tok/s, generation {generated / seconds:.1f} tok/s, "
         f"running {running}, waiting {waiting}, KV cache "
         f"{100 * total(now, 'kv_pages_used') / pages if pages else 0:.1f}% used, prefix "
-        f"cache {100 * prefix / prompt if prompt else 0:.1f}% of prompt tokens, image "
+        f"cache hit rate {100 * prefix / queried if queried else 0:.1f}%, image "
         f"embeddings {100 * hits / (hits + misses) if hits + misses else 0:.1f}% cached"
     )

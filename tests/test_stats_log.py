@@ -17,14 +17,15 @@ def test_the_throughput_line_sums_replicas_and_is_quiet_when_idle():
     before = [stats(prompt_tokens=100, generation_tokens=10), stats()]
     now = [
         stats(prompt_tokens=300, generation_tokens=30, num_running=2, kv_pages_used=50,
-              prefix_cache_hit_tokens=100, mm_embedding_cache_hits=3,
+              prefix_cache_hit_tokens=100, prefix_cache_query_tokens=400,
+              mm_embedding_cache_hits=3,
               mm_embedding_cache_misses=1),
         stats(generation_tokens=20, num_waiting=1, kv_pages_used=10),
     ]  # fmt: skip
     line = throughput_line(before, now, seconds=10.0)
     assert line is not None
     assert "prompt 20.0 tok/s, generation 4.0 tok/s, running 2, waiting 1" in line
-    assert "KV cache 30.0% used" in line and "prefix cache 50.0% of prompt tokens" in line
+    assert "KV cache 30.0% used" in line and "prefix cache hit rate 25.0%" in line
     assert "image embeddings 75.0% cached" in line
     still_running = throughput_line(now, now, seconds=10.0)  # nothing new, work in flight
     assert still_running is not None and "prompt 0.0 tok/s" in still_running
