@@ -26,7 +26,13 @@ from typing import Any, Literal, Protocol
 
 from iris_serve.server.errors import APIError
 from iris_serve.server.protocol import ChatCompletionRequest, NamedToolChoice
-from iris_serve.server.tool_parser import HermesParser, ParsedAnswer, ToolCall, new_call_id
+from iris_serve.server.tool_parser import (
+    HermesParser,
+    JsonNesting,
+    ParsedAnswer,
+    ToolCall,
+    new_call_id,
+)
 
 Mode = Literal["none", "auto", "required", "named"]
 
@@ -191,9 +197,7 @@ class _CallListReader:
     def __init__(self) -> None:
         self._text = ""
         self._scanned = 0
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
+        self._nesting = JsonNesting()
         self._item_start: int | None = None
         self.calls: list[ToolCall] = []
 
@@ -201,25 +205,13 @@ class _CallListReader:
         self._text += delta
         pieces: list[dict[str, Any]] = []
         for i in range(self._scanned, len(self._text)):
-            char = self._text[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif char == "\\":
-                    self._escaped = True
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char in "{[":
-                self._depth += 1
-                if self._depth == 2 and char == "{":
-                    self._item_start = i
-            elif char in "}]":
-                self._depth -= 1
-                if self._depth == 1 and self._item_start is not None:
-                    self._send(self._text[self._item_start : i + 1], pieces)
-                    self._item_start = None
+            structure = self._nesting.push(self._text[i])
+            depth = self._nesting.depth
+            if structure == "{" and depth == 2:  # an item of the array opens
+                self._item_start = i
+            elif structure == "}" and depth == 1 and self._item_start is not None:
+                self._send(self._text[self._item_start : i + 1], pieces)
+                self._item_start = None
         self._scanned = len(self._text)
         return pieces
 

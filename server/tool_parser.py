@@ -214,6 +214,38 @@ class HermesParser:
         self._after_block = True
 
 
+class JsonNesting:
+    """Where JSON text stands, character by character: inside a string or not, and how
+    deep in brackets (escapes tracked, so a `}` inside a string is no bracket)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self._escaped = False
+
+    def push(self, char: str) -> str | None:
+        """Advances by `char`; returns it when it is structure (a bracket, or the quote
+        that closes a string), else None."""
+        if self.in_string:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self.in_string = False
+                return char
+            return None
+        if char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+            return char
+        elif char in "}]":
+            self.depth -= 1
+            return char
+        return None
+
+
 class _JsonValue:
     """Reads one JSON value as it arrives, without parsing it: where it starts, how far
     it goes so far and whether it is complete (brackets and strings tracked, so a `}`
@@ -226,9 +258,7 @@ class _JsonValue:
         self._opening = ""
         self.done = False
         self.sent = start
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
+        self._nesting = JsonNesting()
 
     @property
     def is_container(self) -> bool:
@@ -247,7 +277,9 @@ class _JsonValue:
                 if char not in '{["':
                     self.done = True  # not an object: the block's end decides (see sendable)
                     break
-            self._track(char)
+            structure = self._nesting.push(char)
+            if structure is not None and structure not in "{[":
+                self.done = self._nesting.depth == 0  # a closing bracket or quote
             self.pos += 1
         return self.began
 
@@ -262,23 +294,6 @@ class _JsonValue:
             self.sent = self.pos
             return str(json.loads(text[self.start : self.pos]))
         return ""
-
-    def _track(self, char: str) -> None:
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif char == "\\":
-                self._escaped = True
-            elif char == '"':
-                self._in_string = False
-                self.done = self._depth == 0
-        elif char == '"':
-            self._in_string = True
-        elif char in "{[":
-            self._depth += 1
-        elif char in "}]":
-            self._depth -= 1
-            self.done = self._depth == 0
 
 
 def parse_tool_calls(text: str) -> ParsedAnswer:
