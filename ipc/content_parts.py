@@ -5,21 +5,57 @@ The OpenAI message list crosses the server → tokenizer worker boundary as it c
 wire: the worker loads the URLs it reads here (`tokenizer_worker.chat`), and the
 server's image router routes by the same URLs (`server.image_router`). One reader, so
 the two cannot disagree about which URL a part names.
+
+A part may also carry `uuid` (vLLM's field): the client's id for the image. Sent with
+the image's data, it names that image from then on; sent alone (`"image_url": null`, or
+no `url`), it asks for the image sent before under that id (`tokenizer_worker.image_uuids`).
+An `image_embeds` part carries the vision tower's output instead of an image
+(`tokenizer_worker.image_embeds`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["IMAGE_PART_TYPES", "image_part_url"]
+__all__ = [
+    "IMAGE_PART_TYPES",
+    "image_part_data",
+    "image_part_embeds",
+    "image_part_url",
+    "image_part_uuid",
+]
 
-IMAGE_PART_TYPES = ("image_url", "image")
+IMAGE_PART_TYPES = ("image_url", "image", "image_embeds")
 
 
 def image_part_url(part: dict[str, Any]) -> object:
     """What an image part (`type` in `IMAGE_PART_TYPES`) names as its URL, unchecked:
-    `image_url.url`, a bare `image_url` string, or `image` (the Qwen-style part)."""
-    if part.get("type") == "image_url":
+    `image_url.url`, a bare `image_url` string, or `image` (the Qwen-style part); None
+    for an `image_embeds` part."""
+    kind = part.get("type")
+    if kind == "image_url":
         spec = part.get("image_url")
         return spec.get("url") if isinstance(spec, dict) else spec
-    return part.get("image")
+    return part.get("image") if kind == "image" else None
+
+
+def image_part_embeds(part: dict[str, Any]) -> tuple[object, object]:
+    """An `image_embeds` part's (embeddings, grid), unchecked, from vLLM's form
+    `{"image_embeds": {"image_embeds": B64, "image_grid_thw": B64}}` or the flat one
+    `{"image_embeds": B64, "image_grid_thw": [t, h, w]}`."""
+    data, grid = part.get("image_embeds"), part.get("image_grid_thw")
+    if isinstance(data, dict):
+        return data.get("image_embeds"), data.get("image_grid_thw", grid)
+    return data, grid
+
+
+def image_part_data(part: dict[str, Any]) -> object:
+    """What identifies an image part's data for routing: its URL, or its embeddings."""
+    if part.get("type") == "image_embeds":
+        return image_part_embeds(part)[0]
+    return image_part_url(part)
+
+
+def image_part_uuid(part: dict[str, Any]) -> object:
+    """The client's id of an image part (`uuid`), unchecked; None when it has none."""
+    return part.get("uuid")

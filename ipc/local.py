@@ -22,10 +22,12 @@ class PromptInput:
     """A prompt descriptor and each image's `pixel_values`, in the order of its images.
 
     The scheduler process builds one too, from an `EngineRequest` and views of the
-    worker's arena; the engine takes nothing else."""
+    worker's arena; the engine takes nothing else. An image's pixels are None when it
+    came without them (named by its uuid, its pixels evicted): the engine serves it from
+    its embedding cache, or refuses the request."""
 
     prompt: Prompt
-    pixels: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    pixels: tuple[torch.Tensor | None, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pixels", tuple(self.pixels))

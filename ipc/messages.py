@@ -136,7 +136,10 @@ class ImageRef(_Frozen, frozen=True):
 
     `key` is the 128-bit xxh3 of the encoded bytes and the processor settings; the
     image's placeholder tokens are `token_ids[offset:offset + length]`. `pixels` is None
-    when the worker sends no pixels for it (the scheduler resolves the key itself).
+    when the worker has no pixels for it (an image named by its uuid alone whose pixels
+    left the processor cache): the scheduler must hold its embedding, or refuse it.
+    `embeds`: `pixels` points at the client's embeddings `[length, width]` instead
+    (an `image_embeds` part), which the scheduler puts into its embedding cache.
     """
 
     key: Key128
@@ -144,6 +147,7 @@ class ImageRef(_Frozen, frozen=True):
     length: NonNegative
     grid_thw: tuple[int, int, int]
     pixels: ShmPointer | None = None
+    embeds: bool = False
 
     @property
     def end(self) -> int:
@@ -152,6 +156,22 @@ class ImageRef(_Frozen, frozen=True):
     def overlaps(self, start: int, end: int) -> bool:
         """Whether tokens `start..end` hold some of this image's tokens."""
         return self.offset < end and start < self.end
+
+
+ImageCache = Literal["none", "processor", "embedding", "prefix"]
+
+
+class ImageReport(_Frozen, frozen=True):
+    """What the client is told about one image of its prompt (`usage.image_cache`).
+
+    `cache` is the deepest cache that served it: "prefix" (its KV pages were cached),
+    "embedding" (the vision tower's output was), "processor" (its pixels were: no decode
+    or resize) or "none". The worker fills in `part` (where in the messages), `uuid` and
+    "processor"; the scheduler the two deeper levels."""
+
+    part: str
+    uuid: str | None = None
+    cache: ImageCache = "none"
 
 
 class Prompt(_Struct):
@@ -219,6 +239,7 @@ class EngineRequest(_Message, tag=_ENGINE_REQUEST):
     token_ids: bytes  # little-endian int32, see `pack_token_ids`
     sampling: Sampling
     images: list[ImageRef] = []
+    reports: list[ImageReport] = []  # one per image of a chat prompt, else none
 
     def __post_init__(self) -> None:
         if len(self.token_ids) % 4:
@@ -280,6 +301,7 @@ class RequestOutput(_Struct):
     cached_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    images: list[ImageReport] | None = None  # on a chat request's first token only
 
 
 class TokenBatch(_Message, tag=_TOKEN_BATCH):
@@ -355,6 +377,10 @@ class WorkerStats(_Message, tag=_WORKER_STATS):
     images_processed: int = 0
     processor_cache_hits: int = 0
     processor_cache_misses: int = 0
+    # image parts sent with a uuid and no data: the worker knew the uuid, or not (a 400)
+    image_uuid_hits: int = 0
+    image_uuid_misses: int = 0
+    image_uuids: int = 0  # uuids the worker remembers now
 
 
 ToServer: TypeAlias = TokenBatch | RequestError | EngineStats | WorkerStats

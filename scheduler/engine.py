@@ -21,6 +21,7 @@ from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import (
     FinishReason,
     ImageRef,
+    ImageReport,
     RequestOutput,
     Sampling,
     context_length_error,
@@ -66,6 +67,16 @@ class EngineSnapshot:
     mm_embedding_cache_hits: int  # images a request got without the vision tower
     mm_embedding_cache_misses: int
     mm_embedding_cache_usage_bytes: int
+
+
+class RefusedImage(ValueError):
+    """An image the engine cannot take (a 400 naming the content part, when the worker
+    said which): it came without pixels and its embedding is not cached (the client must
+    send its data again), or the client's embeddings do not fit the model."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Engine:
@@ -147,10 +158,14 @@ class Engine:
         prompt: PromptInput,
         sampling: Sampling,
         pins: Sequence[Pin | None] = (),
+        reports: Sequence[ImageReport] = (),
     ) -> None:
         """Admits a prompt descriptor and its pixels; `pins` (one per image, None for an
         image without one) are released through `pop_released_pins` once its pixels are
-        no longer needed. On ValueError nothing was taken: the caller keeps its pins."""
+        no longer needed. An image without pixels must have its embedding cached (else
+        `RefusedImage`). `reports` (one per image of a chat request) come back, with the
+        cache levels filled in, on the request's first output. On ValueError nothing was
+        taken: the caller keeps its pins."""
         token_ids = prompt.token_ids
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -161,6 +176,8 @@ class Engine:
         too_long = context_length_error(self.max_model_len, len(token_ids), 0)
         if too_long is not None:
             raise ValueError(too_long)
+        if reports and len(reports) != len(prompt.images):
+            raise ValueError(f"{len(reports)} image reports for {len(prompt.images)} images")
         vocab = self.model.config.vocab_size
         if max(token_ids) >= vocab or min(token_ids) < 0:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
@@ -176,6 +193,7 @@ class Engine:
             sampling=sampling,
             images=self._own_images(prompt.images),
             eos_token_ids=self.eos_token_ids,
+            image_reports=list(reports),
             prompt_positions=positions,
             rope_delta=rope_delta,
         )
@@ -183,7 +201,11 @@ class Engine:
             request.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         if sampling.structured is not None:
             request.grammar = self.grammars.matcher(sampling.structured)
+        self._hold_embeddings(request, prompt.pixels)
         self.pixels.add(request_id, prompt.pixels, pins)
+        for index, image in enumerate(prompt.images):
+            if image.embeds:  # copied into the embedding cache: the arena entry can go
+                self.pixels.drop(request_id, index)
         self.requests[request_id] = request
         self.planner.add(request)
         self._prompt_tokens += len(token_ids)
@@ -289,6 +311,7 @@ class Engine:
             token, logprob = next(tokens)
             request.output_token_ids.append(token)
             self._generation_tokens += 1
+            images = self._image_reports(request)  # before a finish releases its images
             reason = self._finish_reason(request, token)
             if reason is not None:
                 request.finish_reason = reason
@@ -305,9 +328,71 @@ class Engine:
                     prompt_tokens=request.prompt_len,
                     cached_tokens=request.num_cached_tokens,
                     completion_tokens=len(request.output_token_ids),
+                    images=images,
                 )
             )
         return outputs
+
+    def _hold_embeddings(self, request: Request, pixels: Sequence[torch.Tensor | None]) -> None:
+        """Takes every image given by its embeddings (`image_embeds`) into the embedding
+        cache and pins the cached embedding of every image that came without pixels;
+        raises `RefusedImage` (a ValueError) with nothing held."""
+        for index, image_pixels in enumerate(pixels):
+            if request.images[index].embeds:
+                try:
+                    self._take_embeds(request, index, image_pixels)
+                except ValueError:
+                    self.image_encoder.release(request.request_id)
+                    raise
+                continue
+            if image_pixels is not None or self.image_encoder.hold_cached(request, index):
+                continue
+            self.image_encoder.release(request.request_id)
+            report = request.image_reports[index] if request.image_reports else None
+            where = report.part if report else f"image {index + 1}"
+            named = f" with uuid {report.uuid!r}" if report and report.uuid else ""
+            raise RefusedImage(
+                f"{where}: the image{named} is no longer cached (neither its pixels nor its "
+                "embedding): send it again with its data and the same uuid",
+                report.part if report else None,
+            )
+
+    def _take_embeds(self, request: Request, index: int, given: torch.Tensor | None) -> None:
+        """A client's embeddings of image `index`, checked against this model: one row per
+        image token, and the vision tower's width (hidden size x (1 + DeepStack levels))."""
+        config = self.model.config
+        width = config.hidden_size * (1 + config.deepstack_levels)
+        expected = (request.images[index].length, width)
+        if given is None or tuple(given.shape) != expected or not given.is_floating_point():
+            report = request.image_reports[index] if request.image_reports else None
+            shape = "none" if given is None else f"{list(given.shape)} {given.dtype}"
+            raise RefusedImage(
+                f"{report.part if report else f'image {index + 1}'}: image_embeds of shape "
+                f"{shape} do not fit this model: {list(expected)} expected (one row per image "
+                f"token; hidden size {config.hidden_size} x (1 + {config.deepstack_levels} "
+                "DeepStack levels))",
+                report.part if report else None,
+            )
+        # a copy in any case: `given` is a view of the worker's arena, released next
+        embedding = given.to(device=self.device, dtype=self.dtype, copy=True)
+        self.image_encoder.hold_given(request, index, embedding)
+
+    def _image_reports(self, request: Request) -> list[ImageReport] | None:
+        """On a chat request's first token (every image has been looked up by then), the
+        deepest cache that served each image: its KV, its embedding, its pixels, or none."""
+        if not request.image_reports or len(request.output_token_ids) != 1:
+            return None
+        hits = self.image_encoder.embedding_hits(request.request_id)
+        reports = []
+        for index, (image, report) in enumerate(
+            zip(request.images, request.image_reports, strict=True)
+        ):
+            if image.end <= request.num_cached_tokens:
+                report = msgspec.structs.replace(report, cache="prefix")
+            elif index in hits:
+                report = msgspec.structs.replace(report, cache="embedding")
+            reports.append(report)
+        return reports
 
     def _fail_step(self, plan: StepPlan, error: Exception) -> bool:
         """Ends every request with a chunk in the failed step as on an abort (pages, pins,

@@ -21,6 +21,13 @@ step). An image a request never needs (its tokens came from the prefix cache) ke
 pixels until the request finishes or is aborted, and so does one whose key hit an entry
 of another token count (encoded for its request alone).
 
+An image that came without pixels (a client named it by its uuid after the worker
+evicted its pixels) is served only from the cache: `hold_cached` pins its entry when the
+request is admitted, so no eviction can take it before the prefill reads it, or says
+there is none (the engine then refuses the request). For the client's report, the
+encoder remembers which of a request's images its first lookup found in the cache
+(`embedding_hits`).
+
 Baselines: `shared=False` keys entries by (request id, image key) in a cache of capacity
 0, so an embedding lives exactly as long as the request that computed it; "request"
 granularity is applied earlier, by re-keying images (`request_scoped_keys`).
@@ -88,12 +95,40 @@ class ImageEncoder:
         )
         # request id -> image index -> embedding the request still needs for a later chunk
         self._in_hand: dict[str, dict[int, torch.Tensor]] = {}
+        # request id -> image index -> what the request's first lookup of it found
+        self._first_lookup: dict[str, dict[int, Lookup]] = {}
 
     # -- the engine's surface ---------------------------------------------------------------
 
     def cache_key(self, request: Request, index: int) -> CacheKey:
         key = request.images[index].key
         return key if self.shared else (request.request_id, key)
+
+    def hold_cached(self, request: Request, index: int) -> bool:
+        """Pins the cached embedding of an image that came without pixels, for the
+        request's lifetime; False (nothing pinned for it) when the cache holds none."""
+        key = self.cache_key(request, index)
+        if self.cache.get(key) is None:
+            return False
+        found = self._lookup(request, index, key)
+        return found is Lookup.HIT
+
+    def hold_given(self, request: Request, index: int, embedding: torch.Tensor) -> None:
+        """Takes a client's embedding of an image (`image_embeds`; on the device, in the
+        model's dtype, its own storage) into the cache, pinned for the request's lifetime,
+        unless the same is cached already. Raises ValueError (nothing pinned for it) if
+        the key's entry has another token count."""
+        key = self.cache_key(request, index)
+        if self._lookup(request, index, key) is Lookup.UNCACHEABLE:  # a key collision
+            raise ValueError(f"image {index + 1}: its embedding cache entry has another size")
+        if self.cache.get(key) is None:
+            self.cache.put(key, embedding)
+
+    def embedding_hits(self, request_id: str) -> set[int]:
+        """The request's images that its first lookup found in the cache (or being
+        encoded for another request of the same step): no vision-tower work of its own."""
+        found = self._first_lookup.get(request_id, {})
+        return {index for index, lookup in found.items() if lookup is Lookup.HIT}
 
     def encode(self, chunks: list[ScheduledChunk]) -> list[ChunkImages]:
         """Gets the embeddings the step's chunks need (see above); per chunk, the images it
@@ -108,7 +143,7 @@ class ImageEncoder:
                     continue
                 image = request.images[index]
                 key = self.cache_key(request, index)
-                found = self.cache.lookup(key, image.length, request.request_id)
+                found = self._lookup(request, index, key)
                 cached = self.cache.get(key) if found is Lookup.HIT else None
                 source = (request.request_id, index)
                 if found is Lookup.UNCACHEABLE:
@@ -130,6 +165,7 @@ class ImageEncoder:
     def release(self, request_id: str) -> None:
         """A finished or aborted request lets go of everything its images hold."""
         self._in_hand.pop(request_id, None)
+        self._first_lookup.pop(request_id, None)
         self.cache.release(request_id)
         self.pixels.drop_request(request_id)
 
@@ -146,6 +182,12 @@ class ImageEncoder:
         return seconds
 
     # -- internals --------------------------------------------------------------------------
+
+    def _lookup(self, request: Request, index: int, key: CacheKey) -> Lookup:
+        """`EmbeddingCache.lookup` (pins the entry), remembering the request's first."""
+        found = self.cache.lookup(key, request.images[index].length, request.request_id)
+        self._first_lookup.setdefault(request.request_id, {}).setdefault(index, found)
+        return found
 
     def _take(self, chunk: ScheduledChunk) -> ChunkImages:
         """The chunk's images; those that end within it are no longer kept in hand."""

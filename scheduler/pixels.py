@@ -31,13 +31,18 @@ class PixelStore:
         self._released: list[Pin] = []
 
     def add(
-        self, request_id: str, pixels: Sequence[torch.Tensor], pins: Sequence[Pin | None] = ()
+        self,
+        request_id: str,
+        pixels: Sequence[torch.Tensor | None],
+        pins: Sequence[Pin | None] = (),
     ) -> None:
-        """Takes a new request's pixels (one per image) and their pins (none in process)."""
+        """Takes a new request's pixels (one per image; None for an image that came
+        without) and their pins (none in process)."""
         if pins and len(pins) != len(pixels):
             raise ValueError(f"{len(pins)} pins for {len(pixels)} images")
-        if pixels:
-            self._pixels[request_id] = dict(enumerate(pixels))
+        held_pixels = {index: p for index, p in enumerate(pixels) if p is not None}
+        if held_pixels:
+            self._pixels[request_id] = held_pixels
         held = {index: pin for index, pin in enumerate(pins) if pin is not None}
         if held:
             self._pins[request_id] = held

@@ -134,7 +134,7 @@ class SchedulerLoop:
         pins = [image.pixels for image in message.images]
         try:
             prompt, sampling = self._admission(message)
-            self.engine.add_request(message.request_id, prompt, sampling, pins)
+            self.engine.add_request(message.request_id, prompt, sampling, pins, message.reports)
         except ValueError as error:  # the engine took nothing: the pins are still ours
             self._send_releases(pin for pin in pins if pin is not None)
             self._send(RequestError(message.request_id, 400, str(error), param=_param_of(error)))
@@ -147,11 +147,12 @@ class SchedulerLoop:
         too_long = context_length_error(max_model_len, len(prompt.token_ids), wanted)
         if too_long is not None:
             raise _ContextLengthError(too_long, param="max_tokens" if wanted else "messages")
-        pixels = []
-        for image in prompt.images:
-            if image.pixels is None:
-                raise ValueError("an image arrived without pixels")
-            pixels.append(self.reader.view(image.pixels))
+        # An image without pixels (named by its uuid, evicted from the worker's cache) is
+        # the engine's to serve from its embedding cache, or to refuse.
+        pixels = [
+            None if image.pixels is None else self.reader.view(image.pixels)
+            for image in prompt.images
+        ]
         max_tokens = wanted or max_model_len - len(prompt.token_ids)
         sampling = msgspec.structs.replace(
             message.sampling,

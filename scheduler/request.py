@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from iris_serve.ipc.messages import FinishReason, ImageRef, Sampling
+from iris_serve.ipc.messages import FinishReason, ImageRef, ImageReport, Sampling
 from iris_serve.scheduler.page_table import PageTable
 from iris_serve.scheduler.structured_output import GrammarMatcher
 
@@ -33,6 +33,9 @@ class Request:
     sampling: Sampling
     images: list[ImageRef] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()
+    # one per image of a served chat request (none in process): the client's report, as
+    # the tokenizer worker filled it in (`Engine` adds the scheduler's cache levels)
+    image_reports: list[ImageReport] = field(default_factory=list)
 
     # M-RoPE: prompt positions [3, prompt_len]; token i >= prompt_len sits at i + rope_delta.
     prompt_positions: torch.Tensor | None = None

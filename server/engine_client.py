@@ -46,7 +46,7 @@ from iris_serve.ipc.messages import (
 )
 from iris_serve.ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
 from iris_serve.server.errors import APIError
-from iris_serve.server.image_router import ImageRouter
+from iris_serve.server.image_router import DEFAULT_CAPACITY, ImageRouter
 from iris_serve.server.metrics import MetricsBoard
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ class _InFlight:
             following.new_token_ids = item.new_token_ids + following.new_token_ids
             if item.logprobs is not None or following.logprobs is not None:
                 following.logprobs = (item.logprobs or []) + (following.logprobs or [])
+            if following.images is None:  # the image report comes once, on the first token
+                following.images = item.images
             item = following  # counts are totals, so the later output's are right
         return item
 
@@ -104,7 +106,10 @@ class ZmqEngineClient:
         *,
         num_replicas: int = 1,
         send_timeout: float = 5.0,
+        image_uuids_per_worker: int = DEFAULT_CAPACITY,
     ) -> None:
+        """`image_uuids_per_worker`: the workers' `--max-image-uuids` (the router must
+        remember at least as many, to send a uuid to the worker that knows it)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self.run_dir = Path(run_dir)
@@ -112,7 +117,7 @@ class ZmqEngineClient:
         self.send_timeout = send_timeout
         self._requests: dict[str, _InFlight] = {}
         self._load = [0] * num_workers
-        self._router = ImageRouter(num_workers)
+        self._router = ImageRouter(num_workers, uuid_capacity=num_workers * image_uuids_per_worker)
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: AsyncPullSocket | None = None
         self._pushes: list[AsyncPushSocket] = []

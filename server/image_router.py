@@ -20,6 +20,14 @@ loaded one and more than `IMBALANCE_RATIO` times as many, the least loaded one g
 
 The table remembers where an image was *sent*, not whether that worker still caches it:
 a wrong guess costs one preprocessing, never a wrong answer.
+
+Image uuids (`uuid` on an image part) are another matter: a worker binds a uuid sent
+with its image's data, and only that worker can serve a later part that sends the uuid
+alone (`tokenizer_worker.image_uuids`). So a second table keeps uuid → the worker its
+data went to, and a request with a uuid-only part known there goes to that worker
+whatever the load (several such parts: the worker most of them name; the others get a
+400 asking for their data). A uuid-only part the router does not know goes where its
+uuid's hash points, which answers the 400 (an unknown uuid).
 """
 
 from __future__ import annotations
@@ -31,7 +39,12 @@ from typing import Any
 
 import xxhash
 
-from iris_serve.ipc.content_parts import IMAGE_PART_TYPES, image_part_url
+from iris_serve.ipc.content_parts import (
+    IMAGE_PART_TYPES,
+    image_part_data,
+    image_part_url,
+    image_part_uuid,
+)
 
 AFFINITY_EDGE_CHARS = 4096  # a long URL (data:) is hashed on its two ends and its length
 DEFAULT_CAPACITY = 1 << 16  # image URLs remembered (about 100 bytes each)
@@ -42,30 +55,58 @@ IMBALANCE_RATIO = 2.0
 class ImageRouter:
     """Picks a worker per request and remembers where each image went (`pick`)."""
 
-    def __init__(self, num_workers: int, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        capacity: int = DEFAULT_CAPACITY,
+        uuid_capacity: int = DEFAULT_CAPACITY,
+    ) -> None:
+        """`uuid_capacity`: uuids remembered, at least as many as all workers keep
+        (`--max-image-uuids` × workers), or a forgotten one is sent to a wrong worker."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self.num_workers = num_workers
         self.capacity = capacity
+        self.uuid_capacity = uuid_capacity
         self._sent_to: OrderedDict[int, int] = OrderedDict()  # image hash → worker, LRU
+        self._uuid_home: OrderedDict[str, int] = OrderedDict()  # uuid → worker bound, LRU
         self._turn = itertools.cycle(range(num_workers))
 
     def pick(self, messages: list[dict[str, Any]] | None, load: Sequence[int]) -> int:
         """The worker for a request with these chat messages (None: a plain prompt), given
         each worker's requests in flight; records the request's images as sent there."""
-        keys = [affinity_hash(url) for url in image_urls(messages or [])]
-        if not keys:
+        parts = image_parts(messages or [])
+        if not parts:
             return self._least_loaded(load)
-        worker = self._preferred(keys)
-        least = min(load)
-        if load[worker] - least > IMBALANCE_MIN_GAP and load[worker] > IMBALANCE_RATIO * least:
-            worker = self._least_loaded(load)
-        for key in keys:
-            self._sent_to[key] = worker
-            self._sent_to.move_to_end(key)
-        while len(self._sent_to) > self.capacity:
-            self._sent_to.popitem(last=False)
+        worker = self._uuid_home_of(parts)
+        if worker is None:
+            keys = [
+                affinity_hash(url if url is not None else f"uuid:{uuid}") for url, uuid in parts
+            ]
+            worker = self._preferred(keys)
+            least = min(load)
+            if load[worker] - least > IMBALANCE_MIN_GAP and load[worker] > IMBALANCE_RATIO * least:
+                worker = self._least_loaded(load)
+        for url, uuid in parts:
+            if url is not None:
+                _remember(self._sent_to, affinity_hash(url), worker, self.capacity)
+                if uuid is not None:  # the worker binds the uuid to this image
+                    _remember(self._uuid_home, uuid, worker, self.uuid_capacity)
+            elif uuid is not None and self._uuid_home.get(uuid) == worker:
+                self._uuid_home.move_to_end(uuid)
         return worker
+
+    def _uuid_home_of(self, parts: list[tuple[str | None, str | None]]) -> int | None:
+        """The worker that holds most of the request's uuid-only parts' uuids (ties: the
+        earliest part's), or None when none is known."""
+        bound_here = {uuid for url, uuid in parts if url is not None}
+        votes: dict[int, int] = {}
+        for url, uuid in parts:
+            if url is None and uuid is not None and uuid not in bound_here:
+                home = self._uuid_home.get(uuid)
+                if home is not None and home < self.num_workers:
+                    votes[home] = votes.get(home, 0) + 1
+        return max(votes, key=lambda w: votes[w]) if votes else None
 
     def _preferred(self, keys: list[int]) -> int:
         """The worker most of the known images went to; ties go to the one of the
@@ -84,6 +125,32 @@ class ImageRouter:
     def _least_loaded(self, load: Sequence[int]) -> int:
         least = min(load)
         return next(i for i in self._turn if load[i] == least)
+
+
+def _remember(table: OrderedDict, key: Any, worker: int, capacity: int) -> None:
+    table[key] = worker
+    table.move_to_end(key)
+    while len(table) > capacity:
+        table.popitem(last=False)
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str | None, str | None]]:
+    """(data, uuid) of each image part that has either, in order, read as the worker reads
+    them (`ipc.content_parts`): the data is the URL, or the base64 text of an image_embeds
+    part. Malformed parts are skipped here: the worker rejects them."""
+    parts = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                url, uuid = image_part_data(part), image_part_uuid(part)
+                url = url if isinstance(url, str) and url else None
+                uuid = uuid if isinstance(uuid, str) and uuid else None
+                if url is not None or uuid is not None:
+                    parts.append((url, uuid))
+    return parts
 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:

@@ -307,7 +307,12 @@ async def _serve_http(
     from iris_serve.server.engine_client import ZmqEngineClient
 
     replicas = args.data_parallel_size
-    client = ZmqEngineClient(run_dir, tokenizer_workers(args), num_replicas=replicas)
+    client = ZmqEngineClient(
+        run_dir,
+        tokenizer_workers(args),
+        num_replicas=replicas,
+        image_uuids_per_worker=worker_config(args, 0, model_path, "", Path()).max_image_uuids,
+    )
     await client.start()
     settings = AppSettings(
         model_path=str(model_path),

@@ -164,6 +164,14 @@ _WORKERS: list[tuple[str, str, str, Callable[[WorkerStats], float]]] = [
     ("iris_mm_processor_cache_misses_total", "counter",
      "Images not in a tokenizer worker's processor cache.",
      lambda w: w.processor_cache_misses),
+    ("iris_mm_uuid_hits_total", "counter",
+     "Image parts sent with a uuid and no data whose uuid the worker knew (served from "
+     "the caches).", lambda w: w.image_uuid_hits),
+    ("iris_mm_uuid_misses_total", "counter",
+     "Image parts sent with a uuid and no data whose uuid the worker did not know (400).",
+     lambda w: w.image_uuid_misses),
+    ("iris_mm_uuid_entries", "gauge", "Image uuids the tokenizer workers remember.",
+     lambda w: w.image_uuids),
 ]  # fmt: skip
 
 # vLLM's engine series: the same figures as the iris_* ones, by vLLM's names

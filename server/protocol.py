@@ -9,7 +9,8 @@ are fetched and decoded by a tokenizer worker, never by the server.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +22,9 @@ from pydantic import (
 )
 
 from iris_serve.server import unimplemented
+
+if TYPE_CHECKING:
+    from iris_serve.ipc.messages import ImageReport
 from iris_serve.server.logprobs import ChatLogprobs, CompletionLogprobs
 
 _INT64 = 2**63
@@ -41,17 +45,61 @@ class TextPart(_Body):
     text: str
 
 
+MAX_UUID_CHARS = 256  # tokenizer_worker.chat's bound too
+
+
 class ImageURL(_Body):
-    url: Annotated[str, Field(min_length=1)]
+    url: Annotated[str, Field(min_length=1)] | None = None
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class ImageURLPart(_Body):
+    """An image by URL; `uuid` (vLLM's) names it for later requests, which may then send
+    the uuid alone (`"image_url": null`, or no `url`) and are served from the caches."""
+
     type: Literal["image_url"]
-    image_url: ImageURL
+    image_url: ImageURL | None = None
+    uuid: Annotated[str, Field(min_length=1, max_length=MAX_UUID_CHARS)] | None = None
+
+    @model_validator(mode="after")
+    def _url_or_uuid(self) -> ImageURLPart:
+        if self.uuid is None and (self.image_url is None or self.image_url.url is None):
+            raise ValueError(
+                "an image part needs image_url.url, or the uuid of an image sent before"
+            )
+        return self
 
 
-ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+class ImageEmbeds(_Body):
+    """vLLM's form of an image_embeds part's data: both base64 of `torch.save`."""
+
+    image_embeds: str
+    image_grid_thw: str | list[int]
+
+
+class ImageEmbedsPart(_Body):
+    """An image given by its vision-tower output (`--enable-mm-embeds`): vLLM's
+    `{"image_embeds": {"image_embeds": B64, "image_grid_thw": B64}}`, or `image_embeds`
+    B64 with `image_grid_thw` [t, h, w] beside it; the tokenizer worker reads and checks
+    the tensors (`tokenizer_worker.image_embeds`), never the server."""
+
+    type: Literal["image_embeds"]
+    image_embeds: str | ImageEmbeds | None = None
+    image_grid_thw: list[int] | None = None
+    uuid: Annotated[str, Field(min_length=1, max_length=MAX_UUID_CHARS)] | None = None
+
+    @model_validator(mode="after")
+    def _data_or_uuid(self) -> ImageEmbedsPart:
+        if self.image_embeds is None and self.uuid is None:
+            raise ValueError(
+                "an image_embeds part needs its data, or the uuid of an image sent before"
+            )
+        if isinstance(self.image_embeds, str) and self.image_grid_thw is None:
+            raise ValueError("image_embeds needs image_grid_thw [t, h, w]")
+        return self
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | ImageEmbedsPart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):
@@ -71,7 +119,7 @@ class ChatMessage(BaseModel):
     @property
     def has_images(self) -> bool:
         return isinstance(self.content, list) and any(
-            isinstance(part, ImageURLPart) for part in self.content
+            isinstance(part, ImageURLPart | ImageEmbedsPart) for part in self.content
         )
 
 
@@ -338,24 +386,57 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+def _omitted_when_none() -> Any:
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
+class ImageCacheEntry(BaseModel):
+    """Iris's report on one image of a chat prompt (`usage.image_cache`, a vendor field:
+    vLLM has none). `cache`: the deepest cache that served it — "prefix" (its KV),
+    "embedding" (the vision tower's output), "processor" (its decoded pixels) — or None
+    when it was decoded and encoded anew; `hit` is whether any did."""
+
+    part: str  # where it was in the request: "messages[1].content[0]"
+    uuid: str | None = None  # the client's id for it, when it gave one
+    hit: bool
+    cache: Literal["prefix", "embedding", "processor"] | None
+
+
+def image_cache(reports: Sequence[ImageReport]) -> list[ImageCacheEntry]:
+    """The client's view of the scheduler's per-image reports."""
+    return [
+        ImageCacheEntry(
+            part=report.part,
+            uuid=report.uuid,
+            hit=report.cache != "none",
+            cache=None if report.cache == "none" else report.cache,
+        )
+        for report in reports
+    ]
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    image_cache: list[ImageCacheEntry] | None = _omitted_when_none()  # chat with images
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    def of(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        image_cache: list[ImageCacheEntry] | None = None,
+    ) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            image_cache=image_cache,
         )
-
-
-def _omitted_when_none() -> Any:
-    return Field(default=None, exclude_if=lambda value: value is None)
 
 
 class AssistantMessage(BaseModel):

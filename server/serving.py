@@ -46,6 +46,7 @@ from iris_serve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     Usage,
+    image_cache,
 )
 from iris_serve.server.streaming import (
     Answer,
@@ -323,7 +324,7 @@ class OpenAIServing:
                         received.append((time.perf_counter(), len(output.new_token_ids)))
                         if len(received) == 1:
                             self.metrics.observe_first_token(received[0][0] - arrival)
-                    usage = _usage(output)
+                    usage = _usage(output, usage)
                     reason = output.finish_reason if output.finished else None
                     piece = text.update(output.new_token_ids, finish_reason=reason)
                     if text.stopped:
@@ -441,8 +442,10 @@ def _fields(meta: _Meta) -> dict[str, Any]:
     return {"id": meta.id, "created": meta.created, "model": meta.model}
 
 
-def _usage(output: RequestOutput) -> Usage:
-    return Usage.of(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
+def _usage(output: RequestOutput, previous: Usage) -> Usage:
+    """The usage so far; the image report comes on the first token only, and stays."""
+    images = image_cache(output.images) if output.images else previous.image_cache
+    return Usage.of(output.prompt_tokens, output.completion_tokens, output.cached_tokens, images)
 
 
 async def _unless_disconnected(raw: Request, awaitable: Awaitable[T]) -> T:

@@ -89,7 +89,8 @@ def combined_usage(choices: list[Usage]) -> Usage:
     completion tokens."""
     first = choices[0]
     completion = sum(usage.completion_tokens for usage in choices)
-    return Usage.of(first.prompt_tokens, completion, first.prompt_tokens_details.cached_tokens)
+    cached = first.prompt_tokens_details.cached_tokens
+    return Usage.of(first.prompt_tokens, completion, cached, first.image_cache)
 
 
 async def _choice_events(

@@ -6,7 +6,9 @@ a string, or a list of parts `{"type": "text", "text": ...}`,
 `{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (or the URL as a plain
 string) and `{"type": "image", "image": url}`. Each image part becomes the template's
 `{"type": "image"}` placeholder; `detail` is accepted and ignored (the processor's
-min/max pixels decide the resolution). An assistant message's `tool_calls` keep their
+min/max pixels decide the resolution). An image part may carry a `uuid` (see
+image_uuids.py), and with one needs no URL (`"image_url": null`). An `image_embeds`
+part (image_embeds.py) is an image given by its embeddings; its data stay unread here. An assistant message's `tool_calls` keep their
 OpenAI shape with `arguments` decoded from its JSON string into an object, as Qwen's
 templates expect (they `tojson` it: a string would come out encoded twice).
 """
@@ -17,7 +19,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from iris_serve.ipc.content_parts import IMAGE_PART_TYPES, image_part_url
+from iris_serve.ipc.content_parts import (
+    IMAGE_PART_TYPES,
+    image_part_embeds,
+    image_part_url,
+    image_part_uuid,
+)
+
+MAX_UUID_CHARS = 256
 
 ROLES = {
     "system": "system",
@@ -40,16 +49,39 @@ class ChatError(ValueError):
 
 
 @dataclass(frozen=True)
+class ImagePart:
+    """One image part: its URL, the client's id, and where it is (`messages[i].content[j]`,
+    the `param` of an error about it). An `image_embeds` part has `embeds` (its
+    embeddings and grid, unchecked) instead of a URL; a part with neither is named by
+    its uuid alone."""
+
+    url: str | None
+    uuid: str | None
+    where: str
+    embeds: tuple[object, object] | None = None
+    is_embeds: bool = False  # an image_embeds part (with data or not)
+
+    @property
+    def has_data(self) -> bool:
+        return self.url is not None or self.embeds is not None
+
+
+@dataclass(frozen=True)
 class Chat:
     messages: list[dict[str, Any]]  # in the chat template's form
-    image_urls: list[str]  # one per image placeholder, in prompt order
+    images: list[ImagePart]  # one per image placeholder, in prompt order
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs to fetch, in prompt order (parts named by their uuid alone have none)."""
+        return [image.url for image in self.images if image.url is not None]
 
 
 def parse_messages(messages: object) -> Chat:
     if not isinstance(messages, list) or not messages:
         raise ChatError("messages must be a non-empty list")
     rendered: list[dict[str, Any]] = []
-    urls: list[str] = []
+    images: list[ImagePart] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -66,7 +98,7 @@ def parse_messages(messages: object) -> Chat:
         if isinstance(content, str):
             entry = {"role": ROLES[role], "content": content}
         elif isinstance(content, list):
-            parts = [_part(part, f"{where}.content[{j}]", urls) for j, part in enumerate(content)]
+            parts = [_part(part, f"{where}.content[{j}]", images) for j, part in enumerate(content)]
             entry = {"role": ROLES[role], "content": parts}
         else:
             raise ChatError(f"{where}.content must be a string or a list of content parts")
@@ -75,7 +107,7 @@ def parse_messages(messages: object) -> Chat:
         if role == "tool" and "tool_call_id" in message:
             entry["tool_call_id"] = message["tool_call_id"]
         rendered.append(entry)
-    return Chat(rendered, urls)
+    return Chat(rendered, images)
 
 
 def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
@@ -102,7 +134,7 @@ def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
     return rendered
 
 
-def _part(part: object, where: str, urls: list[str]) -> dict[str, Any]:
+def _part(part: object, where: str, images: list[ImagePart]) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise ChatError(f"{where} must be an object")
     kind = part.get("type")
@@ -113,8 +145,25 @@ def _part(part: object, where: str, urls: list[str]) -> dict[str, Any]:
         return {"type": "text", "text": text}
     if kind not in IMAGE_PART_TYPES:
         raise ChatError(f"{where}: unsupported content part type {kind!r} (text or image_url)")
-    url = image_part_url(part)
+    url, uuid = image_part_url(part), image_part_uuid(part)
+    if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
+        raise ChatError(f"{where}.uuid must be a string of 1 to {MAX_UUID_CHARS} characters", where)
+    if kind == "image_embeds":
+        data, grid = image_part_embeds(part)
+        if data is None and uuid is None:
+            raise ChatError(
+                f"{where}: image_embeds needs its data, or the uuid of an image sent before", where
+            )
+        embeds = None if data is None else (data, grid)
+        images.append(ImagePart(None, uuid, where, embeds, is_embeds=True))
+        return {"type": "image"}
+    if url is None and uuid is not None:
+        images.append(ImagePart(None, uuid, where))
+        return {"type": "image"}
     if not isinstance(url, str) or not url:
-        raise ChatError(f"{where}: the image URL must be a non-empty string")
-    urls.append(url)
+        raise ChatError(
+            f"{where}: the image URL must be a non-empty string (or give the uuid of an "
+            "image sent before)"
+        )
+    images.append(ImagePart(url, uuid, where))
     return {"type": "image"}

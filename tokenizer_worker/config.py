@@ -73,6 +73,24 @@ class WorkerConfig:
             group=_CACHES,
         ),
     )
+    max_image_uuids: int = field(
+        default=1 << 16,
+        metadata=_flag(
+            "--max-image-uuids",
+            "client image uuids each tokenizer worker remembers (least recently used "
+            "forgotten first; a forgotten uuid sent without data is a 400 asking for it)",
+            min=0,
+            group=_CACHES,
+        ),
+    )
+    enable_mm_embeds: bool = field(
+        default=False,
+        metadata=_flag(
+            "--enable-mm-embeds",
+            "accept image_embeds content parts (precomputed vision-tower outputs; for "
+            "trusted clients: the model reads them as they are)",
+        ),
+    )
     limit_mm_per_prompt: int = field(
         default=16,
         metadata=_flag(

@@ -8,7 +8,10 @@
 Per image: fetch the encoded bytes, key them with the processor settings (invariant 2),
 and on a processor-cache hit reuse the pixels without decoding, resizing or normalising;
 on a miss decode (size checked on the header), process and store them under the key
-(`processor_cache`). Whatever fails, the pins this request took are dropped, so an error
+(`processor_cache`). An image part with a `uuid` binds it to the image; one with a
+uuid and no data is served from what the uuid was bound to (`image_uuids`), with the
+pixels if the processor cache still holds them, else without (the scheduler's embedding
+cache must hold it). Whatever fails, the pins this request took are dropped, so an error
 leaks no arena byte (entries stay cached, unpinned).
 """
 
@@ -25,6 +28,7 @@ from iris_serve.ipc.messages import (
     AbortRequest,
     EngineRequest,
     ImageRef,
+    ImageReport,
     ReleaseImages,
     RequestError,
     ServerToTokenizer,
@@ -41,9 +45,11 @@ from iris_serve.ipc.shm_arena import (
     StaleHandle,
     segment_name,
 )
-from iris_serve.tokenizer_worker.chat import ChatError, parse_messages
+from iris_serve.tokenizer_worker.chat import ChatError, ImagePart, parse_messages
 from iris_serve.tokenizer_worker.config import WorkerConfig
+from iris_serve.tokenizer_worker.image_embeds import embeds_key, read_embeds
 from iris_serve.tokenizer_worker.image_key import image_key
+from iris_serve.tokenizer_worker.image_uuids import Binding, ImageUuids
 from iris_serve.tokenizer_worker.media import MediaError, MediaFetcher, decode_image
 from iris_serve.tokenizer_worker.processor_cache import CachedImage, ProcessorCache
 from iris_serve.tokenizer_worker.prompt import Grid, ImageSize, PromptBuilder
@@ -65,9 +71,11 @@ class BadRequest(ValueError):
 @dataclass(frozen=True)
 class _Image:
     key: bytes
-    pointer: ShmPointer  # pinned once for the request being built
+    pointer: ShmPointer | None  # pinned once for the request; None: named by uuid, evicted
     grid: Grid
     num_tokens: int
+    cached: bool = False  # the pixels came from the processor cache
+    embeds: bool = False  # `pointer` holds the client's embeddings, not pixels
 
 
 class TokenizerWorker:
@@ -85,6 +93,7 @@ class TokenizerWorker:
             arena, builder.num_image_tokens, enabled=config.enable_processor_cache
         )
         self.fetcher = fetcher or MediaFetcher.from_config(config)
+        self.uuids = ImageUuids(config.max_image_uuids)
         self.requests_processed = 0
         self.images_processed = 0  # decoded and processed (cache misses, or all if disabled)
 
@@ -168,17 +177,29 @@ class TokenizerWorker:
             images_processed=self.images_processed,
             processor_cache_hits=self.cache.hits,
             processor_cache_misses=self.cache.misses,
+            image_uuid_hits=self.uuids.hits,
+            image_uuid_misses=self.uuids.misses,
+            image_uuids=len(self.uuids),
         )
 
     # --- one request -------------------------------------------------------------
 
     def _tokenize(self, request: TokenizeRequest) -> EngineRequest:
         size = self._image_size(request)
+        parts: list[ImagePart] = []
         if request.messages is not None:
             chat = parse_messages(request.messages)
+            parts = chat.images
+            embeds = next((part for part in parts if part.is_embeds), None)
+            if embeds is not None and not self.config.enable_mm_embeds:
+                raise BadRequest(
+                    f"{embeds.where}: image_embeds parts are off; the server takes them with "
+                    "--enable-mm-embeds (for trusted clients)",
+                    embeds.where,
+                )
             limit = self.config.limit_mm_per_prompt
-            if len(chat.image_urls) > limit:
-                raise BadRequest(f"at most {limit} images per prompt, got {len(chat.image_urls)}")
+            if len(parts) > limit:
+                raise BadRequest(f"at most {limit} images per prompt, got {len(parts)}")
             try:
                 text = self.builder.render_chat(
                     chat.messages, request.tools, **(request.chat_template_kwargs or {})
@@ -186,21 +207,28 @@ class TokenizerWorker:
             except TemplateError as e:
                 raise BadRequest(f"the chat template rejected the messages: {e}") from None
             ids = self.builder.encode(text)
-            self._check_placeholders(ids, len(chat.image_urls), "messages")
+            self._check_placeholders(ids, len(parts), "messages")
+            self._check_uuids(parts, size)
             encoded = self.fetcher.fetch_all(chat.image_urls)
         else:
             assert request.prompt is not None
             ids = self._prompt_ids(request.prompt)
             encoded = []
-        images = self._images(encoded, size)
+        images = self._images(parts, encoded, size)
         try:
             token_ids, offsets = self.builder.expand(ids, [i.num_tokens for i in images])
             refs = [
-                ImageRef(image.key, offset, image.num_tokens, image.grid, image.pointer)
+                ImageRef(
+                    image.key, offset, image.num_tokens, image.grid, image.pointer, image.embeds
+                )
                 for image, offset in zip(images, offsets, strict=True)
             ]
+            reports = [
+                ImageReport(part.where, part.uuid, "processor" if image.cached else "none")
+                for part, image in zip(parts, images, strict=True)
+            ]
             return EngineRequest(
-                request.request_id, pack_token_ids(token_ids), request.sampling, refs
+                request.request_id, pack_token_ids(token_ids), request.sampling, refs, reports
             )
         except BaseException:
             self._unpin(images)
@@ -247,24 +275,80 @@ class TokenizerWorker:
 
     # --- images ------------------------------------------------------------------
 
-    def _images(self, encoded: list[bytes], size: ImageSize) -> list[_Image]:
+    def _check_uuids(self, parts: list[ImagePart], size: ImageSize) -> None:
+        """Refuses a part named by a uuid this worker does not know, before any work
+        (a uuid bound earlier in the same request counts as known)."""
+        bound = {part.uuid for part in parts if part.has_data}
+        for part in parts:
+            if not part.has_data and part.uuid not in bound:
+                assert part.uuid is not None  # `parse_messages` gives a part a URL or a uuid
+                if self.uuids.recall(part.uuid, size) is None:
+                    raise BadRequest(
+                        f"{part.where}: no image with uuid {part.uuid!r} is known (never sent, "
+                        "forgotten, or sent with other min/max pixels): send it again with its "
+                        "data and the same uuid",
+                        part.where,
+                    )
+
+    def _images(
+        self, parts: list[ImagePart], encoded: list[bytes], size: ImageSize
+    ) -> list[_Image]:
+        """The image of every part, in order; `encoded` holds the data of the parts with
+        a URL. Those go first, so a uuid bound anywhere in the request names its new
+        image everywhere in it."""
         settings = self.builder.image_settings(size)
-        images: list[_Image] = []
+        data = iter(encoded)
+        images: list[_Image | None] = [None] * len(parts)
         try:
-            for index, data in enumerate(encoded):
-                images.append(self._image(data, size, settings, index))
+            for index, part in enumerate(parts):
+                if part.embeds is not None:
+                    image = self._embeds(part)
+                elif part.url is not None:
+                    image = self._image(next(data), size, settings, index)
+                else:
+                    continue
+                images[index] = image
+                if part.uuid is not None:
+                    binding = Binding(image.key, image.grid, image.num_tokens)
+                    self.uuids.bind(part.uuid, size, binding)
+            for index, part in enumerate(parts):
+                if not part.has_data:
+                    assert part.uuid is not None  # `parse_messages` gives it a URL or a uuid
+                    images[index] = self._recalled(part.uuid, size)
         except BaseException:
-            self._unpin(images)
+            self._unpin([image for image in images if image is not None])
             raise
-        return images
+        return [image for image in images if image is not None]
 
     def _image(self, data: bytes, size: ImageSize, settings: tuple, index: int) -> _Image:
         """One image's pixels in the arena, pinned once: a cached entry or a new one."""
         key = image_key(data, settings)
         cached = self.cache.lookup(key)
+        hit = cached is not None
         if cached is None:
             cached = self._process(key, data, size, index)
-        return _Image(key, cached.pointer, cached.grid, cached.num_tokens)
+        return _Image(key, cached.pointer, cached.grid, cached.num_tokens, hit)
+
+    def _embeds(self, part: ImagePart) -> _Image:
+        """A part's embeddings, checked (`image_embeds`), in an anonymous arena entry pinned
+        once: the scheduler copies them into its embedding cache and lets the entry go."""
+        assert part.embeds is not None
+        data, grid = part.embeds
+        merge = self.builder.merge_size
+        tensor, thw = read_embeds(data, grid, merge, self.config.max_image_bytes, part.where)
+        key = embeds_key(tensor, thw, str(self.builder.model_dir))
+        pointer = self.arena.put(None, tensor)
+        return _Image(key, pointer, thw, tensor.shape[0], embeds=True)
+
+    def _recalled(self, uuid: str, size: ImageSize) -> _Image:
+        """The image a uuid is bound to (checked by `_check_uuids`): its cached pixels,
+        pinned, or none (the scheduler's embedding cache must serve it)."""
+        binding = self.uuids.peek(uuid, size)
+        assert binding is not None, "checked by _check_uuids"
+        cached = self.cache.lookup(binding.key)
+        if cached is None:
+            return _Image(binding.key, None, binding.grid, binding.num_tokens)
+        return _Image(binding.key, cached.pointer, cached.grid, cached.num_tokens, True)
 
     def _process(self, key: bytes, data: bytes, size: ImageSize, index: int) -> CachedImage:
         """Decode, resize and normalise one image into the cache (a miss)."""
@@ -288,7 +372,8 @@ class TokenizerWorker:
 
     def _unpin(self, images: list[_Image]) -> None:
         for image in images:
-            self.arena.release(image.pointer)
+            if image.pointer is not None:
+                self.arena.release(image.pointer)
 
 
 def drop_aborted(messages: list[ServerToTokenizer]) -> list[ServerToTokenizer]:

@@ -1,0 +1,75 @@
+"""Client-supplied image ids (`uuid` on an image part, vLLM's field): send once, name later.
+
+An image part sent with its data and a uuid binds the uuid to what the worker needs to
+rebuild the prompt without the bytes: the image key, the grid and the token count. A
+later part with the uuid and no data is served from the caches: the processor cache if
+the arena still holds the pixels, else the scheduler's embedding cache (the worker
+sends the image without pixels, and the scheduler refuses it with a 400 if it holds no
+embedding either). A part with a uuid nobody bound is a 400 asking to resend the data.
+
+Trust. vLLM uses the uuid itself as the cache key, so a client that sends two different
+images under one uuid gets the first one's embedding for the second. Iris still hashes
+the bytes whenever they come (xxh3 runs at memory speed, a millisecond for megabytes,
+against tens of milliseconds to decode the image): the uuid is only an alias of the
+content key. Two uuids of the same bytes share every cache entry, a uuid re-sent with
+other bytes is re-bound to them (the later data wins), and no client can make the
+server answer from an image it never sent.
+
+A binding holds for the size bounds it was made under (`min_pixels`/`max_pixels` change
+the key and the grid): the map is keyed by (uuid, size). It lives in the worker that
+processed the image (the server routes a uuid to the worker it was sent to,
+`server.image_router`) and is bounded: least recently used bindings go first past
+`capacity` (about 200 bytes each).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+from iris_serve.tokenizer_worker.prompt import Grid, ImageSize
+
+
+class Binding(NamedTuple):
+    key: bytes  # the image key (`image_key`): the processor and embedding caches' key
+    grid: Grid
+    num_tokens: int
+
+
+class ImageUuids:
+    """uuid → `Binding`, per image size, LRU-bounded to `capacity` entries."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"the uuid capacity must not be negative, got {capacity}")
+        self.capacity = capacity
+        self.hits = 0  # parts without data whose uuid was known
+        self.misses = 0  # parts without data whose uuid was not
+        self._bindings: OrderedDict[tuple[str, ImageSize], Binding] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._bindings)
+
+    def bind(self, uuid: str, size: ImageSize, binding: Binding) -> None:
+        """The image sent with `uuid` (its data hashed to `binding.key`); replaces an
+        earlier binding of the uuid at this size."""
+        entry = (uuid, size)
+        self._bindings[entry] = binding
+        self._bindings.move_to_end(entry)
+        while len(self._bindings) > self.capacity:
+            self._bindings.popitem(last=False)
+
+    def recall(self, uuid: str, size: ImageSize) -> Binding | None:
+        """The binding of a part sent with `uuid` and no data; None (counted) if unknown."""
+        entry = (uuid, size)
+        binding = self._bindings.get(entry)
+        if binding is None:
+            self.misses += 1
+            return None
+        self._bindings.move_to_end(entry)
+        self.hits += 1
+        return binding
+
+    def peek(self, uuid: str, size: ImageSize) -> Binding | None:
+        """The binding, without counting or refreshing it."""
+        return self._bindings.get((uuid, size))
