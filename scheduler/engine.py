@@ -104,6 +104,7 @@ class Engine:
         model_config = self.model.config
         self.eos_token_ids = frozenset(model_config.eos_token_ids)  # generate's rule
         self.grammars = Grammars(config.model, model_config.vocab_size, self.eos_token_ids)
+        self.grammars.prepare_in_background()
         capacity = self.kv_cache.num_pages * config.page_size
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,

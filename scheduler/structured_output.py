@@ -12,7 +12,8 @@ The engine is llguidance (chosen by measurement against xgrammar,
 requires torch and triton (a CPU install would pull a gigabyte of GPU packages); it
 compiles a schema in under a millisecond; a mask costs ~5-9 µs a token on a 152k
 vocabulary against xgrammar's ~3-4, both negligible next to a forward. Its tokenizer view
-is built once, on the first constrained request (~0.6 s for a Qwen-sized vocabulary).
+is built once, in a thread started with the engine (~0.6-1.4 s for a Qwen-sized
+vocabulary), so the first constrained request does not stall every running one.
 
 JSON is generated compact (no free whitespace between tokens): a model with random
 weights, or a confused one, cannot loop on whitespace until `max_tokens`.
@@ -21,6 +22,7 @@ weights, or a confused one, cannot loop on whitespace until `max_tokens`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -68,6 +70,12 @@ class Grammars:
         self.vocab_size = vocab_size  # the LM head's width (may exceed the tokenizer's)
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._building = threading.Lock()
+
+    def prepare_in_background(self) -> None:
+        """Builds the tokenizer's grammar view in a daemon thread (a matcher waits for
+        it if it comes first)."""
+        threading.Thread(target=self._llg_tokenizer, name="grammar-view", daemon=True).start()
 
     def matcher(self, constraint: StructuredOutput) -> GrammarMatcher:
         """ValueError when the constraint does not compile."""
@@ -80,21 +88,26 @@ class Grammars:
         return GrammarMatcher(matcher)
 
     def _llg_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            start = time.perf_counter()
-            hf = AutoTokenizer.from_pretrained(self.model_dir)
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                hf,  # type: ignore[arg-type]  # a fast tokenizer (llguidance needs one)
-                n_vocab=self.vocab_size,
-                eos_token=self.eos_token_ids,
-            )
-            logger.info(
-                "structured output: the tokenizer's grammar view took %.2f s (once)",
-                time.perf_counter() - start,
-            )
+        with self._building:
+            if self._tokenizer is None:
+                self._tokenizer = self._build_view()
         return self._tokenizer
+
+    def _build_view(self) -> Any:
+        from transformers import AutoTokenizer
+
+        start = time.perf_counter()
+        hf = AutoTokenizer.from_pretrained(self.model_dir)
+        view = llguidance.hf.from_tokenizer(
+            hf,  # type: ignore[arg-type]  # a fast tokenizer (llguidance needs one)
+            n_vocab=self.vocab_size,
+            eos_token=self.eos_token_ids,
+        )
+        logger.info(
+            "structured output: the tokenizer's grammar view took %.2f s (once)",
+            time.perf_counter() - start,
+        )
+        return view
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
