@@ -22,6 +22,7 @@ set it here too, so all of it happens in one place (see page_table.py).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -145,6 +146,7 @@ class BatchPlanner:
         request.page_table.admit(cached, num_cached_tokens, self.pool.allocate(missing, after))
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached_tokens
+            request.queue_seconds = time.monotonic() - request.added_at
             if self.prefix_cache is not None:
                 self.prefix_cache.hit_tokens += num_cached_tokens
                 self.prefix_cache.query_tokens += request.num_tokens

@@ -330,6 +330,9 @@ class Engine:
                     cached_tokens=request.num_cached_tokens,
                     completion_tokens=len(request.output_token_ids),
                     images=images,
+                    queue_seconds=request.queue_seconds
+                    if len(request.output_token_ids) == 1
+                    else None,
                 )
             )
         return outputs

@@ -8,6 +8,7 @@ request's (see image_encoder.py)."""
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,8 @@ class Request:
     grammar: GrammarMatcher | None = None  # structured output: where the output is in it
 
     num_cached_tokens: int = 0  # found in the prefix cache at the first admission (usage)
+    added_at: float = field(default_factory=time.monotonic)  # when the engine took it
+    queue_seconds: float | None = None  # from `added_at` to its first step
     page_table: PageTable = field(default_factory=PageTable)
 
     @property

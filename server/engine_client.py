@@ -92,6 +92,8 @@ class _InFlight:
                 following.logprobs = (item.logprobs or []) + (following.logprobs or [])
             if following.images is None:  # the image report comes once, on the first token
                 following.images = item.images
+            if following.queue_seconds is None:  # so does the queue time
+                following.queue_seconds = item.queue_seconds
             item = following  # counts are totals, so the later output's are right
         return item
 

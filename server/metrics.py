@@ -21,9 +21,9 @@ replica label. The `vllm:*` engine series always carry vLLM's `engine="r"` label
 ("0" for a single scheduler). The per-request series are the server's, over all
 replicas: the server does not know which replica ran a request.
 
-Not exposed: `vllm:request_queue_time_seconds` and vLLM's prefill, decode and inference
-times. They need the scheduler's per-request timestamps (queued, first scheduled), and
-`RequestOutput` carries none; the server alone cannot tell queueing from prefill.
+`vllm:request_queue_time_seconds` is the scheduler's own figure (from its admission of a
+request to the request's first step), carried by the first output. Not exposed: vLLM's
+prefill, decode and inference times.
 
 Every board has its own `CollectorRegistry`, so several apps in one process (tests)
 never clash. Before the first stats arrive, every value reads zero.
@@ -226,6 +226,10 @@ class MetricsBoard:
         self.observed.iris_first_token.observe(seconds)
         self.observed.first_token.observe(seconds)
 
+    def observe_queue_time(self, seconds: float) -> None:
+        """A request waited `seconds` in the scheduler before its first step."""
+        self.observed.queue_time.observe(seconds)
+
     def observe_finished(
         self,
         finish_reason: str,
@@ -289,6 +293,12 @@ class _ServerSeries:
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds",
             f"From a request's arrival at the server to its last output; {finished}.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "From the scheduler's admission of a request to its first step (waiting for a "
+            "batch slot and KV pages); observed with its first token.",
             VLLM_REQUEST_LATENCY_BUCKETS,
         )
         self.prompt_tokens = histogram(

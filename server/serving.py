@@ -324,6 +324,8 @@ class OpenAIServing:
                         received.append((time.perf_counter(), len(output.new_token_ids)))
                         if len(received) == 1:
                             self.metrics.observe_first_token(received[0][0] - arrival)
+                    if output.queue_seconds is not None:
+                        self.metrics.observe_queue_time(output.queue_seconds)
                     usage = _usage(output, usage)
                     reason = output.finish_reason if output.finished else None
                     piece = text.update(output.new_token_ids, finish_reason=reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -160,3 +161,29 @@ def test_duplicate_request_ids_are_rejected(engine):
     with pytest.raises(ValueError, match="already running"):
         engine.add_request("dup", prompt(), Sampling(max_tokens=2))
     list(engine.run_until_idle())
+
+
+def test_the_queue_time_is_the_wait_for_a_batch_slot(qwen2_5_vl_tiny):
+    """With one sequence at a time, the second request waits in the scheduler until the
+    first has finished: its queue time (on its first output only) spans at least the
+    first's last step, while the first waited for nothing but the step it came in."""
+    one_at_a_time = Engine(
+        EngineConfig(model=str(qwen2_5_vl_tiny), device="cpu", max_model_len=256, max_num_seqs=1)
+    )
+    params = Sampling(max_tokens=4, temperature=0.0)
+    one_at_a_time.add_request("first", prompt(), params)
+    one_at_a_time.add_request("second", prompt(start=200), params)
+    added_by = time.monotonic()
+    queue_times: dict[str, list[float | None]] = {"first": [], "second": []}
+    last_step_of_first = None
+    while one_at_a_time.has_unfinished_requests():
+        started = time.monotonic()
+        for out in one_at_a_time.step():
+            queue_times[out.request_id].append(out.queue_seconds)
+            if out.request_id == "first" and out.finished:
+                last_step_of_first = started
+    assert last_step_of_first is not None
+    for outputs in queue_times.values():
+        assert outputs[0] is not None and outputs[0] >= 0 and outputs[1:] == [None] * 3
+    # admitted after the step that finished the first began; added before `added_by`
+    assert queue_times["second"][0] >= last_step_of_first - added_by > 0

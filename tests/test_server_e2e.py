@@ -342,6 +342,7 @@ def test_metrics_count_an_answer_by_the_time_it_arrives(server):
         reason = response.json()["choices"][0]["finish_reason"]
         assert delta[f'vllm:request_success_total{{finished_reason="{reason}"}}'] == 1
         assert delta["vllm:e2e_request_latency_seconds_count"] == 1
+        assert delta["vllm:request_queue_time_seconds_count"] == 1  # the scheduler's
         assert delta["vllm:request_generation_tokens_sum"] == usage["completion_tokens"]
         assert delta["vllm:inter_token_latency_seconds_count"] == usage["completion_tokens"] - 1
         before = after
