@@ -149,3 +149,33 @@ def test_bad_constraints_are_400s_naming_the_field(client):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=USER, **extra)
         assert refused.value.body["param"] == param, refused.value.body
+
+
+# A model that answers with a Hermes tool call, forced by a grammar: auto tool choice
+# then reads the real engine's tokens, streamed and not.
+HERMES_CALL = r'''
+start: "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"" CITY "\", \"days\": " DAYS "}}\n</tool_call>"
+CITY: /[A-Z][a-z]{1,8}/
+DAYS: /[1-7]/
+'''
+
+
+def test_auto_tool_choice_reads_the_engines_hermes_answer(client):
+    forced = {"structured_outputs": {"grammar": HERMES_CALL}}
+    whole = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER, CLOCK], temperature=1.0, seed=2,
+        max_completion_tokens=80, extra_body=forced,
+    ).choices[0]  # fmt: skip
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    [call] = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert call_ok(call.function.name, call.function.arguments)
+    with client.chat.completions.stream(
+        model=MODEL, messages=USER, tools=[WEATHER, CLOCK], temperature=1.0, seed=2,
+        max_completion_tokens=80, extra_body=forced,
+    ) as stream:  # fmt: skip
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls" and streamed.message.content == "Checking."
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (call.function.name, call.function.arguments)  # the same seed: the same answer
+    ]
