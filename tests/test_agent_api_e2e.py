@@ -153,11 +153,11 @@ def test_bad_constraints_are_400s_naming_the_field(client):
 
 # A model that answers with a Hermes tool call, forced by a grammar: auto tool choice
 # then reads the real engine's tokens, streamed and not.
-HERMES_CALL = r'''
+HERMES_CALL = r"""
 start: "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"" CITY "\", \"days\": " DAYS "}}\n</tool_call>"
 CITY: /[A-Z][a-z]{1,8}/
 DAYS: /[1-7]/
-'''
+"""
 
 
 def test_auto_tool_choice_reads_the_engines_hermes_answer(client):
