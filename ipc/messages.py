@@ -384,6 +384,7 @@ class WorkerStats(_Message, tag=_WORKER_STATS):
     image_uuid_hits: int = 0
     image_uuid_misses: int = 0
     image_uuids: int = 0  # uuids the worker remembers now
+    arena_waiting_requests: int = 0  # requests waiting for pins to free arena room
 
 
 ToServer: TypeAlias = TokenBatch | RequestError | EngineStats | WorkerStats

@@ -61,7 +61,14 @@ class ArenaError(RuntimeError):
 
 
 class ArenaFull(ArenaError):
-    """No room even after evicting every unpinned entry: back off, or answer 503."""
+    """No room even after evicting every unpinned entry: wait for pins to be released.
+
+    `nbytes` is the size of the tensor that found no room.
+    """
+
+    def __init__(self, message: str, nbytes: int) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes
 
 
 class EntryTooLarge(ArenaError, ValueError):
@@ -215,7 +222,7 @@ class ShmArena:
             raise KeyError(f"key {key.hex()} is already in arena {self.name}")
         shape = tuple(int(d) for d in shape)
         nbytes = _nbytes(dtype, shape)
-        size = self._header + -(-nbytes // self._align) * self._align
+        size = self.block_bytes(nbytes)
         block = self._reserve(size, nbytes)
         generation, self._next_generation = self._next_generation, self._next_generation + 1
         offset = block + self._header
@@ -290,6 +297,10 @@ class ShmArena:
             raise StaleHandle(f"{handle} is not a live allocation of arena {self.name}")
         return entry
 
+    def block_bytes(self, nbytes: int) -> int:
+        """The room an entry of `nbytes` takes in the arena: its header and padding too."""
+        return self._header + -(-nbytes // self._align) * self._align
+
     @property
     def usage_bytes(self) -> int:
         """Bytes held by pinned and cached entries, headers and padding included."""
@@ -321,7 +332,8 @@ class ShmArena:
                 raise ArenaFull(
                     f"arena {self.name} has no room for {nbytes} bytes: "
                     f"{self._usage} of {self.capacity_bytes} bytes held by "
-                    f"{self._num_pinned} pinned entries, largest free block {largest} bytes"
+                    f"{self._num_pinned} pinned entries, largest free block {largest} bytes",
+                    nbytes,
                 )
             self._free_entry(self._lru.popitem(last=False)[1])
         return block

@@ -57,6 +57,7 @@ def test_help_shows_the_dataclass_defaults_in_the_flags_units():
         (["--allowed-media-domains", "a.org", "b.org"], "worker", "allowed_media_domains",
          ("a.org", "b.org")),
         (["--limit-mm-per-prompt", '{"image": 3}'], "worker", "limit_mm_per_prompt", 3),
+        (["--mm-arena-wait-timeout", "2.5"], "worker", "arena_wait_timeout_s", 2.5),
     ],
 )  # fmt: skip
 def test_a_flag_sets_its_field_in_the_fields_unit(argv, section, field, value):

@@ -73,7 +73,7 @@ WORKERS = [
     WorkerStats(0, 1000, 4096, 1, requests_processed=6, images_processed=3,
                 processor_cache_hits=4, processor_cache_misses=3),
     WorkerStats(1, 500, 4096, 2, requests_processed=2, images_processed=1,
-                processor_cache_hits=1, processor_cache_misses=1),
+                processor_cache_hits=1, processor_cache_misses=1, arena_waiting_requests=2),
 ]  # fmt: skip
 EXPECTED = {
     "iris_num_requests_running": 3,
@@ -96,6 +96,7 @@ EXPECTED = {
     "iris_shm_arena_usage_bytes": 1500,
     "iris_shm_arena_capacity_bytes": 8192,
     "iris_shm_arena_pinned_entries": 3,
+    "iris_shm_arena_waiting_requests": 2,
     "iris_tokenizer_requests_total": 8,
     "iris_tokenizer_images_total": 4,
     "iris_mm_processor_cache_hits_total": 5,

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import math
 import multiprocessing as mp
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,7 +46,7 @@ from iris_serve.ipc.shm_arena import (
 )
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, new_run_dir
 from iris_serve.tokenizer_worker.config import WorkerConfig
-from iris_serve.tokenizer_worker.process import run_worker
+from iris_serve.tokenizer_worker.process import _Loop, _Stop, run_worker
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker, drop_aborted
 from tests.reference import make_image
@@ -328,21 +331,92 @@ def test_bad_input_is_a_400_that_leaks_nothing(
         assert worker.arena.usage_bytes == 0
 
 
-def test_arena_full_is_a_503_until_released(make_worker: Callable[..., TokenizerWorker]):
+def big(seed: int, rid: str) -> TokenizeRequest:
+    """A request for one image of ~1.4 MiB of pixels: one fits a 2 MiB arena, two do not."""
+    return request(chat(image_part(data_url(make_image(300, 200, seed=seed)))), rid=rid)
+
+
+def test_a_full_arena_makes_a_request_wait_for_releases(
+    make_worker: Callable[..., TokenizerWorker],
+):
     worker = make_worker(arena_bytes=2 * MiB)
-    one = worker.handle(request(chat(image_part(data_url(make_image(300, 200, seed=1))))))
-    assert isinstance(one, EngineRequest)  # ~1.4 MiB pinned
-    two = request(chat(image_part(data_url(make_image(300, 200, seed=2)))), rid="r2")
-    busy = worker.handle(two)
-    assert isinstance(busy, RequestError) and (busy.status, busy.type) == (503, "server_busy")
+    one = worker.handle(big(1, "r1"))
+    assert isinstance(one, EngineRequest)
+    assert worker.handle(big(2, "r2")) is None  # waits, holding nothing
+    assert (worker.arena.num_pinned, worker.stats().arena_waiting_requests) == (1, 1)
+    assert worker.retry_waiting() == []  # nothing was released
+    # Meanwhile other requests flow: a text prompt, and a cache hit on the pinned image.
+    assert isinstance(worker.handle(request(prompt="hi", rid="text")), EngineRequest)
+    hit = worker.handle(big(1, "hit"))
+    assert isinstance(hit, EngineRequest) and worker.cache.hits == 1
     release_all(worker, one)
-    done = worker.handle(two)
-    assert isinstance(done, EngineRequest)
+    assert worker.retry_waiting() == []  # the entry is still pinned, by "hit"
+    release_all(worker, hit)
+    [done] = worker.retry_waiting()
+    assert isinstance(done, EngineRequest) and done.request_id == "r2"
+    assert (worker.arena.num_pinned, worker.stats().arena_waiting_requests) == (1, 0)
+    assert worker.expire_waiting(math.inf) == []
     release_all(worker, done)
+    assert worker.arena.num_pinned == 0
+
+
+def test_a_request_that_can_never_fit_is_a_400_at_once(
+    make_worker: Callable[..., TokenizerWorker],
+):
+    worker = make_worker(arena_bytes=2 * MiB)
+    small = worker.handle(request(chat(image_part(data_url(make_image(56, 56)))), rid="s"))
+    assert isinstance(small, EngineRequest)  # pinned: the arena is not empty
     both = chat(*(image_part(data_url(make_image(300, 200, seed=s))) for s in (3, 4)))
-    alone = worker.handle(request(both, rid="r3"))  # needs more than the arena by itself
-    assert isinstance(alone, RequestError) and alone.status == 400
-    assert "need more than the 2097152-byte image arena" in alone.message
+    for rid, pinned in (("r3", 1), ("r4", 0)):  # more than the arena by itself, at once
+        alone = worker.handle(request(both, rid=rid))
+        assert isinstance(alone, RequestError), alone
+        assert (alone.status, alone.param) == (400, "messages")
+        assert "need more than the 2097152-byte image arena" in alone.message
+        assert (worker.arena.num_pinned, len(worker.waiting)) == (pinned, 0)
+        if pinned:
+            release_all(worker, small)
+    # One that waited is a 400 once nothing else holds the arena and it still finds no room.
+    worker = make_worker(arena_bytes=2 * MiB)
+    one = worker.handle(big(1, "r1"))
+    assert isinstance(one, EngineRequest)
+    assert worker.handle(request(both, rid="r5")) is None  # its first image alone finds no room
+    release_all(worker, one)
+    [late] = worker.retry_waiting()
+    assert (late.request_id, late.status, late.param) == ("r5", 400, "messages")
+    assert worker.arena.num_pinned == 0
+
+
+def test_abort_while_waiting_drops_the_request_with_nothing_pinned(
+    make_worker: Callable[..., TokenizerWorker],
+):
+    worker = make_worker(arena_bytes=2 * MiB)
+    one = worker.handle(big(1, "r1"))
+    assert isinstance(one, EngineRequest)
+    assert worker.handle(big(2, "r2")) is None
+    assert worker.handle(AbortRequest("r2")) == AbortEngineRequest("r2")
+    assert worker.stats().arena_waiting_requests == 0
+    release_all(worker, one)
+    assert worker.retry_waiting() == []  # no answer: it is gone
+    assert worker.arena.num_pinned == 0
+
+
+def test_a_wait_past_its_timeout_is_a_503(make_worker: Callable[..., TokenizerWorker]):
+    worker = make_worker(arena_bytes=2 * MiB, arena_wait_timeout_s=0.01)
+    one = worker.handle(big(1, "r1"))
+    assert isinstance(one, EngineRequest)
+    assert worker.handle(big(2, "r2")) is None
+    assert worker.expire_waiting(time.monotonic() - 60) == []  # before its deadline
+    [busy] = worker.expire_waiting(time.monotonic() + 1)
+    assert (busy.request_id, busy.status, busy.type) == ("r2", 503, "server_busy")
+    assert "stayed full of images in flight for 0.01 s" in busy.message
+    assert (worker.arena.num_pinned, len(worker.waiting)) == (1, 0)
+    assert worker.handle(big(3, "r3")) is None
+    [stopped] = worker.drop_waiting()  # the worker stops: every waiting request is a 503
+    assert (stopped.request_id, stopped.status, stopped.type) == ("r3", 503, "server_busy")
+    at_once = make_worker(arena_bytes=2 * MiB, arena_wait_timeout_s=0)
+    assert isinstance(at_once.handle(big(1, "r1")), EngineRequest)
+    busy = at_once.handle(big(2, "r2"))  # no waiting at all
+    assert isinstance(busy, RequestError) and (busy.status, busy.type) == (503, "server_busy")
 
 
 def test_unexpected_errors_are_500s_and_release_pins(worker: TokenizerWorker, monkeypatch):
@@ -454,3 +528,87 @@ def test_worker_process_start_up_failure_is_reported_and_cleaned_up(
     assert (name, ok, process.exitcode) == ("tokenizer-1", False, 1)
     assert "ZMQError" in reason
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(instance_prefix(instance))]
+
+
+# --- the loop: waiting for arena room -----------------------------------------------------
+
+
+Sockets = tuple[PushSocket, PushSocket, PullSocket, PullSocket]
+
+
+@contextlib.contextmanager
+def loop_in_thread(builder: PromptBuilder, instance: str, **config: Any) -> Iterator[Sockets]:
+    """The worker process's loop, over a 2 MiB arena and real sockets, in a thread; yields
+    the sockets of the server (requests), the scheduler (releases) and their inboxes."""
+    run_dir = new_run_dir()
+    cfg = WorkerConfig(0, str(builder.model_dir), str(run_dir), instance, 2 * MiB, **config)
+    scheduler = PullSocket(TOKENIZER_TO_SCHEDULER, ipc_address(run_dir, "scheduler"))
+    server = PullSocket(TO_SERVER, ipc_address(run_dir, "server"))
+    requests = PushSocket(SERVER_TO_TOKENIZER, ipc_address(run_dir, "tokenizer-0"))
+    releases = PushSocket(SCHEDULER_TO_TOKENIZER, ipc_address(run_dir, "release-0"))
+    stop = _Stop()
+
+    def run() -> None:
+        arena = ShmArena(segment_name(instance, 0), cfg.arena_bytes)
+        worker = TokenizerWorker(cfg, builder, arena)
+        loop = _Loop(cfg, worker, stop)
+        try:
+            loop.run()
+        finally:
+            loop.close()
+            worker.close()
+
+    thread = threading.Thread(target=run, name="tokenizer-0")
+    thread.start()
+    try:
+        yield requests, releases, scheduler, server
+    finally:
+        stop.set()
+        thread.join(30)
+        for socket in (scheduler, server, requests, releases):
+            socket.close(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert not thread.is_alive()
+
+
+def stats_until(server: PullSocket, ok: Callable[[WorkerStats], bool]) -> WorkerStats:
+    """The first WorkerStats that is `ok` (no RequestError before it), within 30 s."""
+    deadline = time.monotonic() + 30
+    while (left := deadline - time.monotonic()) > 0:
+        message = server.recv(left)
+        assert not isinstance(message, RequestError), message
+        if isinstance(message, WorkerStats) and ok(message):
+            return message
+    raise AssertionError("no such WorkerStats within 30 s")
+
+
+def test_the_loop_serves_others_while_a_request_waits(builder: PromptBuilder, instance: str):
+    with loop_in_thread(builder, instance) as (requests, releases, scheduler, server):
+        requests.send(big(1, "r1"))
+        one = receive(scheduler, EngineRequest)
+        requests.send(big(2, "r2"))  # the arena is full: it waits
+        requests.send(big(3, "r3"))  # and this one behind it
+        requests.send(request(prompt="hi", rid="text"))
+        assert receive(scheduler, EngineRequest).request_id == "text"  # the loop is not held
+        stats_until(server, lambda s: s.arena_waiting_requests == 2)
+        requests.send(AbortRequest("r3"))
+        assert receive(scheduler, AbortEngineRequest) == AbortEngineRequest("r3")
+        stats_until(server, lambda s: s.arena_waiting_requests == 1)
+        releases.send(ReleaseImages([one.images[0].pixels.handle]))
+        two = receive(scheduler, EngineRequest)
+        assert two.request_id == "r2" and two.images[0].pixels is not None
+        releases.send(ReleaseImages([two.images[0].pixels.handle]))
+        # The aborted request is not tried again: nothing stays pinned, nothing waits.
+        stats_until(server, lambda s: (s.arena_pinned_entries, s.arena_waiting_requests) == (0, 0))
+        assert scheduler.recv(0) is None
+
+
+def test_the_loop_answers_a_wait_past_its_timeout_with_a_503(builder: PromptBuilder, instance: str):
+    with loop_in_thread(builder, instance, arena_wait_timeout_s=0.2) as sockets:
+        requests, _, scheduler, server = sockets
+        requests.send(big(1, "r1"))
+        receive(scheduler, EngineRequest)
+        requests.send(big(2, "r2"))
+        busy = receive(server, RequestError)
+        assert (busy.request_id, busy.status, busy.type) == ("r2", 503, "server_busy")
+        assert scheduler.recv(0) is None

@@ -36,7 +36,9 @@ class WorkerConfig:
     of the images in flight and, in the rest, the processor cache (LRU, evicted only when
     room is needed; `processor_cache`): it bounds the cache in bytes. With
     `enable_processor_cache=False` nothing is kept: every image is decoded and processed,
-    and its entry is freed when the scheduler releases it.
+    and its entry is freed when the scheduler releases it. A request whose images find
+    the arena full of pinned entries waits up to `arena_wait_timeout_s` for releases
+    (`arena_wait`).
     """
 
     worker_id: int
@@ -70,6 +72,17 @@ class WorkerConfig:
         metadata=_flag(
             "--disable-mm-processor-cache",
             "decode and process every image; the arena only carries the images in flight",
+            group=_CACHES,
+        ),
+    )
+    arena_wait_timeout_s: float = field(
+        default=30.0,
+        metadata=_flag(
+            "--mm-arena-wait-timeout",
+            "seconds a request waits for room in a tokenizer worker's arena while requests "
+            "in flight pin it all, before a 503 (0: the 503 at once)",
+            min=0,
+            metavar="SECONDS",
             group=_CACHES,
         ),
     )

@@ -7,21 +7,26 @@ Sockets, all `ipc_address(run_dir, name)`:
     PUSH connect  scheduler        EngineRequest / AbortEngineRequest
     PUSH connect  server           RequestError, WorkerStats
 
-The loop reads prose: wait (bounded) for either socket, apply releases first (they free
-arena room), then handle the queued requests one by one, applying releases between them,
-and report the gauges when they changed. SIGTERM/SIGINT end it after the current
-request (or when the launcher died); the arena is removed on the way out. No request
-can kill the loop.
+The loop reads prose: wait (bounded, and never past the deadline of a request waiting
+for arena room) for either socket, apply releases first (they free arena room, and the
+requests waiting for it are tried again), then handle the queued requests one by one,
+applying releases between them, answer the waits that timed out, and report the gauges
+when they changed. A request waiting for arena room holds nothing and blocks nothing:
+the loop goes on serving others (`arena_wait`). SIGTERM/SIGINT end it after the current
+request (or when the launcher died), with a 503 for the requests still waiting; the
+arena is removed on the way out. No request can kill the loop.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +139,7 @@ class _Loop:
         poller.register(self.releases.socket, zmq.POLLIN)
         parent = multiprocessing.parent_process()
         while not self.stop.requested:
-            ready = dict(poller.poll(round(POLL_SECONDS * 1000)))
+            ready = dict(poller.poll(self._poll_ms()))
             if not ready and parent is not None and not parent.is_alive():
                 logger.error("the launcher died; stopping")
                 break
@@ -145,16 +150,34 @@ class _Loop:
                         break
                     self._apply_releases()
                     self._serve(message)
+            self._answer(self.worker.expire_waiting(time.monotonic()))
             self._send_stats(rate_limited=bool(ready))
+        self._answer(self.worker.drop_waiting())
 
     def close(self) -> None:
         for socket in self.sockets:
             socket.close()  # lingers up to a second for unsent replies
         self.ctx.destroy(linger=0)  # also closes a socket whose bind failed
 
+    def _poll_ms(self) -> int:
+        """The poll's timeout: `POLL_SECONDS`, or less up to a waiting request's deadline."""
+        timeout = POLL_SECONDS
+        deadline = self.worker.waiting.next_deadline()
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+        return math.ceil(timeout * 1000)
+
     def _apply_releases(self) -> None:
         for message in self._receive(self.releases, None):
             self.worker.release(message)
+        self._answer(self.worker.retry_waiting())
+
+    def _answer(self, replies: Sequence[EngineRequest | RequestError]) -> None:
+        """Replies to requests that waited for arena room (after the gauges)."""
+        if replies:
+            self._send_stats(rate_limited=False)
+            for reply in replies:
+                self._send(reply)
 
     def _receive(self, socket: PullSocket, limit: int | None) -> list[Any]:
         messages: list[Any] = []
@@ -175,7 +198,8 @@ class _Loop:
             # The counters go out before the request does, so by the time its answer
             # reaches a client, /metrics already counts it (and shows its pins).
             self._send_stats(rate_limited=False)
-            self._send(reply)
+            if reply is not None:  # None: it waits for arena room
+                self._send(reply)
         except Exception as e:  # a bug; `handle` already turns request errors into replies
             logger.exception("failed to serve %r", message.request_id)
             if isinstance(message, TokenizeRequest):

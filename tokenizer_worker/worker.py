@@ -1,8 +1,12 @@
 """The tokenizer worker's logic, free of processes and sockets (tested in-process).
 
     TokenizeRequest → EngineRequest (token ids + one pinned arena pointer per image)
-                      or RequestError (400 for the client's mistakes, 503 arena full, 500)
-    AbortRequest    → AbortEngineRequest (always; the scheduler ignores unknown ids)
+                      or RequestError (400 for the client's mistakes, 500)
+                      or nothing yet: the arena is full of pinned entries, the request
+                      waits for releases (`arena_wait`; `retry_waiting` answers it, or
+                      `expire_waiting` with a 503 at its deadline)
+    AbortRequest    → AbortEngineRequest (always; the scheduler ignores unknown ids),
+                      and a waiting request is dropped
     ReleaseImages   → unpin
 
 Per image: fetch the encoded bytes, key them with the processor settings (invariant 2),
@@ -18,6 +22,8 @@ leaks no arena byte (entries stay cached, unpinned).
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +51,7 @@ from iris_serve.ipc.shm_arena import (
     StaleHandle,
     segment_name,
 )
+from iris_serve.tokenizer_worker.arena_wait import WaitingRequests
 from iris_serve.tokenizer_worker.chat import ChatError, ImagePart, parse_messages
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.image_embeds import embeds_key, read_embeds
@@ -66,6 +73,15 @@ class BadRequest(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class _NoRoom(Exception):
+    """The arena is full of pinned entries; the request, its pins dropped, needs at least
+    `needed` bytes of it (its images so far and the one that found no room)."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(needed)
+        self.needed = needed
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,8 @@ class TokenizerWorker:
         )
         self.fetcher = fetcher or MediaFetcher.from_config(config)
         self.uuids = ImageUuids(config.max_image_uuids)
+        self.waiting = WaitingRequests()
+        self._room_freed = False  # pins were dropped since the waiting requests' last try
         self.requests_processed = 0
         self.images_processed = 0  # decoded and processed (cache misses, or all if disabled)
 
@@ -116,33 +134,82 @@ class TokenizerWorker:
 
     # --- messages in -------------------------------------------------------------
 
-    def handle(self, message: ServerToTokenizer) -> Reply:
+    def handle(self, message: ServerToTokenizer) -> Reply | None:
+        """The reply; None while the request waits for arena room (see `tokenize`)."""
         if isinstance(message, AbortRequest):
+            self.waiting.remove(message.request_id)  # it holds no pins
             return AbortEngineRequest(message.request_id)
         return self.tokenize(message)
 
-    def tokenize(self, request: TokenizeRequest) -> EngineRequest | RequestError:
-        rid = request.request_id
+    def tokenize(self, request: TokenizeRequest) -> EngineRequest | RequestError | None:
+        """The request's reply, or None when its images find the arena full of pinned
+        entries: it then waits, holding nothing, up to `arena_wait_timeout_s` (0: a 503
+        at once), and `retry_waiting` or `expire_waiting` answers it."""
         self.requests_processed += 1
+        reply = self._attempt(request)
+        if reply is not None:
+            return reply
+        timeout = self.config.arena_wait_timeout_s
+        if timeout <= 0:
+            return self._busy(request.request_id, "the image arena is full of images in flight")
+        logger.info("request %s waits up to %g s for arena room", request.request_id, timeout)
+        self.waiting.add(request, time.monotonic() + timeout)
+        return None
+
+    def retry_waiting(self) -> list[EngineRequest | RequestError]:
+        """The replies of the waiting requests that can now be answered: tried oldest
+        first, once pins were dropped since the last try, up to the first one that still
+        finds no room (it and those behind it keep waiting)."""
+        if not self._room_freed:
+            return []
+        self._room_freed = False
+        replies: list[EngineRequest | RequestError] = []
+        while (request := self.waiting.first()) is not None:
+            reply = self._attempt(request)
+            if reply is None:
+                break
+            self.waiting.remove(request.request_id)
+            replies.append(reply)
+        return replies
+
+    def expire_waiting(self, now: float) -> list[RequestError]:
+        """A 503 for every waiting request whose deadline is `now` or earlier."""
+        timeout = self.config.arena_wait_timeout_s
+        why = f"the image arena stayed full of images in flight for {timeout:g} s"
+        return [self._busy(r.request_id, why) for r in self.waiting.expired(now)]
+
+    def drop_waiting(self) -> list[RequestError]:
+        """A 503 for every waiting request (the worker stops)."""
+        why = "the tokenizer worker stopped while the request waited for image arena room"
+        return [self._busy(r.request_id, why) for r in self.waiting.expired(math.inf)]
+
+    def _busy(self, rid: str, why: str) -> RequestError:
+        logger.warning("request %s: %s", rid, why)
+        return RequestError(rid, 503, f"{why}: retry later", type="server_busy")
+
+    def _attempt(self, request: TokenizeRequest) -> EngineRequest | RequestError | None:
+        """One try at a request: its reply, or None when it should wait for arena room."""
+        rid = request.request_id
         try:
             return self._tokenize(request)
         except (BadRequest, ChatError, MediaError) as e:
             return RequestError(rid, e.status, e.message, param=e.param)
         except EntryTooLarge as e:
-            return RequestError(rid, 400, f"an image is too large for the arena: {e}")
-        except ArenaFull as e:
-            if self.arena.num_pinned == 0:  # only this request's own images were in the way
+            return RequestError(
+                rid, 400, f"an image is too large for the arena: {e}", param="messages"
+            )
+        except _NoRoom as e:
+            # Never fits: more than the whole arena, or nothing else holds it any more.
+            if e.needed > self.arena.capacity_bytes or self.arena.num_pinned == 0:
                 return RequestError(
                     rid,
                     400,
                     f"the images of this prompt need more than the {self.arena.capacity_bytes}"
                     "-byte image arena of a tokenizer worker: send fewer or smaller images, "
                     "or lower max_pixels",
+                    param="messages",
                 )
-            logger.warning("request %s: %s", rid, e)
-            return RequestError(
-                rid, 503, "the image arena is full, retry later", type="server_busy"
-            )
+            return None
         except Exception as e:
             logger.exception("request %s failed", rid)
             return RequestError(
@@ -158,6 +225,7 @@ class TokenizerWorker:
         for handle in message.handles:
             try:
                 self.arena.release(handle)
+                self._room_freed = True
             except StaleHandle as e:
                 logger.warning("ignored a release: %s", e)
 
@@ -166,6 +234,7 @@ class TokenizerWorker:
         for image in request.images:
             if image.pixels is not None:
                 self.arena.release(image.pixels)
+                self._room_freed = True
 
     def stats(self) -> WorkerStats:
         return WorkerStats(
@@ -180,6 +249,7 @@ class TokenizerWorker:
             image_uuid_hits=self.uuids.hits,
             image_uuid_misses=self.uuids.misses,
             image_uuids=len(self.uuids),
+            arena_waiting_requests=len(self.waiting),
         )
 
     # --- one request -------------------------------------------------------------
@@ -315,6 +385,12 @@ class TokenizerWorker:
                 if not part.has_data:
                     assert part.uuid is not None  # `parse_messages` gives it a URL or a uuid
                     images[index] = self._recalled(part.uuid, size)
+        except ArenaFull as e:
+            held = [image for image in images if image is not None]
+            sizes = {i.pointer.offset: i.pointer.nbytes for i in held if i.pointer is not None}
+            needed = sum(map(self.arena.block_bytes, [*sizes.values(), e.nbytes]))
+            self._unpin(held)
+            raise _NoRoom(needed) from e
         except BaseException:
             self._unpin([image for image in images if image is not None])
             raise

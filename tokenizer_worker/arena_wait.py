@@ -1,0 +1,46 @@
+"""The requests waiting for room in a full arena: backpressure instead of a 503.
+
+A request whose images find the arena full of entries pinned by the requests in flight
+waits here, holding nothing: its own pins are dropped at once (their entries stay
+cached), so two waiting requests can never each hold part of the room the other needs.
+When the scheduler releases pins, the oldest waiting request is tried again from the
+start (the images it had already processed are cache hits, unless evicted meanwhile),
+then the next while they fit; one that still finds no room keeps its place and its
+deadline, and those behind it keep waiting, so a large request is not starved by the
+smaller ones queued after it. New requests are tried at once, whatever waits. A request
+still waiting at its deadline gets a 503; an abort drops it without an answer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from iris_serve.ipc.messages import TokenizeRequest
+
+
+class WaitingRequests:
+    """Oldest first, each with its deadline (`time.monotonic()` seconds)."""
+
+    def __init__(self) -> None:
+        self._queue: OrderedDict[str, tuple[TokenizeRequest, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, request: TokenizeRequest, deadline: float) -> None:
+        self._queue[request.request_id] = (request, deadline)
+
+    def first(self) -> TokenizeRequest | None:
+        return next(iter(self._queue.values()))[0] if self._queue else None
+
+    def remove(self, request_id: str) -> TokenizeRequest | None:
+        waiting = self._queue.pop(request_id, None)
+        return None if waiting is None else waiting[0]
+
+    def expired(self, now: float) -> list[TokenizeRequest]:
+        """Removes and returns the requests whose deadline is `now` or earlier."""
+        late = [rid for rid, (_, deadline) in self._queue.items() if deadline <= now]
+        return [self._queue.pop(rid)[0] for rid in late]
+
+    def next_deadline(self) -> float | None:
+        return min((deadline for _, deadline in self._queue.values()), default=None)
