@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import xxhash
@@ -134,40 +134,36 @@ def _remember(table: OrderedDict, key: Any, worker: int, capacity: int) -> None:
         table.popitem(last=False)
 
 
+def _image_part_dicts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The image parts of chat messages, in order; malformed messages are skipped here
+    (the worker rejects them)."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                    yield part
+
+
 def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str | None, str | None]]:
     """(data, uuid) of each image part that has either, in order, read as the worker reads
     them (`ipc.content_parts`): the data is the URL, or the base64 text of an image_embeds
-    part. Malformed parts are skipped here: the worker rejects them."""
+    part."""
     parts = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                url, uuid = image_part_data(part), image_part_uuid(part)
-                url = url if isinstance(url, str) and url else None
-                uuid = uuid if isinstance(uuid, str) and uuid else None
-                if url is not None or uuid is not None:
-                    parts.append((url, uuid))
+    for part in _image_part_dicts(messages):
+        url, uuid = image_part_data(part), image_part_uuid(part)
+        url = url if isinstance(url, str) and url else None
+        uuid = uuid if isinstance(uuid, str) and uuid else None
+        if url is not None or uuid is not None:
+            parts.append((url, uuid))
     return parts
 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     """The URLs of the image parts of chat messages, in order, read as the worker reads
-    them (`ipc.content_parts.image_part_url`). Malformed parts are skipped here: the
-    worker rejects them."""
-    urls = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                url = image_part_url(part)
-                if isinstance(url, str) and url:
-                    urls.append(url)
-    return urls
+    them (`ipc.content_parts.image_part_url`)."""
+    urls = (image_part_url(part) for part in _image_part_dicts(messages))
+    return [url for url in urls if isinstance(url, str) and url]
 
 
 def affinity_hash(url: str) -> int:
