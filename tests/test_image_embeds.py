@@ -25,12 +25,12 @@ from iris_serve.ipc.messages import (
     Sampling,
     TokenizeRequest,
 )
-from iris_serve.ipc.shm_arena import ShmArena, ShmReader, instance_prefix, segment_name, sweep
+from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.scheduler.engine import Engine, RefusedImage
-from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import cpu_engine, make_image
+from tests.worker_harness import worker_factory
 
 MiB = 1 << 20
 SAMPLING = Sampling(max_tokens=6, temperature=0.0)
@@ -72,19 +72,8 @@ def builder(qwen2_5_vl_tiny: Path) -> PromptBuilder:
 @pytest.fixture
 def make_worker(builder: PromptBuilder, tmp_path: Path) -> Iterator[Callable[..., TokenizerWorker]]:
     instance = f"test-{uuidlib.uuid4().hex[:12]}"
-    workers: list[TokenizerWorker] = []
-
-    def make(**config: Any) -> TokenizerWorker:
-        config.setdefault("enable_mm_embeds", True)
-        cfg = WorkerConfig(0, str(builder.model_dir), str(tmp_path), instance, 16 * MiB, **config)
-        arena = ShmArena(segment_name(instance, len(workers)), 16 * MiB, worker_id=0)
-        workers.append(TokenizerWorker(cfg, builder, arena))
-        return workers[-1]
-
-    yield make
-    for worker in workers:
-        worker.close()
-    sweep(instance_prefix(instance))
+    with worker_factory(builder, instance, tmp_path, enable_mm_embeds=True) as make:
+        yield lambda **config: make(16 * MiB, **config)
 
 
 def test_embeds_are_off_unless_enabled(make_worker):

@@ -20,15 +20,14 @@ from iris_serve.ipc.messages import (
     Sampling,
     TokenizeRequest,
 )
-from iris_serve.ipc.shm_arena import ShmArena, instance_prefix, segment_name, sweep
 from iris_serve.scheduler.engine import Engine, RefusedImage
 from iris_serve.server.image_router import ImageRouter, affinity_hash, image_parts
-from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.image_uuids import Binding, ImageUuids
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import cpu_engine, make_image
 from tests.test_tokenizer_worker import data_url, image_part
+from tests.worker_harness import worker_factory
 
 MiB = 1 << 20
 SAMPLING = Sampling(max_tokens=4, temperature=0.0)
@@ -61,21 +60,8 @@ def builder(qwen2_vl_tiny: Path) -> PromptBuilder:
 
 @pytest.fixture
 def make_worker(builder: PromptBuilder, tmp_path: Path) -> Iterator[Callable[..., TokenizerWorker]]:
-    instance = f"test-{uuidlib.uuid4().hex[:12]}"
-    workers: list[TokenizerWorker] = []
-
-    def make(arena_bytes: int = 64 * MiB, **config: Any) -> TokenizerWorker:
-        cfg = WorkerConfig(
-            0, str(builder.model_dir), str(tmp_path), instance, arena_bytes, **config
-        )
-        arena = ShmArena(segment_name(instance, len(workers)), arena_bytes, worker_id=0)
-        workers.append(TokenizerWorker(cfg, builder, arena))
-        return workers[-1]
-
-    yield make
-    for worker in workers:
-        worker.close()
-    sweep(instance_prefix(instance))
+    with worker_factory(builder, f"test-{uuidlib.uuid4().hex[:12]}", tmp_path) as make:
+        yield make
 
 
 # --- the worker -------------------------------------------------------------------------

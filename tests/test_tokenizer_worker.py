@@ -50,6 +50,7 @@ from iris_serve.tokenizer_worker.process import _Loop, _Stop, run_worker
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker, drop_aborted
 from tests.reference import make_image
+from tests.worker_harness import worker_factory
 
 MiB = 1 << 20
 SAMPLING = Sampling(max_tokens=7, temperature=0.5, seed=3, stop_token_ids=(5,))
@@ -98,21 +99,10 @@ def instance() -> Iterator[str]:
 def make_worker(
     builder: PromptBuilder, instance: str, tmp_path: Path
 ) -> Iterator[Callable[..., TokenizerWorker]]:
-    workers: list[TokenizerWorker] = []
-
-    def make(arena_bytes: int = 64 * MiB, **config: Any) -> TokenizerWorker:
-        config.setdefault("allowed_local_media_path", str(tmp_path))
-        cfg = WorkerConfig(
-            0, str(builder.model_dir), str(tmp_path), instance, arena_bytes, **config
-        )
-        arena = ShmArena(segment_name(instance, len(workers)), arena_bytes, worker_id=0)
-        workers.append(TokenizerWorker(cfg, builder, arena))
-        return workers[-1]
-
-    yield make
-    for worker in workers:
-        worker.close()
-        assert not worker.arena.path.exists()
+    with worker_factory(
+        builder, instance, tmp_path, allowed_local_media_path=str(tmp_path)
+    ) as make:
+        yield make
 
 
 @pytest.fixture
