@@ -111,7 +111,8 @@ def bench_size(arch: str, size: str, quick: bool) -> list[list[object]]:
         builder.render_chat([{"role": "user", "content": [{"type": "image"}] * 4}]),
         [make_image(width, height, seed=s) for s in range(4)],
     )
-    pixels = [pixels.to(iris.device, iris.dtype) for pixels in prompt.pixels]
+    pairs = zip(prompt.pixels, prompt.images, strict=True)
+    pixels = [iris.patches([p], [image.grid_thw]) for p, image in pairs]
     grids = [torch.tensor([image.grid_thw], device=iris.device) for image in prompt.images]
 
     def batched() -> None:

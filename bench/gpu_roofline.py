@@ -121,7 +121,7 @@ def vit_row(engine: Engine, model_dir: Path, size: tuple[int, int], matmul_rate:
         builder.render_chat([{"role": "user", "content": content}]),
         [Image.open(io.BytesIO(jpeg_bytes(*size, seed=7)))],
     )
-    pixels = prompt.pixels[0].to(engine.device, engine.dtype)
+    pixels = engine.patches([prompt.pixels[0]], [prompt.images[0].grid_thw])
     grid = torch.tensor([prompt.images[0].grid_thw])
     params = sum(p.numel() for p in engine.model.visual.parameters())
     with torch.inference_mode():

@@ -19,7 +19,9 @@ from iris_serve.ipc.messages import ImageRef, Prompt
 
 @dataclass(frozen=True)
 class PromptInput:
-    """A prompt descriptor and each image's `pixel_values`, in the order of its images.
+    """A prompt descriptor and each image's pixels, in the order of its images: the image
+    converted and resized as the checkpoint's processor does it, uint8 [H, W, 3] (the
+    engine makes the processor's `pixel_values` from them on its device).
 
     The scheduler process builds one too, from an `EngineRequest` and views of the
     worker's arena; the engine takes nothing else. An image's pixels are None when it

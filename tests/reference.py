@@ -23,8 +23,34 @@ def hf_model(model_dir: str):
     return model.eval()
 
 
+@functools.lru_cache(maxsize=4)
+def hf_image_processor(model_dir: str):
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+
+
+def hf_pixel_values(model_dir: str | Path, pixels: torch.Tensor) -> torch.Tensor:
+    """The processor's `pixel_values` of a resized uint8 image [H, W, 3], made by the
+    processor's own rescale, normalize and patchify (what it does after resizing)."""
+    processor = hf_image_processor(str(model_dir))
+    image = np.moveaxis(pixels.numpy(), -1, 0)  # [C, H, W], as the processor holds it
+    values = processor.rescale(image, processor.rescale_factor)
+    values = processor.normalize(values, processor.image_mean, processor.image_std)
+    rows, _, _ = processor.patchify(
+        values, processor.patch_size, processor.merge_size, processor.temporal_patch_size
+    )
+    return torch.from_numpy(np.ascontiguousarray(rows))
+
+
+def hf_prompt_pixel_values(model_dir: str | Path, prompt: PromptInput) -> torch.Tensor:
+    """The processor's `pixel_values` of all of a prompt's images, concatenated."""
+    return torch.cat([hf_pixel_values(model_dir, pixels) for pixels in prompt.pixels])
+
+
 def hf_generate(model_dir: str | Path, prompt: PromptInput, max_new_tokens: int) -> list[int]:
-    """Greedy `generate` on exactly the engine's token ids and pixel values."""
+    """Greedy `generate` on exactly the engine's token ids and pixels (the processor's
+    `pixel_values` of the same resized images)."""
     model = hf_model(str(model_dir))
     input_ids = torch.tensor([prompt.token_ids])
     inputs: dict[str, torch.Tensor] = {
@@ -32,7 +58,7 @@ def hf_generate(model_dir: str | Path, prompt: PromptInput, max_new_tokens: int)
         "attention_mask": torch.ones_like(input_ids),
     }
     if prompt.images:
-        inputs["pixel_values"] = torch.cat(prompt.pixels)
+        inputs["pixel_values"] = hf_prompt_pixel_values(model_dir, prompt)
         inputs["image_grid_thw"] = torch.tensor([image.grid_thw for image in prompt.images])
         inputs["mm_token_type_ids"] = (input_ids == model.config.image_token_id).int()
     with torch.inference_mode():

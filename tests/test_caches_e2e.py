@@ -148,7 +148,7 @@ def test_two_hundred_requests_under_constant_eviction_leak_nothing(qwen2_vl_tiny
         "--served-model-name", "tiny",
         "--kv-cache-memory", "512KiB",  # 64 pages of 16 tokens: prefix pages evicted constantly
         "--mm-embedding-cache-gb", "0.00002",  # ~20 KB: about one image's embedding
-        "--mm-shm-arena-bytes", "4MiB",  # a handful of processed images per worker
+        "--mm-shm-arena-bytes", "512KiB",  # a handful of resized images per worker
         "--max-model-len", "1024",
     ]  # fmt: skip
     pool = [png_bytes(make_image(40 + 6 * i, 36 + 5 * i, seed=200 + i)) for i in range(12)]

@@ -18,7 +18,7 @@ from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
-from tests.reference import chat_prompt, make_image
+from tests.reference import chat_prompt, hf_prompt_pixel_values, make_image
 
 pytestmark = pytest.mark.gpu
 MAX_NEW = 12
@@ -43,7 +43,9 @@ def _transformers_tokens(model_dir: str, prompt) -> list[int]:
     input_ids = torch.tensor([prompt.token_ids], device="cuda")
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
     if prompt.images:
-        inputs["pixel_values"] = torch.cat(prompt.pixels).to("cuda", torch.bfloat16)
+        inputs["pixel_values"] = hf_prompt_pixel_values(model_dir, prompt).to(
+            "cuda", torch.bfloat16
+        )
         inputs["image_grid_thw"] = torch.tensor(
             [image.grid_thw for image in prompt.images], device="cuda"
         )

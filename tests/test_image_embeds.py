@@ -170,7 +170,8 @@ def vision_tower(engine: Engine, prompt: PromptInput) -> torch.Tensor:
     [pixels], [image] = prompt.pixels, prompt.images
     assert pixels is not None
     with torch.no_grad():
-        return engine.model.encode_images(pixels, torch.tensor([image.grid_thw])).clone()
+        pixel_values = engine.patches([pixels], [image.grid_thw])
+        return engine.model.encode_images(pixel_values, torch.tensor([image.grid_thw])).clone()
 
 
 def as_embeds(prompt: PromptInput, embedding: torch.Tensor, key: bytes = b"e" * 16) -> PromptInput:

@@ -32,7 +32,7 @@ from tests.worker_harness import worker_factory
 MiB = 1 << 20
 SAMPLING = Sampling(max_tokens=4, temperature=0.0)
 SMALL = data_url(make_image(64, 48, seed=1))
-BIG = [data_url(make_image(300, 200, seed=s)) for s in (2, 3)]  # ~1.4 MiB of pixels each
+BIG = [data_url(make_image(300, 200, seed=s)) for s in (2, 3)]  # 177 KiB of pixels each
 
 
 def uuid_part(uuid: Any, url: str | None = None) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def test_an_unknown_uuid_is_a_400_naming_the_part_before_any_work(make_worker):
 
 
 def test_evicted_pixels_leave_the_image_to_the_embedding_cache(make_worker):
-    worker = make_worker(arena_bytes=2 * MiB)
+    worker = make_worker(arena_bytes=256 << 10)  # one BIG image, not two
     bound = ask(worker, uuid_part("shot", BIG[0]))
     release(worker, bound)
     other = ask(worker, image_part(BIG[1]))  # needs the room: evicts "shot"'s pixels

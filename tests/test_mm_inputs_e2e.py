@@ -128,9 +128,10 @@ def test_an_unknown_uuid_is_a_400_naming_the_part(client, server):
 
 def test_embeds_from_the_model_s_own_vision_tower_answer_as_the_image_does(client, qwen2_5_vl_tiny):
     builder, engine = PromptBuilder(qwen2_5_vl_tiny), cpu_engine(qwen2_5_vl_tiny)
-    pixels, grid = builder.process_image(image(20))
+    pixels, grid = builder.resize_image(image(20))
     with torch.no_grad():
-        embeds = engine.model.encode_images(torch.from_numpy(pixels), torch.tensor([grid]))
+        pixel_values = engine.patches([torch.tensor(pixels)], [grid])
+        embeds = engine.model.encode_images(pixel_values, torch.tensor([grid]))
     saved = io.BytesIO()
     torch.save(embeds.clone(), saved)
     part = {

@@ -30,17 +30,21 @@ from tests.reference import make_image
 from tests.test_tokenizer_worker import chat, data_url, image_part, release_all, request
 
 MiB = 1 << 20
-GRID = (1, 4, 4)  # 16 patch rows, 4 tokens
-ROW = 64  # float32 values per row: 4 KiB of pixels per image
-ENTRY = 64 + prod(GRID) * ROW * 4  # header + data, as the arena counts it
+GRID = (1, 4, 4)  # 16 patches, 4 tokens
+PATCH = 8  # pixels per patch side: a 32x32 uint8 image, 3 KiB
+ENTRY = 64 + prod(GRID) * PATCH * PATCH * 3  # header + data, as the arena counts it
 
 
 def tokens(grid: tuple[int, int, int]) -> int:
     return prod(grid) // 4
 
 
+def pixel_shape(grid: tuple[int, int, int]) -> tuple[int, int, int]:
+    return grid[1] * PATCH, grid[2] * PATCH, 3
+
+
 def pixels(seed: int) -> np.ndarray:
-    return np.full((prod(GRID), ROW), seed, dtype=np.float32)
+    return np.full(pixel_shape(GRID), seed, dtype=np.uint8)
 
 
 def key(n: int) -> bytes:
@@ -61,7 +65,7 @@ def make_cache(instance: str) -> Iterator[Callable[..., ProcessorCache]]:
     def make(entries: int = 3, enabled: bool = True) -> ProcessorCache:
         arena = ShmArena(segment_name(instance, len(arenas)), entries * ENTRY)
         arenas.append(arena)
-        return ProcessorCache(arena, tokens, enabled=enabled)
+        return ProcessorCache(arena, tokens, pixel_shape, enabled=enabled)
 
     yield make
     for arena in arenas:
@@ -86,7 +90,7 @@ def test_lru_eviction_is_bounded_by_the_arena_bytes(make_cache):
     with ShmReader() as reader:
         for n in (1, 3, 4):
             hit = cache.lookup(key(n))
-            assert hit is not None and float(reader.view(hit.pointer)[0, 0]) == n
+            assert hit is not None and int(reader.view(hit.pointer)[0, 0, 0]) == n
             cache.arena.release(hit.pointer)
     assert (cache.hits, cache.misses) == (4, 1)
 
@@ -122,9 +126,9 @@ def test_disabled_cache_keeps_nothing(make_cache):
 
 def test_a_hit_is_checked_against_its_grid_and_token_count(make_cache):
     cache = make_cache()
-    wrong_rows = cache.arena.put(key(1), pixels(1)[:8], meta=(GRID, 4))
+    wrong_shape = cache.arena.put(key(1), pixels(1)[:8], meta=(GRID, 4))
     wrong_tokens = cache.arena.put(key(2), pixels(2), meta=(GRID, 5))
-    for pointer in (wrong_rows, wrong_tokens):
+    for pointer in (wrong_shape, wrong_tokens):
         cache.arena.release(pointer)
     for n in (1, 2):
         with pytest.raises(CorruptEntry, match="do not match its grid"):
@@ -171,9 +175,9 @@ class Spy:
 
 @pytest.fixture
 def spies(monkeypatch, builder: PromptBuilder) -> tuple[Spy, Spy]:
-    decode, process = Spy(worker_module.decode_image), Spy(builder.process_image)
+    decode, process = Spy(worker_module.decode_image), Spy(builder.resize_image)
     monkeypatch.setattr(worker_module, "decode_image", decode)
-    monkeypatch.setattr(builder, "process_image", process)
+    monkeypatch.setattr(builder, "resize_image", process)
     return decode, process
 
 

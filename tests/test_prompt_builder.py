@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iris_serve.scheduler.patches import PatchMaker
 from iris_serve.scheduler.tiny_checkpoint import reference_processor
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import make_image
@@ -38,7 +39,10 @@ def test_token_ids_pixels_and_spans_match_the_hf_processor(arch, tiny_checkpoint
     reference = reference_processor(model_dir)
     expected = reference(text=[text], images=images, return_tensors="pt")
     assert prompt.token_ids == expected["input_ids"][0].tolist()
-    torch.testing.assert_close(torch.cat(prompt.pixels), expected["pixel_values"])
+    # the uint8 pixels, made into rows as the scheduler makes them: the processor's, exactly
+    patches = PatchMaker.from_checkpoint(model_dir, torch.device("cpu"), torch.float32)
+    grids = [image.grid_thw for image in prompt.images]
+    assert torch.equal(patches(prompt.pixels, grids), expected["pixel_values"])
     assert [image.grid_thw for image in prompt.images] == [
         tuple(g) for g in expected["image_grid_thw"].tolist()
     ]

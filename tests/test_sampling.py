@@ -168,7 +168,13 @@ def test_logit_bias_moves_the_greedy_choice_and_min_p_keeps_transformers_set():
 def test_a_penalty_in_the_engine_gives_transformers_tokens(qwen2_5_vl_tiny):
     """Greedy with repetition_penalty over prompt and output, as `generate` applies it."""
     from iris_serve.tokenizer_worker.prompt import PromptBuilder
-    from tests.reference import chat_prompt, cpu_engine, hf_model, make_image
+    from tests.reference import (
+        chat_prompt,
+        cpu_engine,
+        hf_model,
+        hf_prompt_pixel_values,
+        make_image,
+    )
 
     builder = PromptBuilder(qwen2_5_vl_tiny)
     prompt = chat_prompt(builder, "Say it again and again.", [make_image(48, 40, seed=5)])
@@ -180,7 +186,7 @@ def test_a_penalty_in_the_engine_gives_transformers_tokens(qwen2_5_vl_tiny):
         output = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
-            pixel_values=torch.cat(prompt.pixels),
+            pixel_values=hf_prompt_pixel_values(qwen2_5_vl_tiny, prompt),
             image_grid_thw=torch.tensor([image.grid_thw for image in prompt.images]),
             mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
             max_new_tokens=16,
@@ -196,7 +202,13 @@ def test_logprobs_are_the_log_softmax_of_transformers_logits(qwen3_vl_tiny):
     """Each sampled token's logprob and the top 3 equal transformers' log-softmax at that
     position (teacher-forced on the same tokens), whatever the sampler did after."""
     from iris_serve.tokenizer_worker.prompt import PromptBuilder
-    from tests.reference import chat_prompt, cpu_engine, hf_model, make_image
+    from tests.reference import (
+        chat_prompt,
+        cpu_engine,
+        hf_model,
+        hf_prompt_pixel_values,
+        make_image,
+    )
 
     builder = PromptBuilder(qwen3_vl_tiny)
     prompt = chat_prompt(builder, "Describe it.", [make_image(48, 40, seed=6)])
@@ -214,7 +226,7 @@ def test_logprobs_are_the_log_softmax_of_transformers_logits(qwen3_vl_tiny):
         logits = model(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            pixel_values=torch.cat(prompt.pixels),
+            pixel_values=hf_prompt_pixel_values(qwen3_vl_tiny, prompt),
             image_grid_thw=torch.tensor([image.grid_thw for image in prompt.images]),
             mm_token_type_ids=(ids == model.config.image_token_id).int(),
         ).logits[0, len(prompt.token_ids) - 1 : -1]

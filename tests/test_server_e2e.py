@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
-from tests.reference import hf_generate, make_image
+from tests.reference import hf_generate, hf_prompt_pixel_values, make_image
 from tests.server_harness import iris_server, stop, wait_until_gone
 
 MAX_TOKENS = 12
@@ -160,7 +160,7 @@ def test_logprobs_and_a_penalty_over_http_equal_transformers(server, builder, qw
     prompt = builder.build(builder.render_chat(template), [Image.open(io.BytesIO(image))])
     input_ids = torch.tensor([prompt.token_ids])
     vision = {
-        "pixel_values": torch.cat(prompt.pixels),
+        "pixel_values": hf_prompt_pixel_values(qwen2_5_vl_tiny, prompt),
         "image_grid_thw": torch.tensor([im.grid_thw for im in prompt.images]),
     }
     with torch.inference_mode():

@@ -45,6 +45,7 @@ from iris_serve.ipc.shm_arena import (
     sweep,
 )
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, new_run_dir
+from iris_serve.scheduler.patches import PatchMaker
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.process import _Loop, _Stop, run_worker
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
@@ -53,6 +54,7 @@ from tests.reference import make_image
 from tests.worker_harness import worker_factory
 
 MiB = 1 << 20
+ONE_BIG = 256 << 10  # an arena that holds one `big` image, not two
 SAMPLING = Sampling(max_tokens=7, temperature=0.5, seed=3, stop_token_ids=(5,))
 
 
@@ -127,6 +129,7 @@ def test_chat_with_two_images(worker: TokenizerWorker, builder: PromptBuilder, t
     template[0]["role"] = "system"
     expected = builder.build(builder.render_chat(template), [first, second])
     assert unpack_token_ids(out.token_ids) == expected.token_ids
+    patches = PatchMaker.from_checkpoint(builder.model_dir, torch.device("cpu"), torch.float32)
     with ShmReader() as reader:
         for ref, image, want in zip(out.images, (first, second), expected.images, strict=True):
             assert (ref.offset, ref.length, ref.grid_thw) == (
@@ -134,9 +137,11 @@ def test_chat_with_two_images(worker: TokenizerWorker, builder: PromptBuilder, t
                 want.length,
                 want.grid_thw,
             )
-            assert ref.pixels is not None and ref.pixels.dtype == "float32"
+            assert ref.pixels is not None and ref.pixels.dtype == "uint8"
+            # the arena's uint8 image, made into rows as the scheduler does: transformers'
             hf = builder.image_processor(images=[image], return_tensors="pt")["pixel_values"]
-            torch.testing.assert_close(reader.view(ref.pixels), hf, rtol=0, atol=0)
+            made = patches([reader.view(ref.pixels)], [ref.grid_thw])
+            torch.testing.assert_close(made, hf, rtol=0, atol=0)
             assert len(ref.key) == 16
     assert out.images[0].key != out.images[1].key
     assert worker.arena.num_pinned == 2
@@ -223,12 +228,22 @@ def test_cache_hit_skips_processing_and_min_max_pixels_change_the_key(worker: To
     assert worker.arena.num_pinned == 0
 
 
-def test_a_full_hd_image_costs_a_few_bytes_on_the_wire(worker: TokenizerWorker):
-    out = worker.handle(request(chat(image_part(data_url(make_image(1920, 1080), "JPEG")))))
+def test_a_full_hd_image_costs_a_few_bytes_on_the_wire_and_an_eighth_in_the_arena(
+    worker: TokenizerWorker, builder: PromptBuilder
+):
+    size = builder.image_size(max_pixels=12845056)  # Qwen2-VL's published bound: full size
+    out = worker.handle(
+        request(chat(image_part(data_url(make_image(1920, 1080), "JPEG"))), max_pixels=size[1])
+    )
     assert isinstance(out, EngineRequest)
-    assert out.images[0].length > 1000
+    [image] = out.images
+    assert image.length > 1000
     wire = TOKENIZER_TO_SCHEDULER.encode(out)
     assert len(wire) < 4096 + 4 * out.num_tokens  # no pixel bytes cross ZMQ
+    # 3 bytes per resized pixel, where the processor's float32 rows take 24
+    assert image.pixels is not None and image.pixels.shape == (1092, 1932, 3)
+    float_rows = 4 * 3 * 2 * 14 * 14 * (1092 // 14) * (1932 // 14)
+    assert image.pixels.nbytes == 1092 * 1932 * 3 == float_rows // 8
     release_all(worker, out)
 
 
@@ -289,7 +304,7 @@ BAD_REQUESTS = {
         "aspect ratio",
     ),
     "arena too small": (
-        dict(messages=chat(OK), min_pixels=20_000_000, max_pixels=30_000_000),
+        dict(messages=chat(OK), min_pixels=30_000_000, max_pixels=40_000_000),
         "messages",
         "lower max_pixels",
     ),
@@ -322,14 +337,14 @@ def test_bad_input_is_a_400_that_leaks_nothing(
 
 
 def big(seed: int, rid: str) -> TokenizeRequest:
-    """A request for one image of ~1.4 MiB of pixels: one fits a 2 MiB arena, two do not."""
+    """A request for one image of 177 KiB of pixels: one fits a ONE_BIG arena, two do not."""
     return request(chat(image_part(data_url(make_image(300, 200, seed=seed)))), rid=rid)
 
 
 def test_a_full_arena_makes_a_request_wait_for_releases(
     make_worker: Callable[..., TokenizerWorker],
 ):
-    worker = make_worker(arena_bytes=2 * MiB)
+    worker = make_worker(arena_bytes=ONE_BIG)
     one = worker.handle(big(1, "r1"))
     assert isinstance(one, EngineRequest)
     assert worker.handle(big(2, "r2")) is None  # waits, holding nothing
@@ -353,7 +368,7 @@ def test_a_full_arena_makes_a_request_wait_for_releases(
 def test_a_request_that_can_never_fit_is_a_400_at_once(
     make_worker: Callable[..., TokenizerWorker],
 ):
-    worker = make_worker(arena_bytes=2 * MiB)
+    worker = make_worker(arena_bytes=ONE_BIG)
     small = worker.handle(request(chat(image_part(data_url(make_image(56, 56)))), rid="s"))
     assert isinstance(small, EngineRequest)  # pinned: the arena is not empty
     both = chat(*(image_part(data_url(make_image(300, 200, seed=s))) for s in (3, 4)))
@@ -361,12 +376,12 @@ def test_a_request_that_can_never_fit_is_a_400_at_once(
         alone = worker.handle(request(both, rid=rid))
         assert isinstance(alone, RequestError), alone
         assert (alone.status, alone.param) == (400, "messages")
-        assert "need more than the 2097152-byte image arena" in alone.message
+        assert f"need more than the {ONE_BIG}-byte image arena" in alone.message
         assert (worker.arena.num_pinned, len(worker.waiting)) == (pinned, 0)
         if pinned:
             release_all(worker, small)
     # One that waited is a 400 once nothing else holds the arena and it still finds no room.
-    worker = make_worker(arena_bytes=2 * MiB)
+    worker = make_worker(arena_bytes=ONE_BIG)
     one = worker.handle(big(1, "r1"))
     assert isinstance(one, EngineRequest)
     assert worker.handle(request(both, rid="r5")) is None  # its first image alone finds no room
@@ -379,7 +394,7 @@ def test_a_request_that_can_never_fit_is_a_400_at_once(
 def test_abort_while_waiting_drops_the_request_with_nothing_pinned(
     make_worker: Callable[..., TokenizerWorker],
 ):
-    worker = make_worker(arena_bytes=2 * MiB)
+    worker = make_worker(arena_bytes=ONE_BIG)
     one = worker.handle(big(1, "r1"))
     assert isinstance(one, EngineRequest)
     assert worker.handle(big(2, "r2")) is None
@@ -391,7 +406,7 @@ def test_abort_while_waiting_drops_the_request_with_nothing_pinned(
 
 
 def test_a_wait_past_its_timeout_is_a_503(make_worker: Callable[..., TokenizerWorker]):
-    worker = make_worker(arena_bytes=2 * MiB, arena_wait_timeout_s=0.01)
+    worker = make_worker(arena_bytes=ONE_BIG, arena_wait_timeout_s=0.01)
     one = worker.handle(big(1, "r1"))
     assert isinstance(one, EngineRequest)
     assert worker.handle(big(2, "r2")) is None
@@ -403,7 +418,7 @@ def test_a_wait_past_its_timeout_is_a_503(make_worker: Callable[..., TokenizerWo
     assert worker.handle(big(3, "r3")) is None
     [stopped] = worker.drop_waiting()  # the worker stops: every waiting request is a 503
     assert (stopped.request_id, stopped.status, stopped.type) == ("r3", 503, "server_busy")
-    at_once = make_worker(arena_bytes=2 * MiB, arena_wait_timeout_s=0)
+    at_once = make_worker(arena_bytes=ONE_BIG, arena_wait_timeout_s=0)
     assert isinstance(at_once.handle(big(1, "r1")), EngineRequest)
     busy = at_once.handle(big(2, "r2"))  # no waiting at all
     assert isinstance(busy, RequestError) and (busy.status, busy.type) == (503, "server_busy")
@@ -472,7 +487,7 @@ def test_worker_process(qwen2_vl_tiny: Path, instance: str):
         out = receive(scheduler, EngineRequest)
         assert out.request_id == "r1" and len(out.images) == 1
         with ShmReader() as reader:
-            assert reader.view(out.images[0].pixels).shape[1] == 1176
+            assert reader.view(out.images[0].pixels).shape[2] == 3  # [H, W, RGB]
         releases.send(ReleaseImages([out.images[0].pixels.handle]))
         requests.send(request(chat(image_part("data:image/png;base64,!!")), rid="bad"))
         to_server = receive_through(server, RequestError)
@@ -528,10 +543,10 @@ Sockets = tuple[PushSocket, PushSocket, PullSocket, PullSocket]
 
 @contextlib.contextmanager
 def loop_in_thread(builder: PromptBuilder, instance: str, **config: Any) -> Iterator[Sockets]:
-    """The worker process's loop, over a 2 MiB arena and real sockets, in a thread; yields
+    """The worker process's loop, over a ONE_BIG arena and real sockets, in a thread; yields
     the sockets of the server (requests), the scheduler (releases) and their inboxes."""
     run_dir = new_run_dir()
-    cfg = WorkerConfig(0, str(builder.model_dir), str(run_dir), instance, 2 * MiB, **config)
+    cfg = WorkerConfig(0, str(builder.model_dir), str(run_dir), instance, ONE_BIG, **config)
     scheduler = PullSocket(TOKENIZER_TO_SCHEDULER, ipc_address(run_dir, "scheduler"))
     server = PullSocket(TO_SERVER, ipc_address(run_dir, "server"))
     requests = PushSocket(SERVER_TO_TOKENIZER, ipc_address(run_dir, "tokenizer-0"))

@@ -8,8 +8,8 @@ the same settings. Room is made by evicting the least recently used unpinned ent
 cached + pinned bytes never exceed the arena and an entry pinned by a request in flight
 is never evicted (`ipc.shm_arena`).
 
-A value is the arena entry, the image grid and the token count. Every hit is checked
-against both (DESIGN lessons: a collision or a bug must fail the request loudly, never
+A value is the arena entry (the resized uint8 image, `image_resize`), the image grid and
+the token count. Every hit is checked against both (DESIGN lessons: a collision or a bug must fail the request loudly, never
 hand out another image's pixels or a wrong number of placeholder tokens).
 
 Disabled (`--disable-mm-processor-cache`): no lookup; every image is decoded and
@@ -20,7 +20,6 @@ at zero (there are no lookups); the key is still sent along, for the scheduler's
 from __future__ import annotations
 
 from collections.abc import Callable
-from math import prod
 from typing import NamedTuple
 
 import numpy as np
@@ -43,11 +42,17 @@ class CorruptEntry(RuntimeError):
 
 class ProcessorCache:
     def __init__(
-        self, arena: ShmArena, num_tokens: Callable[[Grid], int], *, enabled: bool = True
+        self,
+        arena: ShmArena,
+        num_tokens: Callable[[Grid], int],
+        pixel_shape: Callable[[Grid], tuple[int, ...]],
+        *,
+        enabled: bool = True,
     ) -> None:
         self.arena = arena
         self.enabled = enabled
         self._num_tokens = num_tokens
+        self._pixel_shape = pixel_shape
         self.hits = 0
         self.misses = 0
 
@@ -60,18 +65,18 @@ class ProcessorCache:
             self.misses += 1
             return None
         grid, num_tokens = hit.meta
-        rows = hit.pointer.shape[0]
-        if rows != prod(grid) or num_tokens != self._num_tokens(grid):
+        shape = tuple(hit.pointer.shape)
+        if shape != self._pixel_shape(grid) or num_tokens != self._num_tokens(grid):
             self.arena.release(hit.pointer)
             raise CorruptEntry(
-                f"processor cache entry {key.hex()} holds {rows} patch rows and "
+                f"processor cache entry {key.hex()} holds pixels of shape {shape} and "
                 f"{num_tokens} tokens, which do not match its grid {grid}"
             )
         self.hits += 1
         return CachedImage(hit.pointer, grid, num_tokens)
 
     def store(self, key: bytes, pixels: np.ndarray | torch.Tensor, grid: Grid) -> CachedImage:
-        """Copy a processed image in, pinned once; kept under `key` when enabled.
+        """Copy a resized image in, pinned once; kept under `key` when enabled.
 
         Raises `ipc.shm_arena.ArenaFull` when pinned entries leave no room.
         """

@@ -4,10 +4,14 @@ Iris does not need transformers' `AutoProcessor` (which needs torchvision for Qw
 it takes the tokenizer and the image processor, and expands every `<|image_pad|>`
 into as many ids as the image has tokens after the patch merger.
 
+An image's pixels, here and in the worker's arena, are the image converted and resized as
+the processor does it, in uint8 (`image_resize`); the scheduler makes the processor's
+`pixel_values` from them on the device.
+
 `PromptBuilder.build` is the in-process path (tests, `iris generate`, benchmarks): the
 descriptor is the wire `Prompt`, and the pixels travel beside it (`ipc.local.PromptInput`).
 The tokenizer worker uses the same pieces (`encode`, `image_size`, `image_settings`,
-`process_image`, `expand`) with its own image fetching, cache and arena.
+`resize_image`, `expand`) with its own image fetching, cache and arena.
 """
 
 from __future__ import annotations
@@ -26,9 +30,7 @@ from transformers import AutoImageProcessor, AutoTokenizer
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import ImageRef, Prompt
 from iris_serve.tokenizer_worker.image_key import image_key
-
-ImageSize = tuple[int, int]  # (min_pixels, max_pixels): the processor's shortest/longest_edge
-Grid = tuple[int, int, int]
+from iris_serve.tokenizer_worker.image_resize import PIXEL_FORMAT, Grid, ImageResizer, ImageSize
 
 
 class PlaceholderMismatch(ValueError):
@@ -42,7 +44,8 @@ class PromptBuilder:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
-        self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
+        self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
+        self.resizer = ImageResizer(self.image_processor)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.image_token_id: int = config["image_token_id"]
         self.video_token_id: int | None = config.get("video_token_id")
@@ -55,14 +58,15 @@ class PromptBuilder:
             processor.size["shortest_edge"],
             processor.size["longest_edge"],
         )
-        self.patch_dim: int = 3 * processor.temporal_patch_size * processor.patch_size**2
         # Every processor setting (whatever changes the pixels is among them), the
-        # processor class and the model; the size comes per request (`image_settings`).
+        # processor class, the pixels' format and the model; the size comes per request
+        # (`image_settings`).
         settings = processor.to_dict()
         settings.pop("size", None)
         self._settings = (
             *((f"processor.{name}", value) for name, value in settings.items()),
             ("processor", type(processor).__name__),
+            ("pixels", PIXEL_FORMAT),
             ("model", str(self.model_dir.resolve())),
         )
 
@@ -80,27 +84,26 @@ class PromptBuilder:
         """What an image key covers besides the encoded bytes (invariant 2)."""
         return (*self._settings, ("size", size or self.default_size))
 
-    def num_patches(self, width: int, height: int, size: ImageSize | None = None) -> int:
-        """Rows of `pixel_values` for an image of this size, without processing it.
+    def pixel_bytes(self, width: int, height: int, size: ImageSize | None = None) -> int:
+        """Bytes of the resized image of a `width` x `height` one, without resizing it.
 
         Raises ValueError for an aspect ratio the processor refuses (over 200).
         """
-        min_pixels, max_pixels = size or self.default_size
-        return self.image_processor.get_number_of_image_patches(
-            height, width, {"min_pixels": min_pixels, "max_pixels": max_pixels}
+        resized_height, resized_width = self.resizer.target_size(
+            width, height, size or self.default_size
         )
+        return resized_height * resized_width * 3
 
-    def process_image(
+    def pixel_shape(self, grid: Grid) -> tuple[int, int, int]:
+        """Shape of the resized uint8 image of a grid: [height, width, 3]."""
+        patch = self.resizer.patch_size
+        return grid[1] * patch, grid[2] * patch, 3
+
+    def resize_image(
         self, image: Image.Image, size: ImageSize | None = None
     ) -> tuple[np.ndarray, Grid]:
-        """float32 `pixel_values` [patches, C*T*P*P] exactly as the processor emits them."""
-        min_pixels, max_pixels = size or self.default_size
-        processed = self.image_processor(
-            images=[image], size={"shortest_edge": min_pixels, "longest_edge": max_pixels}
-        )
-        pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
-        grid = tuple(int(x) for x in processed["image_grid_thw"][0])
-        return pixels, grid  # type: ignore[return-value]
+        """The image converted and resized as the processor does it: uint8 [H, W, 3]."""
+        return self.resizer.resize(image, size or self.default_size)
 
     def num_image_tokens(self, grid: Grid) -> int:
         return grid[0] * grid[1] * grid[2] // self.merge_size**2
@@ -154,7 +157,7 @@ class PromptBuilder:
             raise PlaceholderMismatch(
                 f"the prompt has {count} image placeholders for {len(images)} images"
             )
-        processed = [self.process_image(image) for image in images]
+        processed = [self.resize_image(image) for image in images]
         lengths = [self.num_image_tokens(grid) for _, grid in processed]
         token_ids, offsets = self.expand(ids, lengths)
         settings = self.image_settings()
@@ -164,7 +167,7 @@ class PromptBuilder:
                 images, processed, offsets, lengths, strict=True
             )
         ]
-        pixels = tuple(torch.from_numpy(pixels) for pixels, _ in processed)
+        pixels = tuple(torch.tensor(pixels) for pixels, _ in processed)
         return PromptInput(Prompt(token_ids, refs), pixels)
 
 

@@ -10,8 +10,8 @@
     ReleaseImages   → unpin
 
 Per image: fetch the encoded bytes, key them with the processor settings (invariant 2),
-and on a processor-cache hit reuse the pixels without decoding, resizing or normalising;
-on a miss decode (size checked on the header), process and store them under the key
+and on a processor-cache hit reuse the pixels without decoding or resizing; on a miss
+decode (size checked on the header), resize to uint8 and store them under the key
 (`processor_cache`). An image part with a `uuid` binds it to the image; one with a
 uuid and no data is served from what the uuid was bound to (`image_uuids`), with the
 pixels if the processor cache still holds them, else without (the scheduler's embedding
@@ -106,7 +106,10 @@ class TokenizerWorker:
         self.builder = builder
         self.arena = arena
         self.cache = ProcessorCache(
-            arena, builder.num_image_tokens, enabled=config.enable_processor_cache
+            arena,
+            builder.num_image_tokens,
+            builder.pixel_shape,
+            enabled=config.enable_processor_cache,
         )
         self.fetcher = fetcher or MediaFetcher.from_config(config)
         self.uuids = ImageUuids(config.max_image_uuids)
@@ -427,22 +430,22 @@ class TokenizerWorker:
         return _Image(binding.key, cached.pointer, cached.grid, cached.num_tokens, True)
 
     def _process(self, key: bytes, data: bytes, size: ImageSize, index: int) -> CachedImage:
-        """Decode, resize and normalise one image into the cache (a miss)."""
+        """Decode and resize one image into the cache (a miss); the scheduler normalises
+        and patchifies it on the device."""
         try:
             image = decode_image(data, self.config.max_image_pixels)
             try:
-                patches = self.builder.num_patches(image.width, image.height, size)
+                nbytes = self.builder.pixel_bytes(image.width, image.height, size)
             except ValueError as e:  # e.g. an aspect ratio over 200
                 raise MediaError(str(e)) from None
-            nbytes = patches * self.builder.patch_dim * 4
             if nbytes > self.arena.capacity_bytes:
                 raise MediaError(
-                    f"its {patches} patches need {nbytes} bytes, more than the "
+                    f"its resized pixels need {nbytes} bytes, more than the "
                     f"{self.arena.capacity_bytes}-byte image arena; lower max_pixels"
                 )
         except MediaError as e:
             raise MediaError(f"image {index + 1}: {e.message}", e.param) from None
-        pixels, grid = self.builder.process_image(image, size)
+        pixels, grid = self.builder.resize_image(image, size)
         self.images_processed += 1
         return self.cache.store(key, pixels, grid)
 
