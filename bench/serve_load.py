@@ -3,7 +3,7 @@ compute bound of the same work in process.
 
     bash bench/install_vllm_client.sh       # once: the vLLM client in its own venv
     python -m bench.serve_load [--size tiny|small] [--arch ARCH] [--quick] [--out DIR]
-        [--client vllm|builtin] [--vllm PATH] [--no-peer] [--threads N]   # from the repo root
+        [--client vllm|builtin] [--vllm PATH] [--no-peer] [--inline-baseline] [--threads N]
 
 Two workloads, each sent to every server: `image` (`--dataset-name random-mm`: one
 1280×720 random-noise JPEG + 200 random text tokens per request, 32 tokens asked back)
@@ -13,6 +13,8 @@ generated checkpoint (`--arch`; Qwen2.5-VL by default), each started fresh and w
 with one image and one text request of their own:
 
 - Iris: `iris serve` with its defaults (`bench.server_process.IrisServer`);
+- with `--inline-baseline`, Iris again with `--mm-encoder-inline` (`iris inline`): the
+  vision encoder inside the steps, as before it moved beside them;
 - the peer: Hugging Face's `transformers serve` on the same folder, device and dtype,
   through `bench.transformers_serve_launcher` (stock CLI; only the processor is built
   without torchvision, see there). It serves a VLM one request at a time: its
@@ -73,7 +75,7 @@ from bench.load_client import (
     vllm_command,
 )
 from bench.results_io import add_arch_argument, add_common_arguments, checkpoint_label
-from bench.serve_load_report import PEER, PEER_NOTE, Plan, Run, report
+from bench.serve_load_report import INLINE, PEER, PEER_NOTE, Plan, Run, report
 from bench.server_process import REPO, IrisServer, group_processes
 
 STARTED = time.monotonic()
@@ -269,6 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--client", choices=["vllm", "builtin"], default="vllm")
     parser.add_argument("--vllm", default=None, help="the `vllm` executable of the client venv")
     parser.add_argument("--no-peer", action="store_true", help=f"skip {PEER}")
+    parser.add_argument(
+        "--inline-baseline",
+        action="store_true",
+        help="also measure Iris with --mm-encoder-inline (the encoder inside the steps)",
+    )
     parser.add_argument("--device", default="auto", help="for both servers")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=None)
@@ -314,6 +321,16 @@ def main(argv: list[str] | None = None) -> None:
             runs += measure_server(
                 target, plan_.workloads, args, model_dir, tokenizer, scratch, direct
             )
+        if args.inline_baseline:
+            inline = IrisServer(
+                model_dir,
+                ["--served-model-name", "iris", "--device", args.device, *plan_.iris_flags,
+                 *threads, "--mm-encoder-inline"],
+                log_path=scratch / "iris-inline.log",
+                env=threads_env,
+            )  # fmt: skip
+            with serving(inline, "iris", INLINE, proxy) as target:
+                runs += measure_server(target, plan_.workloads, args, model_dir, tokenizer, scratch)
         if not args.no_peer:
             flags = peer_flags(args.device)
             peer_note = PEER_NOTE.format(version=transformers.__version__, flags=shlex.join(flags))

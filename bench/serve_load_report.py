@@ -18,6 +18,7 @@ from bench.load_client import Workload
 from bench.results_io import ARCH_TITLES, RESULTS_DIR, markdown_table, write_result
 
 PEER = "transformers serve"
+INLINE = "iris inline"  # `--inline-baseline`: the encoder inside the steps
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ LATENCIES = [(f"{stat} {metric}", f"{stat}_{metric.lower()}_ms")
 def results_table(runs: Sequence[Run], workloads: Sequence[Workload]) -> str:
     header = ["workload", "server", "load", "ok", "req/s", "out tok/s", "out tok/req"]
     header += ["in tok/req", "server CPU s/req"]
-    header += [f"{name} ms" for name, _ in LATENCIES]
+    header += [f"{name} ms" for name, _ in LATENCIES] + ["p99 / median ITL"]
     rows = []
     for run in runs:
         n = next(w.num_prompts for w in workloads if w.name == run.workload)
@@ -62,18 +63,19 @@ def results_table(runs: Sequence[Run], workloads: Sequence[Workload]) -> str:
             run.workload, run.server, run.load, f"{m['completed']}/{n}", m["request_throughput"],
             m["output_throughput"], m["total_output_tokens"] / done,
             m["total_input_tokens"] / done, m["server_cpu_s"] / done,
-            *[m[key] for _, key in LATENCIES],
+            *[m[key] for _, key in LATENCIES], _ratio(m["p99_itl_ms"], m["median_itl_ms"]),
         ])  # fmt: skip
     return markdown_table(header, rows)
 
 
-def ratio_table(runs: Sequence[Run]) -> str | None:
+def ratio_table(runs: Sequence[Run], base: str = PEER) -> str | None:
+    """Iris's figures over those of the `base` server, per workload."""
     by = {(r.server, r.workload): r.metrics for r in runs if r.metrics}
     keys = [("req/s", "request_throughput"), ("out tok/s", "output_throughput")]
     keys += [(name, key) for name, key in LATENCIES if not name.startswith("median")]
     rows = []
     for workload in dict.fromkeys(r.workload for r in runs):
-        iris, peer = by.get(("iris", workload)), by.get((PEER, workload))
+        iris, peer = by.get(("iris", workload)), by.get((base, workload))
         if iris and peer:
             same = sum(
                 _comparable(a) == _comparable(b) and not error
@@ -133,6 +135,7 @@ def plot(runs: Sequence[Run], bounds: Sequence[Bound], path: Path) -> None:
     colors = {
         "iris": "tab:blue",
         "iris direct": "tab:cyan",
+        INLINE: "tab:purple",
         PEER: "tab:orange",
         "compute bound": "tab:green",
     }
@@ -240,6 +243,18 @@ def report(
             "differently).",
             "",
             ratios,
+        ]
+    inline = ratio_table(runs, INLINE)
+    if inline:
+        lines += [
+            "",
+            f"## Iris / {INLINE} (`--mm-encoder-inline`)",
+            "",
+            "The vision encoder beside the steps (default) over inside them, same run. "
+            "Throughput: above 1 is the default faster. Latencies: below 1 is the default "
+            "faster.",
+            "",
+            inline,
         ]
     lines += [
         "",

@@ -14,6 +14,11 @@ With a prefix cache, a request being admitted (first time or after preemption) s
 from the longest chain of cached full pages over its tokens, shared by reference; the
 pages a request fills are registered as it computes them and when it leaves.
 
+A prefill chunk runs only as far as the request's image embeddings are ready
+(`ready_until`, from the image encoder when it encodes beside the steps): a request whose
+next tokens belong to an image still being encoded sits the step out, holding what it
+has, and the others go on; one waiting to be admitted lets those behind it in.
+
 A request's pages and progress are its `PageTable`; the planner changes them (and the
 prefix cache its registration) through the table's methods. Progress advances here, as
 a chunk is planned, not when the step's results are accounted: admission and preemption
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from iris_serve.scheduler.kv_cache import PagePool
@@ -53,6 +59,14 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
 
 
+# How far a request's prefill may run from a token on, now (its images' readiness).
+ReadyUntil = Callable[[Request, int], int]
+
+
+def _anywhere(request: Request, start: int) -> int:
+    return request.num_tokens
+
+
 class BatchPlanner:
     """Owns the waiting queue, the running set and every request's page table."""
 
@@ -63,8 +77,10 @@ class BatchPlanner:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         prefix_cache: PrefixCache | None = None,
+        ready_until: ReadyUntil = _anywhere,
     ) -> None:
         self.pool = pool
+        self.ready_until = ready_until
         self.prefix_cache = prefix_cache
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -90,7 +106,12 @@ class BatchPlanner:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            computed = request.page_table.num_computed_tokens
             num_tokens = min(_num_uncomputed(request), budget)
+            num_tokens = min(num_tokens, self.ready_until(request, computed) - computed)
+            if num_tokens <= 0:  # its next tokens are an image still being encoded
+                index += 1
+                continue
             fits = self._reserve_pages(request, num_tokens)
             if not fits and not self._preempt_until_fits(request, num_tokens, plan):
                 continue  # `request` itself was preempted; the list shrank under `index`
@@ -98,22 +119,27 @@ class BatchPlanner:
             budget -= num_tokens
             index += 1
 
-        while (
-            not plan.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
-            if not self._admit(request, budget):
+        for request in list(self.waiting) if not plan.preempted else []:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            num_tokens = min(_num_uncomputed(request), budget)
-            self.waiting.popleft()
+            first_chunk = self._admit(request, budget)
+            if first_chunk is None:  # no pages: it and those behind it wait (FIFO)
+                break
+            if first_chunk == 0:  # its first tokens are an image still being encoded
+                continue
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            _plan_chunk(plan, request, num_tokens)
-            budget -= num_tokens
+            _plan_chunk(plan, request, first_chunk)
+            budget -= first_chunk
         return plan
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of a waiting request that its admission would find in the prefix cache
+        now (nothing is taken)."""
+        if self.prefix_cache is None:
+            return 0
+        return len(self.prefix_cache.match(request)) * self.page_size
 
     def finish(self, request: Request) -> None:
         """Drop a request wherever it is and return its pages; safe to call twice."""
@@ -131,16 +157,21 @@ class BatchPlanner:
         request.page_table.rewind(num_computed_tokens)
         self.finish(request)
 
-    def _admit(self, request: Request, budget: int) -> bool:
+    def _admit(self, request: Request, budget: int) -> int | None:
         """Gives a waiting request (it holds no pages) its cached prefix and the pages
-        for its first chunk; False, with nothing taken, when the pages do not fit."""
+        for its first chunk, and returns the chunk's size; with nothing taken, 0 when its
+        first uncached tokens are an image not ready yet, None when the pages do not fit."""
         cached = self.prefix_cache.match(request) if self.prefix_cache is not None else []
         num_cached_tokens = len(cached) * self.page_size
         num_tokens = min(request.num_tokens - num_cached_tokens, budget)
+        ready = self.ready_until(request, num_cached_tokens) - num_cached_tokens
+        num_tokens = max(0, min(num_tokens, ready))
+        if num_tokens == 0:
+            return 0
         missing = -(-(num_cached_tokens + num_tokens) // self.page_size) - len(cached)
         revived = sum(1 for page in cached if self.pool.refcount(page) == 0)
         if missing > self.pool.num_free - revived:
-            return False
+            return None
         self.pool.share(cached)  # before allocating, so no allocation evicts them
         after = cached[-1] if cached else None
         request.page_table.admit(cached, num_cached_tokens, self.pool.allocate(missing, after))
@@ -150,7 +181,7 @@ class BatchPlanner:
             if self.prefix_cache is not None:
                 self.prefix_cache.hit_tokens += num_cached_tokens
                 self.prefix_cache.query_tokens += request.num_tokens
-        return True
+        return num_tokens
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:
         table = request.page_table

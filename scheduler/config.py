@@ -154,7 +154,28 @@ class EngineConfig:
         default=4096,
         metadata=_flag(
             "--max-num-encoder-tokens",
-            "image tokens (after merging) per vision-encoder call",
+            "image tokens (after merging) per vision-encoder call, and how many the encoder "
+            "may hold or be encoding ahead of the prefills",
+            min=1,
+            group=_CACHES,
+        ),
+    )
+    mm_encoder_inline: bool = field(
+        default=False,
+        metadata=_flag(
+            "--mm-encoder-inline",
+            "run the vision encoder inside the steps, for the images their chunks overlap "
+            "(every stream waits for it; the baseline). Default: beside the steps, in a "
+            "thread of its own (CPU) or on a CUDA stream of its own",
+            group=_CACHES,
+        ),
+    )
+    encoder_threads: int | None = field(
+        default=None,
+        metadata=_flag(
+            "--encoder-threads",
+            "torch threads of the vision encoder's thread on a CPU (default: half the "
+            "scheduler's, at least one)",
             min=1,
             group=_CACHES,
         ),
@@ -175,6 +196,15 @@ class EngineConfig:
             raise ValueError("mm_cache_granularity must be 'image' or 'request'")
         if self.max_num_encoder_tokens < 1:
             raise ValueError("max_num_encoder_tokens must be positive")
+        if self.encoder_threads is not None and self.encoder_threads < 1:
+            raise ValueError("encoder_threads must be positive")
+
+    def resolved_encoder_threads(self) -> int:
+        """The encoder thread's torch threads on a CPU: `encoder_threads`, by default half
+        of the calling (scheduler) thread's, at least one."""
+        import torch
+
+        return self.encoder_threads or max(1, torch.get_num_threads() // 2)
 
     def resolved_device(self) -> torch.device:
         import torch

@@ -28,6 +28,18 @@ there is none (the engine then refuses the request). For the client's report, th
 encoder remembers which of a request's images its first lookup found in the cache
 (`embedding_hits`).
 
+Beside the steps (the default; `background` is an `EncoderThread`). The vision tower does
+not run inside a step: at the start of each step the engine calls `collect()`, which takes
+the calls the encoder thread has finished (their embeddings go into the cache and into
+the hands of the requests waiting for them), then `prefetch(...)`, which starts the next
+ones, and the planner schedules a prefill chunk only as far as `ready_until` allows: up to
+the first image the request does not hold yet. A request waiting for an image waits alone;
+decodes and other prefills go on. How far ahead of the prefills the encoder works is
+bounded by the encoder budget (`max_num_encoder_tokens` image tokens encoding or held
+and not yet consumed; at least one image when none is encoding), so memory stays flat in
+the number of images, as with inline encoding, which stays the `--mm-encoder-inline`
+baseline (and the path of `--disable-chunked-mm-encoding`).
+
 Baselines: `shared=False` keys entries by (request id, image key) in a cache of capacity
 0, so an embedding lives exactly as long as the request that computed it; "request"
 granularity is applied earlier, by re-keying images (`request_scoped_keys`).
@@ -37,7 +49,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -47,8 +60,10 @@ import xxhash
 from iris_serve.ipc.messages import ImageRef
 from iris_serve.scheduler.batch_planner import ScheduledChunk
 from iris_serve.scheduler.embedding_cache import CacheKey, EmbeddingCache, Lookup
+from iris_serve.scheduler.encoder_thread import EncoderThread
+from iris_serve.scheduler.patches import PatchMaker
 from iris_serve.scheduler.pixels import PixelStore
-from iris_serve.scheduler.request import Request
+from iris_serve.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
@@ -69,26 +84,47 @@ class _Job:
     waiters: list[tuple[Request, int]] = field(default_factory=list)
 
 
+@dataclass
+class _Call:
+    """A batch of jobs in the encoder thread; `future` holds their embeddings."""
+
+    jobs: list[_Job]
+    future: Future
+
+
 class ImageEncoder:
     def __init__(
         self,
         model: Qwen2VLForCausalLM,
         cache: EmbeddingCache,
         pixels: PixelStore,
+        patches: PatchMaker,
         device: torch.device,
         dtype: torch.dtype,
         max_num_encoder_tokens: int,
         chunked: bool = True,
         shared: bool = True,
+        encoder_threads: int | None = None,
     ) -> None:
+        """`encoder_threads`: encode beside the steps, in a thread with that many torch
+        threads (on a CPU; on CUDA on a stream of its own); None: inside the steps."""
         self.model = model
         self.cache = cache
         self.pixels = pixels
+        self.patches = patches
         self.device = device
         self.dtype = dtype
         self.max_num_encoder_tokens = max_num_encoder_tokens
         self.chunked = chunked
         self.shared = shared  # False: entries are per request (no reuse across requests)
+        self.background: EncoderThread | None = None  # None: inside the steps
+        if encoder_threads is not None and chunked:
+            self.background = EncoderThread(
+                self.tower, device, encoder_threads, torch.get_num_threads()
+            )
+            for block in getattr(model.visual, "blocks", ()):  # its attention and MLP
+                for part in block.children():
+                    part.register_forward_pre_hook(self.background.adapt_threads)
         self.images_encoded = 0  # images run through the vision tower
         self._timings: deque[float | tuple[torch.cuda.Event, torch.cuda.Event]] = deque(
             maxlen=MAX_TIMINGS
@@ -97,6 +133,9 @@ class ImageEncoder:
         self._in_hand: dict[str, dict[int, torch.Tensor]] = {}
         # request id -> image index -> what the request's first lookup of it found
         self._first_lookup: dict[str, dict[int, Lookup]] = {}
+        self._calls: deque[_Call] = deque()  # in the encoder thread, in submission order
+        self._encoding: dict[CacheKey, _Job] = {}  # the cacheable jobs of those calls
+        self._awaited: set[tuple[str, int]] = set()  # (request id, index) a call will serve
 
     # -- the engine's surface ---------------------------------------------------------------
 
@@ -157,6 +196,112 @@ class ImageEncoder:
             self._encode(batch)
         return [self._take(chunk) for chunk in chunks]
 
+    # -- beside the steps ---------------------------------------------------------------------
+
+    @property
+    def encoding(self) -> bool:
+        """Calls are running or queued in the encoder thread."""
+        return bool(self._calls)
+
+    def ready_until(self, request: Request, start: int) -> int:
+        """How far the request's prefill may run from token `start` now: to the first image
+        it overlaps from there whose embedding it does not hold (inline: anywhere)."""
+        if self.background is None or start >= request.prompt_len:
+            return request.num_tokens
+        in_hand = self._in_hand.get(request.request_id, {})
+        for index, image in enumerate(request.images):
+            if image.end > start and index not in in_hand:
+                return image.offset
+        return request.num_tokens
+
+    def prefetch(self, wanted: Iterable[tuple[Request, int]]) -> None:
+        """Starts encoding the images that coming prefill chunks overlap: for each
+        (request, first uncomputed token) in priority order, its images from there on, in
+        order, while fewer than `max_num_encoder_tokens` image tokens are ahead of the
+        prefills (encoding, or held and not yet consumed); one image at least when none
+        is encoding. A cached image costs a pin, one already encoding a place among its
+        waiters."""
+        if self.background is None:
+            return
+        ahead = self.tokens_ahead()
+        jobs: dict[CacheKey, _Job] = {}
+        private: list[_Job] = []
+        for request, start in wanted:
+            request_id = request.request_id
+            in_hand = self._in_hand.get(request_id, {})
+            for index, image in enumerate(request.images):
+                if image.end <= start or index in in_hand or (request_id, index) in self._awaited:
+                    continue
+                if ahead >= self.max_num_encoder_tokens and (self._calls or jobs or private):
+                    self._submit([*jobs.values(), *private])
+                    return
+                ahead += image.length
+                key = self.cache_key(request, index)
+                found = self._lookup(request, index, key)
+                cached = self.cache.get(key) if found is Lookup.HIT else None
+                if cached is not None:
+                    self._deliver(request, index, key, cached)
+                    continue
+                self._awaited.add((request_id, index))
+                source = (request_id, index)
+                if found is Lookup.UNCACHEABLE:
+                    private.append(_Job(None, image, source, [(request, index)]))
+                elif key in self._encoding:
+                    self._encoding[key].waiters.append((request, index))
+                else:
+                    job = jobs.setdefault(key, _Job(key, image, source))
+                    job.waiters.append((request, index))
+        self._submit([*jobs.values(), *private])
+
+    def collect(self) -> list[tuple[Request, BaseException]]:
+        """Takes the calls the encoder thread has finished: their embeddings go into the
+        cache and to the requests still waiting for them. Returns the waiting requests of
+        a call that raised, each with its error (the engine fails them)."""
+        failed: list[tuple[Request, BaseException]] = []
+        while self._calls and self._calls[0].future.done():
+            call = self._calls.popleft()
+            for job in call.jobs:
+                if job.key is not None:
+                    self._encoding.pop(job.key, None)
+                for request, index in job.waiters:
+                    self._awaited.discard((request.request_id, index))
+            error = call.future.exception()
+            if error is None:
+                self._store(call.jobs, call.future.result())
+                continue
+            waiting = {
+                request.request_id: request
+                for job in call.jobs
+                for request, _ in job.waiters
+                if request.status is not RequestStatus.FINISHED
+            }
+            failed.extend((request, error) for request in waiting.values())
+        return failed
+
+    def wait(self, timeout: float) -> None:
+        """Returns once the oldest call is done, or after `timeout` seconds."""
+        if self._calls:
+            EncoderThread.wait_any([self._calls[0].future], timeout)
+
+    def close(self) -> None:
+        if self.background is not None:
+            self.background.close()
+
+    def _submit(self, jobs: list[_Job]) -> None:
+        assert self.background is not None
+        for batch in _batches(jobs, self.max_num_encoder_tokens):
+            pixels = [self.pixels.get(*job.source) for job in batch]
+            future = self.background.submit(pixels, [job.image.grid_thw for job in batch])
+            self._calls.append(_Call(batch, future))
+            self._encoding.update((job.key, job) for job in batch if job.key is not None)
+
+    def tokens_ahead(self) -> int:
+        """Image tokens held by requests for later chunks, or encoding for them."""
+        held = sum(part.shape[0] for hand in self._in_hand.values() for part in hand.values())
+        return held + sum(job.image.length for call in self._calls for job in call.jobs)
+
+    # -- lifetimes ----------------------------------------------------------------------------
+
     def forget(self, request_id: str) -> None:
         """A preempted request lets go of the embeddings in hand; its cache pins stay, so
         its recompute gets them back without the vision tower (or the pixels)."""
@@ -211,23 +356,32 @@ class ImageEncoder:
         return [i for i, image in enumerate(request.images) if image.overlaps(chunk.start, end)]
 
     def _encode(self, batch: list[_Job]) -> None:
-        images = [job.image for job in batch]
-        pixel_values = torch.cat([self.pixels.get(*job.source) for job in batch])
-        pixel_values = pixel_values.to(self.device, self.dtype)
-        grid_thw = torch.tensor([image.grid_thw for image in images], device=self.device)
+        pixels = [self.pixels.get(*job.source) for job in batch]
+        self._store(batch, self.tower(pixels, [job.image.grid_thw for job in batch]))
+
+    def tower(
+        self, pixels: Sequence[torch.Tensor], grids: Sequence[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        """The embeddings of images given by their uint8 pixels: patches, vision tower."""
         with self._timed():
-            embeddings = self.model.encode_images(pixel_values, grid_thw)
+            pixel_values = self.patches(pixels, grids)
+            return self.model.encode_images(pixel_values, torch.tensor(grids, device=self.device))
+
+    def _store(self, batch: list[_Job], embeddings: torch.Tensor) -> None:
+        """A call's embeddings into the cache, and to the requests still waiting for them."""
         self.images_encoded += len(batch)
-        parts = embeddings.split([image.length for image in images])
+        parts = embeddings.split([job.image.length for job in batch])
         if len(parts) > 1:  # own storage each, so evicting one entry frees its bytes
             parts = tuple(part.clone() for part in parts)
         for job, part in zip(batch, parts, strict=True):
+            waiters = [w for w in job.waiters if w[0].status is not RequestStatus.FINISHED]
             if job.key is None:
-                [(request, index)] = job.waiters
-                self._in_hand.setdefault(request.request_id, {})[index] = part  # keeps pixels
+                for request, index in waiters:  # one: the image is encoded for it alone
+                    self._in_hand.setdefault(request.request_id, {})[index] = part  # keeps pixels
                 continue
-            self.cache.put(job.key, part)
-            for request, index in job.waiters:
+            if job.key in self.cache and self.cache.get(job.key) is None:  # still pending
+                self.cache.put(job.key, part)
+            for request, index in waiters:
                 self._deliver(request, index, job.key, part)
 
     def _deliver(self, request: Request, index: int, key: CacheKey, part: torch.Tensor) -> None:

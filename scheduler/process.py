@@ -117,6 +117,7 @@ class SchedulerLoop:
     def close(self) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
+        self.engine.close()
         self._release_pins()
         self.inbox.close()
         self.to_server.close()

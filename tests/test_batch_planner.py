@@ -98,3 +98,29 @@ def test_abort_of_a_waiting_request_frees_nothing_twice():
     planner.finish(r)
     planner.finish(r)
     assert pool.num_free == 4 and not planner.has_work()
+
+
+def test_a_prefill_waits_at_an_image_not_ready_and_the_others_go_on():
+    """`ready_until` (the image encoder's, beside the steps): "img" may prefill up to token
+    6 until its image is ready; it sits steps out holding its pages, and "late", queued
+    behind a request whose first tokens are not ready, is admitted past it."""
+    ready = {"img": 6, "blocked": 0}
+
+    def ready_until(r: Request, start: int) -> int:
+        return ready.get(r.request_id, r.num_tokens)
+
+    pool = PagePool(100)
+    planner = BatchPlanner(pool, PAGE, 100, max_num_seqs=8, ready_until=ready_until)
+    planner.add(request("text", 3))
+    planner.add(request("img", 20))
+    assert run_step(planner) == {"text": 3, "img": 6}
+    planner.add(request("blocked", 10))
+    planner.add(request("late", 5))
+    held = len(planner.running[1].page_table.pages)
+    assert run_step(planner) == {"text": 1, "late": 5}
+    assert run_step(planner) == {"text": 1, "late": 1}
+    assert planner.running[1].page_table.num_computed_tokens == 6
+    assert len(planner.running[1].page_table.pages) == held
+    assert [r.request_id for r in planner.waiting] == ["blocked"]
+    ready["img"] = ready["blocked"] = 10**6  # the images are ready
+    assert run_step(planner) == {"text": 1, "late": 1, "img": 14, "blocked": 10}

@@ -168,3 +168,15 @@ def test_tensor_parallel_quick_compares_one_and_two_ranks(tmp_path):
     for workload in ("decode", "prefill", "images"):
         assert cells[workload, "RankStep bytes mean / max"][3] != "-"
     assert "TP=2 matched TP=1 on all" in text
+
+
+def test_pixel_format_quick_compares_the_two_paths(tmp_path):
+    """The benchmark checks that both paths give the same rows before timing them."""
+    out = tmp_path / "results"
+    run_bench("bench.pixel_format", "--quick", "--out", str(out),
+              cache_dir=tmp_path / "cache", timeout=600)  # fmt: skip
+    text = (out / "pixel_format_quick.md").read_text()
+    check_provenance(text)
+    [(header, [row])] = markdown_tables(text)
+    cells = dict(zip(header, row, strict=True))
+    assert float(cells["arena ratio"]) == 8.0  # 24 float32 bytes per pixel against 3

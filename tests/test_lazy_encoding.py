@@ -62,7 +62,10 @@ _VISION_CALLS: weakref.WeakKeyDictionary[Engine, list[list]] = weakref.WeakKeyDi
 
 def engine(model_dir: str, **overrides) -> Engine:
     """A CPU engine that records the cache keys of each vision-tower call: a call opens a
-    new list, and every entry filled from its output (`put`, in batch order) joins it."""
+    new list, and every entry filled from its output (`put`, in batch order) joins it.
+    The vision tower runs inside the steps (`mm_encoder_inline`), whose mechanics these
+    tests follow step by step; tests/test_encoder_beside.py covers the encoder thread."""
+    overrides.setdefault("mm_encoder_inline", True)
     iris = cpu_engine(model_dir, **overrides)
     calls: list[list] = []
     encode_images, put = iris.model.encode_images, iris.embedding_cache.put
@@ -232,12 +235,12 @@ def sized_prompt(builder: PromptBuilder, image: Image.Image, max_pixels: int) ->
     size = builder.image_size(max_pixels=max_pixels)
     content = [{"type": "image"}, {"type": "text", "text": "Describe it."}]
     ids = builder.encode(builder.render_chat([{"role": "user", "content": content}]))
-    pixels, grid = builder.process_image(image, size)
+    pixels, grid = builder.resize_image(image, size)
     length = builder.num_image_tokens(grid)
     token_ids, [offset] = builder.expand(ids, [length])
     key = image_key(image.tobytes(), builder.image_settings(size))
     return PromptInput(
-        Prompt(token_ids, [ImageRef(key, offset, length, grid)]), (torch.from_numpy(pixels),)
+        Prompt(token_ids, [ImageRef(key, offset, length, grid)]), (torch.tensor(pixels),)
     )
 
 
@@ -253,7 +256,8 @@ def test_one_image_at_two_max_pixels_settings_is_two_entries(model_dir, builder)
     assert_parity(model_dir, [small, large], outputs)
 
 
-def test_preemption_recomputes_without_encoding_or_pixels(model_dir, builder):
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "beside-the-steps"])
+def test_preemption_recomputes_without_encoding_or_pixels(model_dir, builder, inline):
     prompts = [
         prompt(
             builder,
@@ -264,7 +268,8 @@ def test_preemption_recomputes_without_encoding_or_pixels(model_dir, builder):
     ]
     longer = Sampling(temperature=0.0, max_tokens=24)
     longest = max(len(p.token_ids) for p in prompts) + longer.max_tokens
-    iris = engine(model_dir, page_size=8, num_kv_pages=-(-longest // 8) + 2, **NO_PREFIX)
+    pages = -(-longest // 8) + 2
+    iris = engine(model_dir, page_size=8, num_kv_pages=pages, mm_encoder_inline=inline, **NO_PREFIX)
     outputs = iris.generate(prompts, longer)
     assert iris.stats().num_preemptions > 0, "the pool was meant to force preemption"
     # each image went through the vision tower once; a recompute read no pixels (they

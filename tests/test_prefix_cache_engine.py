@@ -161,9 +161,13 @@ def test_a_hit_that_ends_inside_an_image_splices_the_rest_of_the_image(
     prompt = chat(each_arch_builder, "Look closely.", [make_image(112, 112, seed=50)])
     image = prompt.images[0]
     middle = image.offset + image.length // 2
-    iris = engine(each_arch_dir, page_size=page, max_num_batched_tokens=middle)
+    # inline, so that one step computes tokens 0..middle, half of the image (beside the
+    # steps: tests/test_encoder_beside.py)
+    iris = engine(
+        each_arch_dir, page_size=page, max_num_batched_tokens=middle, mm_encoder_inline=True
+    )
     iris.add_request("cut", prompt, GREEDY)
-    iris.step()  # computes tokens 0..middle, half of the image
+    iris.step()
     iris.abort("cut")  # its full pages stay cached
     tokens, cached = run(iris, "resumed", prompt)
     # The resumed request's first chunk starts inside the image: it needs the image's

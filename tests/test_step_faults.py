@@ -129,26 +129,33 @@ def test_a_failed_prefill_chunk_leaves_only_earlier_chunks_in_the_prefix_cache(
     assert again == expected
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "beside-the-steps"])
 def test_a_failed_image_encoding_releases_the_pins_and_the_embedding_entries(
-    model_dir, clean, monkeypatch
+    model_dir, clean, monkeypatch, inline
 ):
-    """The vision tower raises: the step's requests (one with an image, one text-only)
-    fail, the image's shared-memory pin is handed back and no embedding entry is left
-    pending; the same prompt afterwards encodes again and answers right."""
+    """The vision tower raises. Inline, the step's requests (one with an image, one
+    text-only) fail; beside the steps, only the request waiting for the image does and
+    the text request answers right. Either way the image's shared-memory pin is handed
+    back and no embedding entry is left pending; the same prompt afterwards encodes again
+    and answers right."""
     builder = PromptBuilder(model_dir)
     prompt = chat_prompt(builder, "Describe it.", [make_image(56, 56, seed=5)])
-    iris = cpu_engine(model_dir)
+    iris = cpu_engine(model_dir, mm_encoder_inline=inline)
     fail_call(monkeypatch, iris.model, "encode_images", 1, RuntimeError("injected fault"))
     iris.add_request("image", prompt, GREEDY, pins=["pin-0"])
     iris.add_request("text", text(10, 100), GREEDY)
-    assert iris.step() == []
-    assert sorted(f.request_id for f in iris.pop_failed()) == ["image", "text"]
+    tokens: dict[str, list[int]] = {}
+    drain(iris, tokens, set())
+    failed = sorted(f.request_id for f in iris.pop_failed())
+    assert failed == (["image", "text"] if inline else ["image"])
+    if not inline:
+        assert tokens["text"] == clean.generate([text(10, 100)], GREEDY)[0]
+    assert "image" not in tokens
     assert iris.pop_released_pins() == ["pin-0"]
     assert_all_released(iris)
     assert len(iris.embedding_cache) == 0
 
     iris.add_request("again", prompt, GREEDY, pins=["pin-1"])
-    tokens: dict[str, list[int]] = {}
     drain(iris, tokens, set())
     [expected] = clean.generate([prompt], GREEDY)
     assert tokens["again"] == expected
@@ -220,7 +227,7 @@ def test_a_forward_failing_after_the_other_ranks_were_sent_the_step_is_not_isola
         iris.step()
     assert len(sent) == 1
 
-    iris = cpu_engine(model_dir)
+    iris = cpu_engine(model_dir, mm_encoder_inline=True)  # beside the steps: never in one
     iris.runner.followers = Followers()
     image = chat_prompt(PromptBuilder(model_dir), "Look.", [make_image(40, 30, seed=1)])
     fail_call(monkeypatch, iris.model, "encode_images", 1, RuntimeError("injected fault"))
