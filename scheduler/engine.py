@@ -375,10 +375,10 @@ class Engine:
         for request, error in failed.values():
             self._fail_request(request, error)
         planner = self.planner
-        encoder.prefetch(
+        encoder.prefetch(  # only requests with images: a prefix-cache match is not free
             itertools.chain(
-                ((r, r.page_table.num_computed_tokens) for r in planner.running),
-                ((r, planner.cached_prefix_tokens(r)) for r in planner.waiting),
+                ((r, r.page_table.num_computed_tokens) for r in planner.running if r.images),
+                ((r, planner.cached_prefix_tokens(r)) for r in planner.waiting if r.images),
             )
         )
 
