@@ -13,8 +13,9 @@ generated checkpoint (`--arch`; Qwen2.5-VL by default), each started fresh and w
 with one image and one text request of their own:
 
 - Iris: `iris serve` with its defaults (`bench.server_process.IrisServer`);
-- with `--inline-baseline`, Iris again with `--mm-encoder-inline` (`iris inline`): the
-  vision encoder inside the steps, as before it moved beside them;
+- with `--inline-baseline`, Iris again with `--mm-encoder-inline --max-itl-stretch 0`
+  (`iris inline`): the vision encoder inside the steps and prefill chunks as large as
+  the token budget, the engine as it was before issue 12;
 - the peer: Hugging Face's `transformers serve` on the same folder, device and dtype,
   through `bench.transformers_serve_launcher` (stock CLI; only the processor is built
   without torchvision, see there). It serves a VLM one request at a time: its
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--inline-baseline",
         action="store_true",
-        help="also measure Iris with --mm-encoder-inline (the encoder inside the steps)",
+        help="also measure Iris with --mm-encoder-inline --max-itl-stretch 0 (the engine "
+        "before issue 12: the encoder inside the steps, unpaced prefill chunks)",
     )
     parser.add_argument("--device", default="auto", help="for both servers")
     parser.add_argument("--num-prompts", type=int, default=None)
@@ -325,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
             inline = IrisServer(
                 model_dir,
                 ["--served-model-name", "iris", "--device", args.device, *plan_.iris_flags,
-                 *threads, "--mm-encoder-inline"],
+                 *threads, "--mm-encoder-inline", "--max-itl-stretch", "0"],
                 log_path=scratch / "iris-inline.log",
                 env=threads_env,
             )  # fmt: skip

@@ -248,9 +248,11 @@ def report(
     if inline:
         lines += [
             "",
-            f"## Iris / {INLINE} (`--mm-encoder-inline`)",
+            f"## Iris / {INLINE} (`--mm-encoder-inline --max-itl-stretch 0`)",
             "",
-            "The vision encoder beside the steps (default) over inside them, same run. "
+            "The default (the vision encoder beside the steps, prefill beside decodes paced "
+            "by `--max-itl-stretch`) over the engine before issue 12 (the encoder inside "
+            "the steps, prefill chunks as large as the token budget), same run. "
             "Throughput: above 1 is the default faster. Latencies: below 1 is the default "
             "faster.",
             "",

@@ -14,6 +14,11 @@ With a prefix cache, a request being admitted (first time or after preemption) s
 from the longest chain of cached full pages over its tokens, shared by reference; the
 pages a request fills are registered as it computes them and when it leaves.
 
+A step that carries decodes carries at most `prefill_cap` prefill tokens (when set; the
+engine sets it from measured step times, see step_pacer.py), so a long prompt joining
+stretches the running streams' next token by a bounded factor instead of by its whole
+prefill (stall-free batching, as in Sarathi-Serve).
+
 A prefill chunk runs only as far as the request's image embeddings are ready
 (`ready_until`, from the image encoder when it encodes beside the steps): a request whose
 next tokens belong to an image still being encoded sits the step out, holding what it
@@ -85,6 +90,7 @@ class BatchPlanner:
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.prefill_cap: int | None = None  # prefill tokens of a step with decodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -103,11 +109,17 @@ class BatchPlanner:
             for request in self.running:  # pages the last step filled
                 self.prefix_cache.register(request)
 
+        prefill_budget = budget
+        if self.prefill_cap is not None and any(_is_decoding(r) for r in self.running):
+            prefill_budget = self.prefill_cap
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             computed = request.page_table.num_computed_tokens
             num_tokens = min(_num_uncomputed(request), budget)
+            decoding = _is_decoding(request)
+            if not decoding:
+                num_tokens = min(num_tokens, prefill_budget)
             num_tokens = min(num_tokens, self.ready_until(request, computed) - computed)
             if num_tokens <= 0:  # its next tokens are an image still being encoded
                 index += 1
@@ -117,12 +129,15 @@ class BatchPlanner:
                 continue  # `request` itself was preempted; the list shrank under `index`
             _plan_chunk(plan, request, num_tokens)
             budget -= num_tokens
+            if not decoding:
+                prefill_budget -= num_tokens
             index += 1
 
         for request in list(self.waiting) if not plan.preempted else []:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            room = min(budget, prefill_budget)
+            if room <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            first_chunk = self._admit(request, budget)
+            first_chunk = self._admit(request, room)
             if first_chunk is None:  # no pages: it and those behind it wait (FIFO)
                 break
             if first_chunk == 0:  # its first tokens are an image still being encoded
@@ -132,6 +147,7 @@ class BatchPlanner:
             self.running.append(request)
             _plan_chunk(plan, request, first_chunk)
             budget -= first_chunk
+            prefill_budget -= first_chunk
         return plan
 
     def cached_prefix_tokens(self, request: Request) -> int:
@@ -213,6 +229,12 @@ class BatchPlanner:
         if self.prefix_cache is not None:
             self.prefix_cache.register(request)  # what it computed outlives it
         self.pool.free(request.page_table.release())
+
+
+def _is_decoding(request: Request) -> bool:
+    """Past its prompt: a step gives it one token (prompt and outputs all computed but
+    the last output; after a preemption it is prefilling again until then)."""
+    return bool(request.output_token_ids) and _num_uncomputed(request) == 1
 
 
 def _num_uncomputed(request: Request) -> int:

@@ -29,6 +29,11 @@ _DTYPES = {
     "half": "float16",
 }
 _CACHES = "caches"  # the help section of the cache flags (`server.args`)
+# `--max-itl-stretch` on a CPU: served images on `small` (bench/results/
+# serve_load_small_builtin.md) reach p99 ITL 2.3-2.9x the median with it (71-81x unpaced
+# with the encoder inline, 19x with the encoder beside alone); in process, stretch 2 and 3
+# gave 1.3x and 1.7x at about the same throughput.
+CPU_ITL_STRETCH = 3.0
 
 
 def _flag(flag: str, help: str, **more: object) -> dict[str, object]:
@@ -95,6 +100,15 @@ class EngineConfig:
         default=2048,
         metadata=_flag(
             "--max-num-batched-tokens", "token budget of one step: the chunked-prefill size"
+        ),
+    )
+    max_itl_stretch: float | None = field(
+        default=None,
+        metadata=_flag(
+            "--max-itl-stretch",
+            "a step that carries decodes takes at most about this many decode steps' time: "
+            "the prefill it carries is sized from measured step times (0: off, prefills take "
+            "the whole --max-num-batched-tokens). Default: 3 on a CPU, off on CUDA",
         ),
     )
     max_num_seqs: int = field(
@@ -198,6 +212,17 @@ class EngineConfig:
             raise ValueError("max_num_encoder_tokens must be positive")
         if self.encoder_threads is not None and self.encoder_threads < 1:
             raise ValueError("encoder_threads must be positive")
+        if self.max_itl_stretch is not None and 0 < self.max_itl_stretch <= 1:
+            raise ValueError("max_itl_stretch must be above 1 (or 0: off)")
+        if self.max_itl_stretch is not None and self.max_itl_stretch < 0:
+            raise ValueError("max_itl_stretch must not be negative")
+
+    def resolved_itl_stretch(self, device: torch.device) -> float:
+        """`max_itl_stretch`, by default 3 on a CPU (where prefill is compute-bound, see
+        step_pacer.py) and 0 (off) on CUDA, where it has not been measured."""
+        if self.max_itl_stretch is not None:
+            return self.max_itl_stretch
+        return CPU_ITL_STRETCH if device.type == "cpu" else 0.0
 
     def resolved_encoder_threads(self) -> int:
         """The encoder thread's torch threads on a CPU: `encoder_threads`, by default half

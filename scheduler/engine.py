@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ from iris_serve.scheduler.step_faults import (
     is_isolatable,
     release_device_memory,
 )
+from iris_serve.scheduler.step_pacer import StepPacer
 from iris_serve.scheduler.structured_output import Grammars
 
 logger = logging.getLogger(__name__)
@@ -157,6 +159,8 @@ class Engine:
             self.prefix_cache,
             self.image_encoder.ready_until,
         )
+        stretch = config.resolved_itl_stretch(self.device)
+        self.pacer = StepPacer(stretch, config.page_size) if stretch else None
         self.runner = ModelRunner(self.model, self.attention, self.device, self.dtype, followers)
         self._cpu_threads = torch.get_num_threads()  # the steps' own (see `_share_cores`)
         self.requests: dict[str, Request] = {}
@@ -281,16 +285,24 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.image_encoder.background is not None:
             self._encode_beside()
+        threads = self._step_threads()
+        if self.pacer is not None:
+            self.planner.prefill_cap = self.pacer.cap(threads)
         plan = self.planner.schedule()
         for request in plan.preempted:
             self.image_encoder.forget(request.request_id)
-        self._share_cores(idle=not plan.chunks)
+        self._share_cores(threads, idle=not plan.chunks)
         if not plan.chunks:
             self.image_encoder.wait(ENCODE_WAIT_SECONDS)  # only images are being worked on
             return []
         try:
+            started, encoded = time.perf_counter(), self.image_encoder.images_encoded
             images = self.image_encoder.encode(plan.chunks)  # only what these chunks overlap
             sampled = self.runner.execute(plan, images)
+            if self.pacer is not None and self.image_encoder.images_encoded == encoded:
+                self.pacer.observe(
+                    *_decodes_and_prefill(plan), time.perf_counter() - started, threads
+                )
         except Exception as error:
             if not is_isolatable(error):
                 raise
@@ -382,7 +394,17 @@ class Engine:
             )
         )
 
-    def _share_cores(self, idle: bool) -> None:
+    def _step_threads(self) -> int:
+        """The torch threads the next step runs with on a CPU (see `_share_cores`; 0 on
+        CUDA)."""
+        encoder = self.image_encoder.background
+        if self.device.type != "cpu":
+            return 0
+        if encoder is None or not self.image_encoder.encoding:
+            return self._cpu_threads
+        return max(1, self._cpu_threads - encoder.num_threads)
+
+    def _share_cores(self, threads: int, idle: bool) -> None:
         """On a CPU, a step run while the encoder thread works leaves it its threads; with
         no step to run (`idle`), the encoder thread takes every core.
 
@@ -396,8 +418,7 @@ class Engine:
         if encoder is None or self.device.type != "cpu":
             return
         encoder.steps_idle = idle
-        busy = max(1, self._cpu_threads - encoder.num_threads)
-        torch.set_num_threads(busy if self.image_encoder.encoding else self._cpu_threads)
+        torch.set_num_threads(threads)
 
     def _fail_request(self, request: Request, error: Exception) -> None:
         """Ends a request outside a step (its image's encoding raised), as on an abort."""
@@ -524,3 +545,9 @@ class Engine:
                 for image, key in zip(images, keys, strict=True)
             ]
         return list(images)
+
+
+def _decodes_and_prefill(plan: StepPlan) -> tuple[int, int]:
+    """A step's one-token chunks of requests past their prompt, and its other tokens."""
+    decodes = sum(c.num_tokens == 1 and bool(c.request.output_token_ids) for c in plan.chunks)
+    return decodes, sum(c.num_tokens for c in plan.chunks) - decodes

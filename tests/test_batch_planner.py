@@ -124,3 +124,20 @@ def test_a_prefill_waits_at_an_image_not_ready_and_the_others_go_on():
     assert [r.request_id for r in planner.waiting] == ["blocked"]
     ready["img"] = ready["blocked"] = 10**6  # the images are ready
     assert run_step(planner) == {"text": 1, "late": 1, "img": 14, "blocked": 10}
+
+
+def test_a_step_with_decodes_carries_at_most_the_prefill_cap():
+    """`prefill_cap` (the step pacer's): while "short" decodes, "long" and "next" prefill
+    4 tokens a step between them; once nothing decodes, a prefill takes the whole budget."""
+    planner = BatchPlanner(PagePool(100), PAGE, max_num_batched_tokens=10, max_num_seqs=8)
+    planner.prefill_cap = 4
+    planner.add(request("short", 2))
+    assert run_step(planner) == {"short": 2}  # nothing decodes yet: no cap
+    planner.add(request("long", 7))
+    planner.add(request("next", 30))
+    assert run_step(planner) == {"short": 1, "long": 4}
+    assert run_step(planner) == {"short": 1, "long": 3, "next": 1}
+    planner.finish(planner.running[0])  # "short" leaves; "long" decodes now
+    assert run_step(planner) == {"long": 1, "next": 4}
+    planner.finish(planner.running[0])
+    assert run_step(planner) == {"next": 10}  # a prefill alone: the whole budget

@@ -87,6 +87,7 @@ def generate_tp(
         "device": "cpu",
         "dtype": "float32",
         "kv_cache_memory": 16 << 20,
+        "max_itl_stretch": 0,  # plans that do not depend on the machine (as `cpu_engine`)
         **engine_overrides,
     }
     context = mp.get_context("spawn")
