@@ -418,7 +418,8 @@ class Engine:
         if encoder is None or self.device.type != "cpu":
             return
         encoder.steps_idle = idle
-        torch.set_num_threads(threads)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def _fail_request(self, request: Request, error: Exception) -> None:
         """Ends a request outside a step (its image's encoding raised), as on an abort."""

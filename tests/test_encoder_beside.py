@@ -191,3 +191,30 @@ def test_a_cached_prefix_that_ends_inside_an_image_waits_for_it_then_splices(mod
     run(iris, tokens)
     assert iris.stats().images_encoded == 2
     assert_parity(model_dir, [prompt], [tokens["resumed"]], GREEDY.max_tokens)
+
+
+def test_the_encoder_thread_ends_when_idle_and_the_next_image_starts_another(model_dir, builder):
+    """An idle encoder thread would keep its OpenMP workers, which slow every later step
+    (encoder_thread.py); it ends once nothing is queued, and a later image still gets
+    encoded, in a thread of its own."""
+    iris = cpu_engine(model_dir)
+    workers: list[threading.Thread] = []
+    encode_images = iris.model.encode_images
+
+    def noting_the_thread(*args, **kwargs):
+        workers.append(threading.current_thread())
+        return encode_images(*args, **kwargs)
+
+    iris.model.encode_images = noting_the_thread
+    prompts = [
+        chat_prompt(builder, "Describe it.", [make_image(120, 90, seed=21)]),
+        chat_prompt(builder, "And this one?", [make_image(90, 120, seed=22)]),
+    ]
+    outputs = []
+    for prompt in prompts:
+        outputs += iris.generate([prompt], GREEDY)
+        workers[-1].join(GATE_TIMEOUT_SECONDS)
+        assert not workers[-1].is_alive(), "the idle encoder thread lingers"
+    assert len(workers) == 2 and workers[0] is not workers[1]
+    assert all(worker is not threading.main_thread() for worker in workers)
+    assert_parity(model_dir, prompts, outputs, GREEDY.max_tokens)
