@@ -29,11 +29,10 @@ _DTYPES = {
     "half": "float16",
 }
 _CACHES = "caches"  # the help section of the cache flags (`server.args`)
-# `--max-itl-stretch` on a CPU: served images on `small` (bench/results/
-# serve_load_small_builtin.md) reach p99 ITL 2.3-2.9x the median with it (71-81x unpaced
-# with the encoder inline, 19x with the encoder beside alone); in process, stretch 2 and 3
-# gave 1.3x and 1.7x at about the same throughput.
-CPU_ITL_STRETCH = 3.0
+# `--max-itl-stretch` on a CPU, chosen by bench/itl_stretch.py (results/itl_stretch_small.md):
+# served images on `small` keep p99 ITL about 2.5x the median at 2 and 2.5 (3 to 3.8 at 3,
+# 71x with the old engine), at the old engine's throughput; text loses more at 2.
+CPU_ITL_STRETCH = 2.5
 
 
 def _flag(flag: str, help: str, **more: object) -> dict[str, object]:
@@ -108,7 +107,7 @@ class EngineConfig:
             "--max-itl-stretch",
             "a step that carries decodes takes at most about this many decode steps' time: "
             "the prefill it carries is sized from measured step times (0: off, prefills take "
-            "the whole --max-num-batched-tokens). Default: 3 on a CPU, off on CUDA",
+            "the whole --max-num-batched-tokens). Default: 2.5 on a CPU, off on CUDA",
         ),
     )
     max_num_seqs: int = field(
@@ -218,7 +217,7 @@ class EngineConfig:
             raise ValueError("max_itl_stretch must not be negative")
 
     def resolved_itl_stretch(self, device: torch.device) -> float:
-        """`max_itl_stretch`, by default 3 on a CPU (where prefill is compute-bound, see
+        """`max_itl_stretch`, by default 2.5 on a CPU (where prefill is compute-bound, see
         step_pacer.py) and 0 (off) on CUDA, where it has not been measured."""
         if self.max_itl_stretch is not None:
             return self.max_itl_stretch

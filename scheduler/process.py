@@ -49,6 +49,7 @@ from iris_serve.ipc.messages import (
     ToServer,
     context_length_error,
 )
+from iris_serve.ipc.process_heap import freeze_startup_heap
 from iris_serve.ipc.push_thread import PushThread
 from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
@@ -255,6 +256,7 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
         else:
             engine = Engine(config.engine, replica=replica)
         loop = SchedulerLoop(engine, run_dir, config.num_workers, replica)
+        freeze_startup_heap()
     except Exception as error:
         logger.exception("%s failed to start", config.name)
         ready.put((config.name, False, f"{type(error).__name__}: {error}"))

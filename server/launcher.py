@@ -27,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from iris_serve.ipc.messages import EngineStats
+from iris_serve.ipc.process_heap import freeze_startup_heap
 from iris_serve.ipc.shm_arena import (
     SHM_DIR,
     instance_prefix,
@@ -343,6 +344,7 @@ async def _serve_http(
     url = f"http://{args.host}:{args.port}"
     logger.info(banner(settings.served_model_names[0], url, schedulers, client.num_workers, arena))
     throughput = asyncio.create_task(_log_throughput(client.metrics, replicas))
+    freeze_startup_heap()
     try:
         await server.serve()
     finally:

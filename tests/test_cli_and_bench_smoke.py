@@ -180,3 +180,18 @@ def test_pixel_format_quick_compares_the_two_paths(tmp_path):
     [(header, [row])] = markdown_tables(text)
     cells = dict(zip(header, row, strict=True))
     assert float(cells["arena ratio"]) == 8.0  # 24 float32 bytes per pixel against 3
+
+
+def test_itl_stretch_quick_measures_each_setting_against_the_old_engine(tmp_path):
+    out = tmp_path / "results"
+    run_bench("bench.itl_stretch", "--quick", "--stretches", "3", "--out", str(out),
+              cache_dir=tmp_path / "cache", timeout=600)  # fmt: skip
+    text = (out / "itl_stretch_tiny_quick.md").read_text()
+    check_provenance(text)
+    [(_, summary), (header, rounds)] = markdown_tables(text)
+    old = "inline, unpaced (before issue 12)"
+    assert [row[:2] for row in summary] == [
+        ["stretch 3", "image"], [old, "image"], ["stretch 3", "text"], [old, "text"]
+    ]  # fmt: skip
+    assert all(float(cell) == 1.0 for row in summary if row[0] == old for cell in row[2:5])
+    assert {row[header.index("ok")] for row in rounds} == {"2/2"}

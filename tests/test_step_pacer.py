@@ -100,7 +100,7 @@ def test_the_engine_plans_with_the_pacer_and_answers_do_not_change(qwen2_5_vl_ti
 
 
 def test_steps_with_decodes_stay_within_the_measured_cap(qwen2_5_vl_tiny):
-    """The default pacer on a CPU (stretch 3), measuring this machine's steps: whatever it
+    """The default pacer on a CPU (`CPU_ITL_STRETCH`), measuring this machine's steps: whatever it
     measured, a step with decodes carried no more prefill than its cap at that step."""
     engine = cpu_engine(qwen2_5_vl_tiny, max_num_batched_tokens=512, max_itl_stretch=None)
     assert engine.pacer is not None and engine.pacer.stretch == CPU_ITL_STRETCH

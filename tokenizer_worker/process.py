@@ -43,6 +43,7 @@ from iris_serve.ipc.messages import (
     RequestError,
     TokenizeRequest,
 )
+from iris_serve.ipc.process_heap import freeze_startup_heap
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.worker import Reply, TokenizerWorker, drop_aborted
@@ -75,6 +76,7 @@ def run_worker(config: WorkerConfig, ready: Any) -> None:
             worker.close()
         ready.put((config.name, False, f"{type(e).__name__}: {e}"))
         sys.exit(1)
+    freeze_startup_heap()
     ready.put((config.name, True, None))
     logger.info(
         "ready: arena %s of %d bytes, processor cache %s",
