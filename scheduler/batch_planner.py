@@ -62,6 +62,11 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_decodes: int = 0  # chunks of one token of requests past their prompt
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks) - self.num_decodes
 
 
 # How far a request's prefill may run from a token on, now (its images' readiness).
@@ -129,7 +134,9 @@ class BatchPlanner:
                 continue  # `request` itself was preempted; the list shrank under `index`
             _plan_chunk(plan, request, num_tokens)
             budget -= num_tokens
-            if not decoding:
+            if decoding:
+                plan.num_decodes += 1
+            else:
                 prefill_budget -= num_tokens
             index += 1
 

@@ -211,10 +211,9 @@ class EngineConfig:
             raise ValueError("max_num_encoder_tokens must be positive")
         if self.encoder_threads is not None and self.encoder_threads < 1:
             raise ValueError("encoder_threads must be positive")
-        if self.max_itl_stretch is not None and 0 < self.max_itl_stretch <= 1:
-            raise ValueError("max_itl_stretch must be above 1 (or 0: off)")
-        if self.max_itl_stretch is not None and self.max_itl_stretch < 0:
-            raise ValueError("max_itl_stretch must not be negative")
+        stretch = self.max_itl_stretch
+        if stretch is not None and stretch != 0 and not stretch > 1:
+            raise ValueError(f"max_itl_stretch must be above 1, or 0 (off); got {stretch}")
 
     def resolved_itl_stretch(self, device: torch.device) -> float:
         """`max_itl_stretch`, by default 2.5 on a CPU (where prefill is compute-bound, see

@@ -300,9 +300,8 @@ class Engine:
             images = self.image_encoder.encode(plan.chunks)  # only what these chunks overlap
             sampled = self.runner.execute(plan, images)
             if self.pacer is not None and self.image_encoder.images_encoded == encoded:
-                self.pacer.observe(
-                    *_decodes_and_prefill(plan), time.perf_counter() - started, threads
-                )
+                seconds = time.perf_counter() - started
+                self.pacer.observe(plan.num_decodes, plan.num_prefill_tokens, seconds, threads)
         except Exception as error:
             if not is_isolatable(error):
                 raise
@@ -546,9 +545,3 @@ class Engine:
                 for image, key in zip(images, keys, strict=True)
             ]
         return list(images)
-
-
-def _decodes_and_prefill(plan: StepPlan) -> tuple[int, int]:
-    """A step's one-token chunks of requests past their prompt, and its other tokens."""
-    decodes = sum(c.num_tokens == 1 and bool(c.request.output_token_ids) for c in plan.chunks)
-    return decodes, sum(c.num_tokens for c in plan.chunks) - decodes

@@ -67,6 +67,7 @@ def serve(args: ServeArgs) -> int:
         # from here on, args.chat_template is the template's text, not its file
         args = dataclasses.replace(args, chat_template=read_chat_template(args.chat_template))
         defaults = sampling_defaults(args.generation_config, model_path)
+        engine_config(args, model_path)  # its checks (`EngineConfig.__post_init__`), now
         check_port_free(args.host, args.port)
         check_shared_memory(
             tokenizer_workers(args) * worker_config(args, 0, model_path, "", Path()).arena_bytes

@@ -105,6 +105,12 @@ def test_a_missing_generation_config_folder_fails_before_start_up(qwen2_vl_tiny,
     assert f"--generation-config {tmp_path / 'nowhere'}: no " in stderr
 
 
+def test_an_engine_setting_out_of_range_is_one_line_before_start_up(qwen2_vl_tiny):
+    stderr = serve_fails_fast(str(qwen2_vl_tiny), "--max-itl-stretch", "0.5")
+    assert "max_itl_stretch must be above 1, or 0 (off); got 0.5" in stderr
+    assert "Traceback" not in stderr
+
+
 def serve_fails_fast(*argv: str) -> str:
     """`iris serve ARGV` exits 1 before starting any child; returns its stderr."""
     command = [sys.executable, "-m", "iris_serve.server.cli", "serve", *argv]

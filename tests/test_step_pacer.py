@@ -130,17 +130,9 @@ def record_plans(engine) -> list[tuple[int, dict[str, int]]]:
     schedule = engine.planner.schedule
 
     def noting():
-        decoding = {r.request_id for r in engine.planner.running if is_decoding(r)}
         plan = schedule()
-        chunks = {c.request.request_id: c.num_tokens for c in plan.chunks}
-        plans.append((sum(1 for r in chunks if r in decoding), chunks))
+        plans.append((plan.num_decodes, {c.request.request_id: c.num_tokens for c in plan.chunks}))
         return plan
 
     engine.planner.schedule = noting
     return plans
-
-
-def is_decoding(request) -> bool:
-    return bool(request.output_token_ids) and (
-        request.num_tokens - request.page_table.num_computed_tokens == 1
-    )
