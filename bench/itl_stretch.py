@@ -98,14 +98,14 @@ def main() -> None:
                 rows.append([
                     name, w.name, m["round"], f"{m['completed']}/{w.num_prompts}",
                     m["request_throughput"], m["mean_ttft_ms"], m["mean_tpot_ms"],
-                    m["median_itl_ms"], m["p99_itl_ms"], m["p99_itl_ms"] / m["median_itl_ms"],
+                    m["median_itl_ms"], m["p99_itl_ms"], _itl_spread(m),
                 ])  # fmt: skip
             summary.append([
                 name, w.name,
                 _mean_ratio(runs, ref, "request_throughput"),
                 _mean_ratio(runs, ref, "mean_ttft_ms"),
                 _mean_ratio(runs, ref, "mean_tpot_ms"),
-                statistics.mean(m["p99_itl_ms"] / m["median_itl_ms"] for m in runs),
+                _mean([_itl_spread(m) for m in runs]),
             ])  # fmt: skip
     w = load[0]
     body = "\n".join(
@@ -137,9 +137,20 @@ def main() -> None:
     )
 
 
-def _mean_ratio(runs: list[dict[str, Any]], ref: list[dict[str, Any]], key: str) -> float:
+def _mean_ratio(runs: list[dict[str, Any]], ref: list[dict[str, Any]], key: str) -> float | str:
     """Mean over rounds of this setting's value ÷ the old engine's in the same round."""
-    return statistics.mean(m[key] / r[key] for m, r in zip(runs, ref, strict=True) if r[key])
+    return _mean([m[key] / r[key] if r[key] else "n/a" for m, r in zip(runs, ref, strict=True)])
+
+
+def _itl_spread(metrics: dict[str, Any]) -> float | str:
+    """p99 ÷ median ITL; "n/a" without ITLs (every answer stopped at EOS after one token)."""
+    median = metrics["median_itl_ms"]
+    return metrics["p99_itl_ms"] / median if median else "n/a"
+
+
+def _mean(values: list[float | str]) -> float | str:
+    numbers = [v for v in values if not isinstance(v, str)]
+    return statistics.mean(numbers) if numbers else "n/a"
 
 
 if __name__ == "__main__":
