@@ -1,10 +1,12 @@
 # Iris on a GPU node:
 #   docker build -t iris .
-#   docker run --gpus all -p 8000:8000 -v ~/.cache/huggingface:/root/.cache/huggingface \
+#   docker run --gpus all --shm-size 3g -p 8000:8000 -v ~/.cache/huggingface:/root/.cache/huggingface \
 #       iris Qwen/Qwen2.5-VL-3B-Instruct --served-model-name qwen2.5-vl
 #
-# The base image brings a CUDA build of PyTorch; `pip install .` keeps it because Iris
-# asks only for torch>=2.4. Override BASE_IMAGE to pin another CUDA/PyTorch pair.
+# The base image brings a CUDA build of PyTorch (and the Triton that the `triton`
+# attention backend compiles with); `pip install .` keeps it because Iris asks only for
+# torch>=2.4 and none of its dependencies asks for torch (tests/test_wheel.py).
+# Override BASE_IMAGE to pin another CUDA/PyTorch pair.
 ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
@@ -20,10 +22,16 @@ COPY scheduler ./scheduler
 COPY ipc ./ipc
 RUN python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
     && pip install . \
-    && python -c "import torch; assert torch.version.cuda, 'pip replaced the CUDA torch'"
+    && python -c "import torch; assert torch.version.cuda, 'pip replaced the CUDA torch'" \
+    && iris serve --help > /dev/null
 
 EXPOSE 8000
-# Shared-memory arenas live in /dev/shm: each tokenizer worker (2 by default) takes
-# --mm-processor-cache-gb (1 GiB by default), so run with --shm-size=4g or more (or
-# --ipc=host). With Docker's default 64 MiB, `iris serve` refuses to start and says so.
+# Shared memory: each tokenizer worker (2 by default) reserves an arena of
+# --mm-processor-cache-gb (1 GiB by default) in /dev/shm at start-up, so at the defaults
+# run with --shm-size 3g (the arenas plus 1 GiB for the rest) or --ipc=host. With
+# Docker's default of 64 MiB, `iris serve` refuses to start and names the size it needs.
+#
+# Loading a real checkpoint takes minutes; /health answers 200 once every process is up.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"
 ENTRYPOINT ["iris", "serve", "--host", "0.0.0.0", "--port", "8000"]

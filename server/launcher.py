@@ -69,9 +69,7 @@ def serve(args: ServeArgs) -> int:
         defaults = sampling_defaults(args.generation_config, model_path)
         engine_config(args, model_path)  # its checks (`EngineConfig.__post_init__`), now
         check_port_free(args.host, args.port)
-        check_shared_memory(
-            tokenizer_workers(args) * worker_config(args, 0, model_path, "", Path()).arena_bytes
-        )
+        check_shared_memory(shared_memory_needed(args))
     except (OSError, ValueError) as error:
         logger.error("%s", error)
         return 1
@@ -116,6 +114,20 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def shared_memory_needed(args: ServeArgs) -> int:
+    """Bytes of /dev/shm that `iris serve` with `args` reserves at start-up: every
+    tokenizer worker's arena."""
+    return tokenizer_workers(args) * worker_config(args, 0, Path(), "", Path()).arena_bytes
+
+
+def docker_shm_size(needed: int) -> str:
+    """The `docker run --shm-size` to give for `needed` bytes of arenas: whole GiB, plus
+    one for the rest of /dev/shm's users (multiprocessing's semaphores, NCCL's buffers
+    between tensor-parallel ranks). The Dockerfile and the README state it for the
+    defaults (tests/test_dockerfile.py holds them to it)."""
+    return f"{-(-needed // 2**30) + 1}g"
+
+
 def check_shared_memory(needed: int, shm_dir: Path = SHM_DIR) -> None:
     """Raises when /dev/shm cannot hold the tokenizer workers' arenas (Docker's default is
     64 MiB), with the two ways out, instead of ENOSPC from a worker mid start-up."""
@@ -124,7 +136,7 @@ def check_shared_memory(needed: int, shm_dir: Path = SHM_DIR) -> None:
         raise OSError(
             f"{shm_dir} has {free / 2**30:.2f} GiB free but the tokenizer workers' arenas need "
             f"{needed / 2**30:.2f} GiB: give the container more (docker run --shm-size "
-            f"{-(-needed // 2**30) + 1}g) or lower --mm-processor-cache-gb / "
+            f"{docker_shm_size(needed)}) or lower --mm-processor-cache-gb / "
             "--tokenizer-workers"
         )
 

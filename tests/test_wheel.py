@@ -11,6 +11,9 @@ standard library.
 from __future__ import annotations
 
 import configparser
+import email
+import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +22,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from tests.dockerfile import base_image
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "server", "tokenizer_worker", "scheduler", "ipc")
@@ -115,3 +123,37 @@ def test_a_fresh_venv_gets_iris_serve_and_nothing_else_top_level(wheel: Path, tm
         timeout=60,
     )
     assert "--max-model-len" in result.stdout and "--mm-processor-cache-gb" in result.stdout
+
+
+def test_the_wheel_keeps_the_docker_base_images_cuda_torch(wheel: Path):
+    """The Dockerfile's `pip install .` must keep the base image's CUDA torch: the wheel
+    asks for a torch that the base image's satisfies, and nothing it depends on asks for
+    torch (read from the dependencies' metadata installed here, as pip would read it)."""
+    with zipfile.ZipFile(wheel) as archive:
+        [metadata] = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        message = email.message_from_bytes(archive.read(metadata))
+    requires = _runtime(message.get_all("Requires-Dist") or [])
+    [torch] = [r for r in requires if canonicalize_name(r.name) == "torch"]
+    tag = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-.*", base_image())
+    assert tag is not None, f"the base image {base_image()} is not a pytorch/pytorch CUDA tag"
+    assert torch.specifier.contains(Version(tag.group(1)))
+
+    asks_for_torch = []
+    seen: set[str] = set()
+    pending = [r.name for r in requires if r is not torch]
+    while pending:
+        name = canonicalize_name(pending.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        dependencies = _runtime(importlib.metadata.distribution(name).requires or [])
+        asks_for_torch += [name for r in dependencies if canonicalize_name(r.name) == "torch"]
+        pending += [r.name for r in dependencies]
+    assert len(seen) > 10, seen  # the walk reached the dependencies' own dependencies
+    assert asks_for_torch == []
+
+
+def _runtime(lines: list[str]) -> list[Requirement]:
+    """The requirements that hold without extras, on this interpreter."""
+    requirements = [Requirement(line) for line in lines]
+    return [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
