@@ -74,7 +74,10 @@ class EngineConfig:
     gpu_memory_utilization: float = field(
         default=0.9,
         metadata=_flag(
-            "--gpu-memory-utilization", "fraction of the GPU for weights + KV cache on CUDA"
+            "--gpu-memory-utilization",
+            "this server's fraction of the GPU on CUDA: weights, embedding cache, "
+            "activations and the KV cache in the rest (other processes' memory is not "
+            "counted against it: two servers at 0.45 share a GPU)",
         ),
     )
     num_kv_pages: int | None = None  # overrides both budgets (tests force preemption with it)

@@ -74,8 +74,37 @@ def agree_on_minimum(value: int, tp: TPShard, device: torch.device) -> int:
 
 
 def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        return int(total * config.gpu_memory_utilization) - used - ACTIVATION_RESERVE_BYTES
-    return config.kv_cache_memory
+    if device.type != "cuda":
+        return config.kv_cache_memory
+    free, total = torch.cuda.mem_get_info(device)
+    embedding_cache = config.mm_embedding_cache_bytes if config.enable_mm_embedding_cache else 0
+    return cuda_kv_budget(
+        total,
+        free,
+        own=torch.cuda.memory_reserved(device),
+        utilization=config.gpu_memory_utilization,
+        embedding_cache=embedding_cache,
+    )
+
+
+def cuda_kv_budget(
+    total: int, free: int, own: int, utilization: float, embedding_cache: int
+) -> int:
+    """This process's KV cache bytes on a GPU, with the model loaded (`own`: what torch
+    holds for it so far): its share, `utilization` × `total`, less what it holds, less
+    what it allocates later (the embedding cache at its bound, the activations' reserve),
+    and never more than is `free`. Memory of other processes on the GPU is theirs, not
+    counted against the share, so two servers at 0.45 each share one GPU (as two vLLM
+    instances do); it only bounds what is free."""
+    later = embedding_cache + ACTIVATION_RESERVE_BYTES
+    budget = min(int(total * utilization) - own, free) - later
+    if budget <= 0:
+        gib = 2**30
+        raise ValueError(
+            f"no GPU memory left for the KV cache: --gpu-memory-utilization {utilization} "
+            f"gives this server {total * utilization / gib:.1f} GiB of {total / gib:.1f}, "
+            f"the model holds {own / gib:.1f}, {free / gib:.1f} GiB is free, and the "
+            f"embedding cache and the activations' reserve take {later / gib:.1f}: raise "
+            "--gpu-memory-utilization or lower --mm-embedding-cache-gb"
+        )
+    return budget
