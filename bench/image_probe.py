@@ -28,7 +28,12 @@ and time the text side alone takes. On a GPU the scheduler's
 `torch.cuda.max_memory_allocated` (`iris_device_memory_peak_bytes`) is a column too: a
 maximum since the server started, so it never falls; N ascends, so it shows growth.
 
-    python -m bench.image_probe [--size tiny|small] [--max-images N] [--quick] [--out DIR]
+On a GPU (`--model`, a real-size checkpoint of `iris tiny-model --like`), the sweep is
+1280x720 up to 64 images with the first two variants, each server a share of the GPU
+(`gpu_setting`).
+
+    python -m bench.image_probe [--size tiny|small | --model DIR] [--max-images N] [--quick]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -45,19 +50,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from bench.images import image_part
 from bench.results_io import (
-    ARCH_TITLES,
     RESULTS_DIR,
+    Checkpoint,
     add_arch_argument,
     add_common_arguments,
-    checkpoint_label,
+    add_model_argument,
     markdown_table,
     write_result,
 )
 from bench.server_process import IrisServer, chat_body, delta, run_interleaved, stream_chat
-from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
 STEP_BUDGET = 512
 VARIANTS: list[tuple[str, list[str]]] = [
@@ -92,6 +97,22 @@ class Setting:
 # Enough KV for MAX_MODEL_LEN tokens (the engine caps the context at what the pool holds):
 # 16 MiB for the tiny model, 512 MiB for small (8 layers x 2 x 2 KV heads x 128 x fp32).
 KV_CACHE_MEMORY = {"tiny": "64MiB", "small": "576MiB"}
+
+
+def gpu_setting(max_images: int) -> Setting:
+    """On a GPU (the campaign's real-size checkpoints): 1280x720 only, up to 64 images
+    (76k tokens: the context is the model's own), the two encoding modes, each server a
+    share of the GPU (they run at once)."""
+    variants = VARIANTS[:2]
+    flags = [
+        "--max-num-batched-tokens", str(STEP_BUDGET),
+        "--limit-mm-per-prompt", str(MAX_IMAGES),
+        "--gpu-memory-utilization", f"{0.85 / len(variants):.2f}",
+        "--tokenizer-workers", "1",
+        "--mm-processor-cache-gb", "1",  # 64 x 2.8 MB of uint8 pixels in flight
+    ]  # fmt: skip
+    counts = [2**i for i in range(7) if 2**i <= max_images]
+    return Setting([(1280, 720)], counts, variants, 240.0, flags)
 
 
 def setting(quick: bool, size: str, max_images: int) -> Setting:
@@ -439,8 +460,7 @@ def embedding_note(model_dir: Path, run: Setting, results: dict[str, list[dict[s
 
 
 def report(
-    title: str,
-    size: str,
+    description: str,
     model_dir: Path,
     run: Setting,
     results: dict[str, list[dict[str, Any]]],
@@ -450,7 +470,7 @@ def report(
     variants = "; ".join(f"`{name}`: `{' '.join(f)}`" for name, f in run.variants)
     return "\n".join(
         [
-            f"Generated {title} `{size}` checkpoint. One request at a time with N "
+            f"{description[:1].upper()}{description[1:]}. One request at a time with N "
             "distinct JPEGs (never seen before by the server) and a short question, "
             f"`max_tokens=1`; N doubles up to {run.counts[-1]} or until a request fails or "
             f"takes longer than {run.timeout:.0f} s (the status then reads `timeout`). After "
@@ -507,6 +527,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser)
     add_arch_argument(parser)
+    add_model_argument(parser)
     parser.add_argument(
         "--max-images",
         type=int,
@@ -515,10 +536,12 @@ def main() -> None:
         help=f"largest N (default: {DEFAULT_MAX_IMAGES}); results get a _maxN suffix",
     )
     args = parser.parse_args()
-    default_max = DEFAULT_MAX_IMAGES[args.size]
+    gpu = torch.cuda.is_available() and not args.quick
+    default_max = MAX_IMAGES if gpu else DEFAULT_MAX_IMAGES[args.size]
     max_images = default_max if args.max_images is None else args.max_images
-    run = setting(args.quick, args.size, max_images)
-    model_dir = builtin_checkpoint(arch=args.arch, size=args.size)
+    run = gpu_setting(max_images) if gpu else setting(args.quick, args.size, max_images)
+    checkpoint = Checkpoint.of(args)
+    model_dir = checkpoint.model_dir
     # Read by glibc in the servers' processes (IrisServer copies this environment).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     by_server = run_interleaved(
@@ -533,18 +556,18 @@ def main() -> None:
         rows = [r for r in every if r["variant"] == name]
         if rows:
             results[name] = rows
-    name = f"image_probe_{checkpoint_label(args.arch, args.size)}"
+    name = f"image_probe_{checkpoint.label}"
     name += f"_max{max_images}" if max_images != default_max else ""
     name += "_quick" if args.quick else ""
     out_dir = args.out or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     png = f"{name}.png"
-    title = f"{ARCH_TITLES[args.arch]} {args.size}"
+    title = checkpoint.title
     plot(run, results, out_dir / png, f"N images in one request ({title})")
     write_result(
         name,
         f"N images in one request: TTFT and scheduler peak memory (HTTP, {title})",
-        report(ARCH_TITLES[args.arch], args.size, model_dir, run, results, png),
+        report(checkpoint.description, model_dir, run, results, png),
         out_dir,
     )
 

@@ -9,6 +9,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -49,6 +50,42 @@ def checkpoint_label(arch: str, size: str) -> str:
     return size if arch == DEFAULT_ARCH else f"{arch}_{size}"
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a checkpoint folder to serve instead of the generated one of --arch and --size "
+        "(e.g. `iris tiny-model --like Qwen2.5-VL-7B-Instruct`'s; the result is then named "
+        "after the folder)",
+    )
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a benchmark serves, from `--model` or `--arch`/`--size`."""
+
+    model_dir: Path
+    label: str  # in result file names
+    title: str  # in result titles
+    description: str  # how a result's sentence names it ("generated Qwen2.5-VL `small` checkpoint")
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Checkpoint:
+        if getattr(args, "model", None) is not None:
+            model_dir = args.model.resolve()
+            return cls(model_dir, model_dir.name, model_dir.name, f"checkpoint `{model_dir}`")
+        from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+
+        title = f"{ARCH_TITLES[args.arch]} {args.size}"
+        return cls(
+            builtin_checkpoint(arch=args.arch, size=args.size),
+            checkpoint_label(args.arch, args.size),
+            title,
+            f"generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint",
+        )
+
+
 def machine_description() -> str:
     import torch
 
@@ -60,22 +97,35 @@ def machine_description() -> str:
                 break
     except OSError:
         pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    gpu = "no GPU"
+    if torch.cuda.is_available():
+        gpu = f"{torch.cuda.get_device_name(0)} (driver {_nvidia_driver()}, CUDA {torch.version.cuda})"
     return (
         f"{cpu}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} torch threads, Python {platform.python_version()}"
     )
 
 
+def _nvidia_driver() -> str:
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.split()[0]  # fmt: skip
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
 def git_commit() -> str:
-    """HEAD's short hash, marked when tracked code (results aside) differs from it."""
+    """HEAD's short hash, marked when tracked code (results aside) differs from it; where
+    the tree has no `.git` (the GPU campaign's machine), `IRIS_COMMIT` (bench.gpu.prepare)."""
     repo = RESULTS_DIR.parent.parent
     try:
         head = _git(repo, "rev-parse", "--short", "HEAD").stdout.strip()
         changed = _git(repo, "status", "--porcelain", "--untracked-files=no", "--", ".",
                        ":(exclude)bench/results").stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("IRIS_COMMIT", "unknown")
     return f"{head} + uncommitted changes" if changed else head
 
 

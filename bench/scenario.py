@@ -15,11 +15,11 @@ import httpx
 
 from bench.images import image_part
 from bench.results_io import (
-    ARCH_TITLES,
     RESULTS_DIR,
+    Checkpoint,
     add_arch_argument,
     add_common_arguments,
-    checkpoint_label,
+    add_model_argument,
     write_result,
 )
 from bench.server_process import (
@@ -31,7 +31,6 @@ from bench.server_process import (
     stream_chat,
 )
 from bench.worker_probe import ProbeResult, WorkerProbe
-from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
 CACHES_OFF = [
     "--disable-mm-processor-cache",
@@ -118,13 +117,7 @@ def replay_through_workers(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     add_arch_argument(parser)
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="a Qwen2(.5)-VL checkpoint folder to serve instead of the generated one of "
-        "--size (the result is then named after the folder)",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "--interleave",
         action="store_true",
@@ -148,13 +141,8 @@ class Target:
 
 def target(benchmark: str, args: argparse.Namespace) -> Target:
     """The checkpoint to serve and where the result goes, from `add_arguments`' flags."""
-    if args.model is not None:
-        model_dir, label = args.model.resolve(), args.model.name
-        description = f"checkpoint `{model_dir}`"
-    else:
-        model_dir = builtin_checkpoint(arch=args.arch, size=args.size)
-        label = checkpoint_label(args.arch, args.size)
-        description = f"generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint"
+    checkpoint = Checkpoint.of(args)
+    model_dir, label, description = checkpoint.model_dir, checkpoint.label, checkpoint.description
     out_dir = args.out or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"{benchmark}_{label}" + ("_quick" if args.quick else "")

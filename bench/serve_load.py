@@ -75,7 +75,12 @@ from bench.load_client import (
     run_vllm,
     vllm_command,
 )
-from bench.results_io import add_arch_argument, add_common_arguments, checkpoint_label
+from bench.results_io import (
+    Checkpoint,
+    add_arch_argument,
+    add_common_arguments,
+    add_model_argument,
+)
 from bench.serve_load_report import INLINE, PEER, PEER_NOTE, Plan, Run, report
 from bench.server_process import REPO, IrisServer, group_processes
 
@@ -269,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser, quick_help="a few small requests (smoke test)")
     add_arch_argument(parser)
+    add_model_argument(parser)
     parser.add_argument("--client", choices=["vllm", "builtin"], default="vllm")
     parser.add_argument("--vllm", default=None, help="the `vllm` executable of the client venv")
     parser.add_argument("--no-peer", action="store_true", help=f"skip {PEER}")
@@ -295,14 +301,13 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
     from transformers import AutoTokenizer
 
-    from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
-
     # With the built-in client, --vllm only says where the client venv (and peer-site) is.
     args.vllm_path = (
         find_vllm(args.vllm) if args.client == "vllm" else args.vllm and Path(args.vllm)
     )
     plan_ = plan(args.size, args.quick, args.num_prompts, args.concurrency)
-    model_dir = builtin_checkpoint(arch=args.arch, size=args.size)
+    checkpoint = Checkpoint.of(args)
+    model_dir = checkpoint.model_dir
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     proxy = args.client == "vllm"
     threads_env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
@@ -361,12 +366,11 @@ def main(argv: list[str] | None = None) -> None:
         source = "vllm" if args.client == "vllm" else "bench.images"
         log(f"compute bound / {w.name}")
         bounds.append(compute_bound(model_dir, w, lens, args.seed + 500 + i, source))
-    name = f"serve_load_{checkpoint_label(args.arch, args.size)}" + (
-        "_builtin" if args.client == "builtin" else ""
-    )
+    name = f"serve_load_{checkpoint.label}" + ("_builtin" if args.client == "builtin" else "")
     name += f"_threads{args.threads}" if args.threads else ""
     name += "_quick" if args.quick else ""
-    report(args, name, plan_, runs, bounds, peer_note, (load_before, os.getloadavg()[0]))
+    load = (load_before, os.getloadavg()[0])
+    report(args, checkpoint, name, plan_, runs, bounds, peer_note, load)
     if not served:
         raise SystemExit("Iris served no workload; see the failures above")
 

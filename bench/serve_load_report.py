@@ -15,7 +15,7 @@ import numpy as np
 
 from bench.compute_bound import Bound
 from bench.load_client import Workload
-from bench.results_io import ARCH_TITLES, RESULTS_DIR, markdown_table, write_result
+from bench.results_io import RESULTS_DIR, Checkpoint, markdown_table, write_result
 
 PEER = "transformers serve"
 INLINE = "iris inline"  # `--inline-baseline`: the encoder inside the steps
@@ -175,7 +175,9 @@ def plot(runs: Sequence[Run], bounds: Sequence[Bound], path: Path) -> None:
     plt.close(fig)
 
 
-def setup_text(args, plan_: Plan, runs: Sequence[Run], load: tuple[float, float]) -> str:
+def setup_text(
+    args, checkpoint: Checkpoint, plan_: Plan, runs: Sequence[Run], load: tuple[float, float]
+) -> str:
     """One paragraph: client, workloads, seeds, proxy, Iris flags, machine load."""
     w = plan_.workloads[0]
     if args.client == "vllm":
@@ -189,7 +191,7 @@ def setup_text(args, plan_: Plan, runs: Sequence[Run], load: tuple[float, float]
         eos = "No `ignore_eos` is sent, so answers may stop at EOS."
     image = next((x.image for x in plan_.workloads if x.image), None)
     parts = [
-        f"Generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint.",
+        f"{checkpoint.description[:1].upper()}{checkpoint.description[1:]}.",
         f"Client: {client}. {w.num_prompts} requests per run, at most {w.concurrency} in "
         f"flight, greedy, `max_completion_tokens` {w.output_len}, {w.input_len} random text "
         "tokens"
@@ -223,13 +225,13 @@ def setup_text(args, plan_: Plan, runs: Sequence[Run], load: tuple[float, float]
 
 
 def report(
-    args, name: str, plan_: Plan, runs: list[Run], bounds: list[Bound], peer_note: str,
+    args, checkpoint: Checkpoint, name: str, plan_: Plan, runs: list[Run], bounds: list[Bound], peer_note: str,
     load: tuple[float, float],
 ) -> Path:  # fmt: skip
     out = args.out or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     plot(runs, bounds, out / f"{name}.png")
-    lines = [setup_text(args, plan_, runs, load), "", "## Served", ""]
+    lines = [setup_text(args, checkpoint, plan_, runs, load), "", "## Served", ""]
     lines.append(results_table(runs, plan_.workloads))
     ratios = ratio_table(runs)
     if ratios:
@@ -293,7 +295,7 @@ def report(
     return write_result(
         name,
         f"Served load: Iris vs {PEER}, and the compute bound "
-        f"({ARCH_TITLES[args.arch]} {args.size})",
+        f"({checkpoint.title})",
         "\n".join(lines), out,
     )  # fmt: skip
 

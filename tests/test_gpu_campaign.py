@@ -1,0 +1,92 @@
+"""The GPU campaign's preparation, which runs here (`bench.gpu.prepare`), and the checks
+`bench/gpu/campaign.sh` makes before it installs anything on the GPU machine."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu.prepare import (
+    EXTRA_ROOTS,
+    REPO,
+    SOURCE_DIRS,
+    build_wheel,
+    carried,
+    requirements_of,
+    source_digest,
+)
+
+SCRIPT = Path("bench/gpu/campaign.sh")
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of what the campaign reads: the sources and bench/gpu."""
+    root = tmp_path_factory.mktemp("tree")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, root / name)
+    for name in SOURCE_DIRS:
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "bench" / "gpu").mkdir(parents=True)
+    for name in ("bench/__init__.py", "bench/gpu/__init__.py", "bench/gpu/prepare.py", SCRIPT):
+        shutil.copy(REPO / name, root / name)
+    return root
+
+
+def test_the_device_gets_every_runtime_dependency_its_image_lacks(tmp_path: Path):
+    wheel = build_wheel(tmp_path)
+    packages = carried([*requirements_of(wheel), *EXTRA_ROOTS])
+    # Iris's own needs the device image lacks, the peer's (openai), and transformers at
+    # the version CI tests against; nothing the image has (torch above all: 2 GB, CUDA).
+    assert {"pyzmq", "msgspec", "fastapi", "starlette", "uvicorn", "pydantic", "llguidance",
+            "openai", "transformers"} <= set(packages)  # fmt: skip
+    assert not {"torch", "triton", "numpy", "pillow", "safetensors", "xxhash"} & set(packages)
+
+
+def test_the_source_digest_follows_the_sources_and_not_their_caches(tree: Path):
+    before = source_digest(tree)
+    cache = tree / "scheduler" / "__pycache__"
+    cache.mkdir()
+    (cache / "engine.cpython-312.pyc").write_bytes(b"compiled")
+    assert source_digest(tree) == before
+    engine = tree / "scheduler" / "engine.py"
+    engine.write_text(engine.read_text() + "\n# changed\n")
+    try:
+        assert source_digest(tree) != before
+    finally:
+        engine.write_text(engine.read_text().removesuffix("\n# changed\n"))
+        shutil.rmtree(cache)
+    assert source_digest(tree) == before
+
+
+def _campaign(tree: Path, *stages: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(tree / SCRIPT), *stages],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tree / "out")},
+    )
+
+
+def test_the_campaign_refuses_an_unknown_stage_before_doing_anything(tree: Path):
+    result = _campaign(tree, "tests", "benchmark")
+    assert result.returncode == 2
+    assert "unknown stage: benchmark" in result.stdout
+    assert "roofline" in result.stdout  # the usage lists the stages
+
+
+def test_the_campaign_refuses_wheels_built_from_other_sources(tree: Path):
+    wheels = tree / ".whl"
+    wheels.mkdir(exist_ok=True)
+    (wheels / "SOURCES").write_text("0" * 64 + "\n")
+    result = _campaign(tree, "env")
+    assert result.returncode == 2
+    assert "built from other sources" in result.stdout
+    shutil.rmtree(wheels)
+    result = _campaign(tree, "env")
+    assert result.returncode == 2 and "python -m bench.gpu.prepare" in result.stdout
