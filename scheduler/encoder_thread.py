@@ -9,7 +9,7 @@ image only once its embedding is ready (see image_encoder.py).
 - On a CPU the cores are shared, never oversubscribed (more OpenMP threads than cores
   spin-wait on each other). torch's thread count is per calling thread: while the steps
   run, the encoder thread uses `--encoder-threads` of the cores and the steps the rest
-  (`Engine._share_cores`); while the steps have nothing to run (every request waits for
+  (`CoreSharing.share`); while the steps have nothing to run (every request waits for
   an image), the encoder takes every core. It looks before each part of each vision
   block (`adapt_threads`, a forward pre-hook on its attention, MLP and norms), so it
   follows the steps within a fraction of a block.

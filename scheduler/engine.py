@@ -33,6 +33,7 @@ from iris_serve.ipc.messages import (
 )
 from iris_serve.scheduler.batch_planner import BatchPlanner, StepPlan
 from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.core_sharing import CoreSharing
 from iris_serve.scheduler.device_state import DeviceState
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
 from iris_serve.scheduler.image_encoder import ImageEncoder, request_scoped_keys
@@ -162,7 +163,7 @@ class Engine:
         stretch = config.resolved_itl_stretch(self.device)
         self.pacer = StepPacer(stretch, config.page_size) if stretch else None
         self.runner = ModelRunner(self.model, self.attention, self.device, self.dtype, followers)
-        self._cpu_threads = torch.get_num_threads()  # the steps' own (see `_share_cores`)
+        self.cores = CoreSharing(self.image_encoder.background, self.device)
         self.requests: dict[str, Request] = {}
         self._failed: list[FailedRequest] = []
         self._generate_ids = itertools.count()
@@ -285,13 +286,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.image_encoder.background is not None:
             self._encode_beside()
-        threads = self._step_threads()
+        threads = self.cores.step_threads(self.image_encoder.encoding)
         if self.pacer is not None:
             self.planner.prefill_cap = self.pacer.cap(threads)
         plan = self.planner.schedule()
         for request in plan.preempted:
             self.image_encoder.forget(request.request_id)
-        self._share_cores(threads, idle=not plan.chunks)
+        self.cores.share(threads, idle=not plan.chunks)
         if not plan.chunks:
             self.image_encoder.wait(ENCODE_WAIT_SECONDS)  # only images are being worked on
             return []
@@ -392,33 +393,6 @@ class Engine:
                 ((r, planner.cached_prefix_tokens(r)) for r in planner.waiting if r.images),
             )
         )
-
-    def _step_threads(self) -> int:
-        """The torch threads the next step runs with on a CPU (see `_share_cores`; 0 on
-        CUDA)."""
-        encoder = self.image_encoder.background
-        if self.device.type != "cpu":
-            return 0
-        if encoder is None or not self.image_encoder.encoding:
-            return self._cpu_threads
-        return max(1, self._cpu_threads - encoder.num_threads)
-
-    def _share_cores(self, threads: int, idle: bool) -> None:
-        """On a CPU, a step run while the encoder thread works leaves it its threads; with
-        no step to run (`idle`), the encoder thread takes every core.
-
-        More OpenMP threads than cores spin-wait on each other: on 2 cores, a decode step
-        beside a vision-tower call took 47 ms median, 261 ms p99 with 2 step threads and
-        1 encoder thread, against 24.5 / 33 ms with 1 + 1 (23 / 26 ms alone). Setting the
-        count costs well under a microsecond. torch's thread count is per thread, but a
-        thread that never read or used it takes the last one set by any thread: reading it
-        in `__init__` pins the steps' own."""
-        encoder = self.image_encoder.background
-        if encoder is None or self.device.type != "cpu":
-            return
-        encoder.steps_idle = idle
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
 
     def _fail_request(self, request: Request, error: Exception) -> None:
         """Ends a request outside a step (its image's encoding raised), as on an abort."""
