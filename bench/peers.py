@@ -54,7 +54,12 @@ import httpx
 from bench import agent_repeat, multiturn_image
 from bench.load_client import Workload, find_vllm
 from bench.peers_report import report
-from bench.results_io import add_arch_argument, add_common_arguments
+from bench.results_io import (
+    Checkpoint,
+    add_arch_argument,
+    add_common_arguments,
+    add_model_argument,
+)
 from bench.scenario import QUICK_FLAGS, load_average
 from bench.serve_load import PeerServer, ProxyServer, Target, measure_server, peer_flags, peer_site
 from bench.serve_load import plan as serve_load_plan
@@ -265,6 +270,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser, quick_help="a few small requests (smoke test)")
     add_arch_argument(parser)
+    add_model_argument(parser)
     parser.add_argument(
         "--peers", default=None,
         help=f"comma-separated, among {','.join(PEER_KEYS)} (default: every one installed)",
@@ -282,13 +288,12 @@ def run(
 ) -> dict[str, PeerResult]:
     """Every peer measured on every workload, one server at a time, and the result file
     written; returns each peer's result. `args.vllm_path`: the cold workload's client;
-    `model_dir`: the generated checkpoint of `args.arch` and `args.size` unless given."""
+    `model_dir`: `--model`'s, or the generated checkpoint of `args.arch` and `args.size`,
+    unless given."""
     log(f"peers: {', '.join(f'{p.label} {p.version}' for p in peers)}")
     from transformers import AutoTokenizer
 
-    from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
-
-    model_dir = model_dir or builtin_checkpoint(arch=args.arch, size=args.size)
+    model_dir = model_dir or Checkpoint.of(args).model_dir
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     load_before = load_average()
     scratch = Path(tempfile.mkdtemp(prefix="peers-"))  # server logs, client results

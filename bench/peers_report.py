@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from bench.results_io import (
     ARCH_TITLES,
     RESULTS_DIR,
-    checkpoint_label,
+    Checkpoint,
     markdown_table,
     write_result,
 )
@@ -156,8 +156,8 @@ def setup_text(
         else "the built-in httpx client (`--client builtin`, no `ignore_eos`)"
     )  # fmt: skip
     return (
-        f"Generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint (`{model_dir.name}`), "
-        "float32 on every server. One server at a time, each started fresh with its "
+        f"{_described(args, model_dir)}, float32 on every server on a CPU, bfloat16 on a "
+        "GPU. One server at a time, each started fresh with its "
         f"defaults, warmed up ({len(WARM_UP)} small-image requests, and one request of the "
         "cold workload), "
         "measured on the three workloads in the order below, then stopped. Greedy, "
@@ -171,13 +171,19 @@ def setup_text(
     )
 
 
+def _described(args: argparse.Namespace, model_dir: Path) -> str:
+    if getattr(args, "model", None) is not None:
+        return f"Checkpoint `{model_dir}`"
+    return f"Generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint (`{model_dir.name}`)"
+
+
 def report(
     args: argparse.Namespace, plan: Plan, peers: Sequence[Peer], model_dir: Path,
     results: dict[str, PeerResult], load: tuple[float, float],
 ) -> Path:  # fmt: skip
     out = args.out or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
-    name = f"peers_{checkpoint_label(args.arch, args.size)}" + ("_quick" if args.quick else "")
+    name = f"peers_{Checkpoint.of(args).label}" + ("_quick" if args.quick else "")
     header, rows = summary_table(plan, peers, results)
     lines = [
         setup_text(args, plan, model_dir, load), "", "## Summary", "",
@@ -224,5 +230,5 @@ def report(
     }
     (out / f"{name}.json").write_text(json.dumps(raw, indent=1))
     labels = ", ".join(p.label for p in peers)
-    title = f"Iris and its peers ({labels}), {ARCH_TITLES[args.arch]} {args.size}"
+    title = f"Iris and its peers ({labels}), {Checkpoint.of(args).title}"
     return write_result(name, title, "\n".join(lines), out)

@@ -12,6 +12,8 @@
 #   serve      bench.serve_load: Iris vs transformers serve, random-mm     ~6 min
 #   scenarios  bench.multiturn_image and bench.agent_repeat               ~6 min
 #   images     bench.image_probe: 1..64 1280x720 images in one request    ~5 min
+#   peers      bench.peers: Iris vs transformers serve on the cold, growing-
+#              history and sliding-window workloads                       ~8 min
 #
 # The first call on a machine installs the wheels into its Python (the machine is bare
 # each lease) and generates the checkpoint (MODEL_LIKE, default Qwen2.5-VL-7B-Instruct:
@@ -28,7 +30,7 @@ MODEL=/tmp/iris-models/${LIKE}-random-bf16
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -gt 0 ] || usage
 
 install() {
@@ -78,6 +80,10 @@ stage() {
         images)
             checkpoint
             "$PY" -m bench.image_probe --model "$MODEL" --out "$OUT" ;;
+        peers)
+            checkpoint
+            "$PY" -m bench.peers --model "$MODEL" --peers iris,transformers --client builtin \
+                --device cuda --out "$OUT" ;;
         *)
             echo "unknown stage: $1"; usage ;;
     esac
@@ -85,7 +91,7 @@ stage() {
 }
 
 for name in "$@"; do
-    case "$name" in env|tests|roofline|serve|scenarios|images) ;; *) echo "unknown stage: $name"; usage ;; esac
+    case "$name" in env|tests|roofline|serve|scenarios|images|peers) ;; *) echo "unknown stage: $name"; usage ;; esac
 done
 install
 for name in "$@"; do
