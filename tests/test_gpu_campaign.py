@@ -12,6 +12,7 @@ import pytest
 
 from bench.gpu.prepare import (
     EXTRA_ROOTS,
+    FROM_DEVICE,
     REPO,
     SOURCE_DIRS,
     build_wheel,
@@ -37,14 +38,16 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_the_device_gets_every_runtime_dependency_its_image_lacks(tmp_path: Path):
+def test_the_device_gets_every_runtime_dependency_at_ci_versions_but_torch(tmp_path: Path):
     wheel = build_wheel(tmp_path)
     packages = carried([*requirements_of(wheel), *EXTRA_ROOTS])
-    # Iris's own needs the device image lacks, the peer's (openai), and transformers at
-    # the version CI tests against; nothing the image has (torch above all: 2 GB, CUDA).
+    # Iris's own needs the device image lacks, the peer's (openai), and transformers and
+    # its tokenizers at the versions CI tests; never torch (2 GB, CUDA) or what it brings.
     assert {"pyzmq", "msgspec", "fastapi", "starlette", "uvicorn", "pydantic", "llguidance",
-            "openai", "transformers"} <= set(packages)  # fmt: skip
-    assert not {"torch", "triton", "numpy", "pillow", "safetensors", "xxhash"} & set(packages)
+            "openai", "transformers", "tokenizers", "huggingface-hub"} <= set(packages)  # fmt: skip
+    assert {"torch", "triton", "numpy"} <= FROM_DEVICE
+    assert not FROM_DEVICE & set(packages)
+    assert not {"sympy", "networkx", "nvidia-cublas"} & set(packages)  # torch's own needs
 
 
 def test_the_source_digest_follows_the_sources_and_not_their_caches(tree: Path):

@@ -6,15 +6,20 @@ device tool's README). This script, run here before a campaign, writes into `.wh
 (git-ignored; it travels when a `run` names it in `carry`):
 
 - Iris's own wheel, built from this tree;
-- a wheel of every runtime dependency of Iris (and of `transformers serve`, the peer)
-  that the device's image does not have (`DEVICE_PACKAGES`), at the version installed
-  here, for CPython 3.12 on manylinux x86-64, plus transformers at this venv's version
-  (the parity tests' reference, the same as in CI);
+- a wheel of every runtime dependency of Iris (and of `transformers serve`, the peer),
+  at the version installed here (the one CI tests; transformers is the parity tests'
+  reference), for CPython 3.12 on manylinux x86-64, except torch and a few compiled
+  libraries taken from the device's image (`FROM_DEVICE`);
 - `SOURCES`, a digest of the tree's Python sources, and `COMMIT`, this tree's commit:
   `bench/gpu/campaign.sh` refuses a wheel built from other sources and passes the commit
   to the results (the device gets no `.git`).
 
     python -m bench.gpu.prepare          # then: bash bench/gpu/campaign.sh STAGE... (there)
+
+Checked here (2026-11-26) by installing `.whl/` offline, as the campaign does, into a
+Python 3.12 venv holding the device's listed versions (transformers 5.17, hub 1.33,
+tokenizers 0.23.2) and older ones of the rest (typing-extensions 4.12, regex 2024.11,
+hf-xet 1.1, xxhash 3.5) with a stand-in torch 2.11: `pip check` clean.
 
 `python -m bench.gpu.prepare --digest` prints the digest (the campaign's check; it needs
 only the standard library, so it runs before anything is installed).
@@ -36,39 +41,15 @@ REPO = Path(__file__).resolve().parents[2]
 WHEELS = REPO / ".whl"
 SOURCE_DIRS = ("server", "tokenizer_worker", "scheduler", "ipc")
 LIMIT_BYTES = 48 << 20  # of the 64 MiB a `run` may carry, with room for the tree
-# Beyond Iris's own: `transformers serve` (the peer) needs openai; transformers goes at
-# this venv's version whatever the device has.
+# Beyond Iris's own: `transformers serve` (the peer) needs openai.
 EXTRA_ROOTS = ("openai",)
-ALWAYS = frozenset({"transformers"})
-# The device image's Python packages as the device tool's KINDS.md lists them
-# (read 2026-11-17), canonical names.
-DEVICE_PACKAGES = frozenset(
-    """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio
-    attrs botorch build certifi charset-normalizer chex click cloudpickle cmake colorama
-    contourpy coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x
-    cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax
-    fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx
-    huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax
-    jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader
-    lightning lightning-utilities linear-operator lineax llvmlite lxml markdown
-    markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack
-    multidict multipledispatch mypy-extensions nanobind narwhals networkx ninja numba
-    numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc
-    nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand
-    nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13
-    nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
-    opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint
-    packaging pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client
-    propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing
-    pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock
-    pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests
-    rich sacrebleu safetensors scikit-build-core scikit-image scikit-learn scipy seaborn
-    sentencepiece sentence-transformers setuptools shellingham simplejson six
-    sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server
-    tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio
-    torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton
-    typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel
-    wrapt xarray xxhash yarl zipp""".split()  # noqa: SIM905 (read as KINDS.md lists them)
+# Taken from the device's image (the device tool's KINDS.md lists each, read 2026-11-17):
+# torch and what it brings, and compiled libraries whose version there any of ours
+# accepts. Everything else Iris needs goes at this venv's version, the one CI tests
+# (tokenizers too: the device's 0.23.2 refuses huggingface-hub 2, which transformers
+# 5.24 takes; found by installing the wheels offline over that version set).
+FROM_DEVICE = frozenset(
+    {"torch", "triton", "numpy", "pillow", "safetensors", "pyyaml", "markupsafe"}
 )
 # The device's Python 3.12.3 is Ubuntu 24.04's (glibc 2.39); pip matches a manylinux tag's
 # glibc version exactly, so every one up to 2.39 is named.
@@ -97,8 +78,8 @@ def _is_source(path: Path) -> bool:
 
 def carried(requirements: Iterable[str]) -> dict[str, str]:
     """{name: version here} of what the device must be given: every distribution that
-    `requirements` need (transitively, without extras, as installed here) that the
-    device's image lacks, and `ALWAYS`."""
+    `requirements` need, transitively and without extras, as installed here, except
+    those taken from the device (`FROM_DEVICE`, whose own needs are the device's)."""
     import importlib.metadata
 
     from packaging.requirements import Requirement
@@ -108,20 +89,16 @@ def carried(requirements: Iterable[str]) -> dict[str, str]:
         parsed = [Requirement(line) for line in lines]
         return [r.name for r in parsed if r.marker is None or r.marker.evaluate({"extra": ""})]
 
-    seen: dict[str, str] = {}
+    found: dict[str, str] = {}
     pending = runtime(requirements)
     while pending:
         name = canonicalize_name(pending.pop())
-        if name in seen:
+        if name in found or name in FROM_DEVICE:
             continue
         distribution = importlib.metadata.distribution(name)
-        seen[name] = distribution.version
+        found[name] = distribution.version
         pending += runtime(distribution.requires or [])
-    return {
-        name: version
-        for name, version in sorted(seen.items())
-        if name in ALWAYS or name not in DEVICE_PACKAGES
-    }
+    return dict(sorted(found.items()))
 
 
 def build_wheel(out: Path) -> Path:
