@@ -13,6 +13,7 @@ import torch
 from iris_serve.scheduler.attention import AttentionBackend, create_backend
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.memory_profile import profile_activations
 from iris_serve.scheduler.models.registry import load_model
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 
@@ -20,7 +21,9 @@ if TYPE_CHECKING:
     from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
 
 logger = logging.getLogger(__name__)
-ACTIVATION_RESERVE_BYTES = 2 << 30  # left free on a GPU besides the KV cache
+# Left free on a GPU beyond the profiled activations: the CUDA context's growth, the
+# allocator's fragmentation, the sampler's temporaries.
+HEADROOM_BYTES = 1 << 30
 
 
 @dataclass
@@ -40,15 +43,10 @@ class DeviceState:
         device = rank_device(config.resolved_device(), replica * tp.size + tp.rank)
         dtype = config.resolved_dtype(device)
         model = load_model(config.model, dtype=dtype, device=device, tp=tp)
-        model_config = model.config
-        layout = KVLayout(
-            num_layers=model_config.num_layers,
-            num_kv_heads=model_config.attention_heads.num_kv_heads,
-            head_dim=model_config.head_dim,
-            page_size=config.page_size,
-            dtype=dtype,
+        layout = KVLayout.of(model.config, config.page_size, dtype)
+        num_pages = config.num_kv_pages or layout.pages_for_budget(
+            _kv_budget_bytes(config, device, model, layout, tp)
         )
-        num_pages = config.num_kv_pages or layout.pages_for_budget(_kv_budget_bytes(config, device))
         num_pages = agree_on_minimum(num_pages, tp, device)
         kv_cache = KVCache(layout, num_pages, device)
         attention = create_backend(config.attention_backend, kv_cache, device)
@@ -73,9 +71,24 @@ def agree_on_minimum(value: int, tp: TPShard, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+def _kv_budget_bytes(
+    config: EngineConfig,
+    device: torch.device,
+    model: Qwen2VLForCausalLM,
+    layout: KVLayout,
+    tp: TPShard,
+) -> int:
     if device.type != "cuda":
         return config.kv_cache_memory
+    # every rank runs the prefill pass (a collective); only rank 0 runs the vision tower
+    profile = profile_activations(model, config, layout, device, encoder=tp.rank == 0)
+    logger.info(
+        "activations profiled: a %d-token step %.2f GiB, a %d-token vision-tower call %.2f GiB",
+        profile.prefill_tokens,
+        profile.prefill_bytes / 2**30,
+        profile.image_tokens,
+        profile.encoder_bytes / 2**30,
+    )
     free, total = torch.cuda.mem_get_info(device)
     embedding_cache = config.mm_embedding_cache_bytes if config.enable_mm_embedding_cache else 0
     return cuda_kv_budget(
@@ -84,19 +97,20 @@ def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
         own=torch.cuda.memory_reserved(device),
         utilization=config.gpu_memory_utilization,
         embedding_cache=embedding_cache,
+        activations=profile.total_bytes,
     )
 
 
 def cuda_kv_budget(
-    total: int, free: int, own: int, utilization: float, embedding_cache: int
+    total: int, free: int, own: int, utilization: float, embedding_cache: int, activations: int
 ) -> int:
     """This process's KV cache bytes on a GPU, with the model loaded (`own`: what torch
     holds for it so far): its share, `utilization` × `total`, less what it holds, less
-    what it allocates later (the embedding cache at its bound, the activations' reserve),
-    and never more than is `free`. Memory of other processes on the GPU is theirs, not
+    what it allocates later (the embedding cache at its bound, the profiled
+    `activations`, a headroom), and never more than is `free`. Memory of other processes on the GPU is theirs, not
     counted against the share, so two servers at 0.45 each share one GPU (as two vLLM
     instances do); it only bounds what is free."""
-    later = embedding_cache + ACTIVATION_RESERVE_BYTES
+    later = embedding_cache + activations + HEADROOM_BYTES
     budget = min(int(total * utilization) - own, free) - later
     if budget <= 0:
         gib = 2**30
@@ -104,7 +118,7 @@ def cuda_kv_budget(
             f"no GPU memory left for the KV cache: --gpu-memory-utilization {utilization} "
             f"gives this server {total * utilization / gib:.1f} GiB of {total / gib:.1f}, "
             f"the model holds {own / gib:.1f}, {free / gib:.1f} GiB is free, and the "
-            f"embedding cache and the activations' reserve take {later / gib:.1f}: raise "
+            f"embedding cache, the activations and a headroom take {later / gib:.1f}: raise "
             "--gpu-memory-utilization or lower --mm-embedding-cache-gb"
         )
     return budget

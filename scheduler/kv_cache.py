@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from iris_serve.scheduler.free_pages import FreePages
+
+if TYPE_CHECKING:
+    from iris_serve.scheduler.models.config import VLModelConfig
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,17 @@ class KVLayout:
     head_dim: int
     page_size: int
     dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model_config: VLModelConfig, page_size: int, dtype: torch.dtype) -> KVLayout:
+        """The layout of a model's KV cache (this rank's KV heads under tensor parallelism)."""
+        return cls(
+            num_layers=model_config.num_layers,
+            num_kv_heads=model_config.attention_heads.num_kv_heads,
+            head_dim=model_config.head_dim,
+            page_size=page_size,
+            dtype=dtype,
+        )
 
     @property
     def bytes_per_page(self) -> int:

@@ -104,3 +104,19 @@ def test_backends_match_sdpa_on_random_mixed_batches(backend):
     got = create_backend(backend, cache, device).prepare(chunks).attend(0, q, k, v)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(cache.slots, reference_cache.slots)  # the same K/V written
+
+
+def test_the_start_up_profile_reads_the_activations_peak_on_the_gpu(small_bf16):
+    """The KV cache is sized after this profile (`device_state._kv_budget_bytes`): on CUDA
+    both passes must report their peak, and free what they took."""
+    from iris_serve.scheduler.memory_profile import profile_activations
+    from iris_serve.scheduler.models.registry import load_model
+
+    config = EngineConfig(model=small_bf16, device="cuda", max_num_batched_tokens=1024)
+    device = torch.device("cuda")
+    model = load_model(small_bf16, dtype=torch.bfloat16, device=device)
+    layout = KVLayout.of(model.config, config.page_size, torch.bfloat16)
+    before = torch.cuda.memory_allocated(device)
+    profile = profile_activations(model, config, layout, device)
+    assert profile.prefill_bytes > 0 and profile.encoder_bytes > 0
+    assert torch.cuda.memory_allocated(device) == before

@@ -1,0 +1,129 @@
+"""What the largest step and the largest vision-tower call take on the device, measured
+once at start-up, before the KV cache is sized (vLLM's profile run).
+
+On a GPU the KV cache gets what is left of the server's share once the weights, the
+embedding cache and the activations are counted (`device_state.cuda_kv_budget`). The
+activations are not a guess: one prefill chunk of `max_num_batched_tokens` dummy tokens
+(its logits for `max_num_seqs` rows, as a decode batch samples them) and one vision-tower
+call over the largest image the engine may encode in one call run here, and the peak of
+each above what was allocated before is read from the allocator. The two are summed: on
+CUDA the encoder runs on a stream of its own, beside the steps.
+
+The passes run on any device (the tests run them on the CPU); only CUDA reports a peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from iris_serve.scheduler.attention import SequenceChunk, create_backend
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+
+if TYPE_CHECKING:
+    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    prefill_tokens: int  # the chunk profiled
+    image_tokens: int  # the vision-tower call profiled (0: not run on this rank)
+    prefill_bytes: int  # peak above the baseline (0 where the device reports none)
+    encoder_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.prefill_bytes + self.encoder_bytes
+
+
+def profile_activations(
+    model: Qwen2VLForCausalLM,
+    config: EngineConfig,
+    layout: KVLayout,
+    device: torch.device,
+    encoder: bool = True,
+) -> ActivationProfile:
+    """Runs the two passes (`encoder=False`: the prefill only, as on a tensor-parallel
+    follower, which never runs the vision tower) and frees what they allocated."""
+    prefill_tokens = config.max_num_batched_tokens
+    image_tokens = largest_encoder_call(config) if encoder else 0
+    prefill = _peak(device, lambda: _prefill(model, config, layout, device, prefill_tokens))
+    vision = _peak(device, lambda: _vision(model, image_tokens, device)) if image_tokens else 0
+    return ActivationProfile(prefill_tokens, image_tokens, prefill, vision)
+
+
+def largest_encoder_call(config: EngineConfig) -> int:
+    """Image tokens of the largest vision-tower call: the encoder budget, or one image
+    at the processor's largest size when that is more (an image over the budget is
+    encoded alone)."""
+    return max(config.max_num_encoder_tokens, _largest_image_tokens(Path(config.model)))
+
+
+def _largest_image_tokens(model_dir: Path) -> int:
+    """Tokens of an image at the processor's `max_pixels` (0 when it names none)."""
+    try:
+        processor = json.loads((model_dir / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    max_pixels = processor.get("max_pixels") or processor.get("size", {}).get("longest_edge")
+    side = processor.get("patch_size", 14) * processor.get("merge_size", 2)
+    return int(max_pixels or 0) // (side * side)
+
+
+def _peak(device: torch.device, run: Callable[[], object]) -> int:
+    """Bytes allocated at the peak of `run` above what was allocated before it."""
+    if device.type != "cuda":
+        run()
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return max(peak, 0)
+
+
+@torch.inference_mode()
+def _prefill(
+    model: Qwen2VLForCausalLM,
+    config: EngineConfig,
+    layout: KVLayout,
+    device: torch.device,
+    num_tokens: int,
+) -> torch.Tensor:
+    """One chunk of `num_tokens` tokens over a KV cache of its own (allocated before the
+    peak is read from, so only the activations count), DeepStack levels included."""
+    pages = math.ceil(num_tokens / layout.page_size)
+    cache = KVCache(layout, pages, device)
+    attention = create_backend(config.attention_backend, cache, device)
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device).expand(3, -1)
+    embeddings = model.embed_tokens(input_ids)
+    levels = model.deepstack_levels
+    deepstack = embeddings.new_zeros(levels, *embeddings.shape) if levels else None
+    context = attention.prepare([SequenceChunk.of(list(range(pages)), 0, num_tokens)])
+    hidden = model(embeddings, positions, context, deepstack)
+    rows = min(num_tokens, config.max_num_seqs)
+    logits = model.compute_logits(hidden[-rows:])
+    return logits.sort(dim=-1).values  # top-k / top-p sort the logits' rows
+
+
+@torch.inference_mode()
+def _vision(model: Qwen2VLForCausalLM, image_tokens: int, device: torch.device) -> torch.Tensor:
+    """The vision tower over one square-ish image of `image_tokens` tokens."""
+    merge = model.config.spatial_merge_size
+    side = math.isqrt(image_tokens)
+    height, width = side, image_tokens // side  # tokens per side; up to `image_tokens`
+    grid = torch.tensor([[1, height * merge, width * merge]], device=device)
+    patches = int(grid.prod())
+    pixel_values = torch.zeros(patches, model.config.vision.patch_dim, device=device)
+    return model.encode_images(pixel_values, grid)
