@@ -19,7 +19,11 @@ CPU path is from the machine's memory bandwidth.
 - prefill: one `context`-token prompt, `2 × parameters × tokens` FLOPs (attention left
   out) ÷ the matmul rate;
 - ViT: one 1280×720 and one 1920×1080 image through the vision tower, `2 × vision
-  parameters × patches` FLOPs ÷ the matmul rate.
+  parameters × patches` FLOPs ÷ the matmul rate;
+- on CUDA, pixels to the device: one 1920×1080 uint8 image from a worker's arena, copied
+  `non_blocking` from the arena as mapped (pageable) and registered as pinned host
+  memory (`scheduler.pinned_host`, what the scheduler does): how long the copy call holds
+  the calling thread, and how long until the bytes are on the device.
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ import torch
 
 from bench.decode_profile import start_decoding
 from bench.results_io import (
-    ARCH_TITLES,
+    Checkpoint,
     add_arch_argument,
-    checkpoint_label,
+    add_model_argument,
     markdown_table,
     write_result,
 )
@@ -43,7 +47,6 @@ from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
 
 
 def synchronize(device: torch.device) -> None:
@@ -133,12 +136,45 @@ def vit_row(engine: Engine, model_dir: Path, size: tuple[int, int], matmul_rate:
             roofline * 1e3, 1 / seconds, roofline / seconds]  # fmt: skip
 
 
+def pixel_copy_rows(device: torch.device, repeat: int = 20) -> list[list]:
+    """Median host-call and completed-copy times of one 1920×1080 image's pixels, from a
+    worker arena, pageable vs registered."""
+    import statistics
+
+    import numpy as np
+
+    from iris_serve.ipc.shm_arena import ShmArena, ShmReader, instance_prefix, new_instance_id
+    from iris_serve.scheduler.pinned_host import cuda_host_registrar
+
+    pixels = np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8)
+    rows = []
+    with ShmArena(instance_prefix(new_instance_id()) + "w0", 16 << 20) as arena:
+        pointer = arena.put(None, pixels)
+        hooks = [("pageable", None), ("pinned (registered arena)", cuda_host_registrar(device))]
+        for label, hook in hooks:
+            with ShmReader(on_map=hook) as reader:
+                view = reader.view(pointer)
+                calls, totals = [], []
+                for _ in range(repeat + 2):  # the first two warm up
+                    synchronize(device)
+                    start = time.perf_counter()
+                    view.to(device, non_blocking=True)
+                    called = time.perf_counter()
+                    synchronize(device)
+                    calls.append(called - start)
+                    totals.append(time.perf_counter() - start)
+                total = statistics.median(totals[2:])
+                rows.append([
+                    f"1920×1080 pixels, {label}", statistics.median(calls[2:]) * 1e3,
+                    total * 1e3, pixels.nbytes / total / 1e9,
+                ])  # fmt: skip
+                del view
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--model", type=Path, default=None,
-        help="checkpoint folder (default: the generated one of --arch and --size)",
-    )  # fmt: skip
+    add_model_argument(parser)
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
     add_arch_argument(parser)
     parser.add_argument("--device", default="auto")
@@ -151,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.batches, args.context, args.steps = "tiny", [1, 2], 64, 2
-    model_dir = Path(args.model or builtin_checkpoint(arch=args.arch, size=args.size))
+    checkpoint = Checkpoint.of(args)
+    model_dir = checkpoint.model_dir
     engine = Engine(
         EngineConfig(
             model=str(model_dir), device=args.device, dtype=args.dtype,
@@ -167,10 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     for size in [(1280, 720), (1920, 1080)]:
         rows.append(vit_row(engine, model_dir, size, matmul_rate))
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
-    if args.model:
-        model = f"Model `{model_dir.name}`"
-    else:
-        model = f"Generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint (`{model_dir.name}`)"
+    model = checkpoint.description[:1].upper() + checkpoint.description[1:]
     moe = engine.model.config.moe
     body = (
         f"{model}, {engine.dtype}, "
@@ -189,11 +223,18 @@ def main(argv: list[str] | None = None) -> None:
         + markdown_table(
             ["what", "measured ms", "roofline ms", "per second", "fraction of roofline"], rows
         )
+        + "\n\n## Pixels to the device\n\n"
+        + (
+            markdown_table(
+                ["copy", "host call ms", "until on the device ms", "GB/s"], pixel_copy_rows(device)
+            )
+            if on_gpu
+            else "Measured on CUDA only."
+        )
     )
     label = "gpu" if on_gpu else "cpu"
     suffix = "_quick" if args.quick else ""
-    checkpoint = args.size if args.model else checkpoint_label(args.arch, args.size)
-    write_result(f"roofline_{label}_{checkpoint}{suffix}", "Iris against the device's limits",
+    write_result(f"roofline_{label}_{checkpoint.label}{suffix}", "Iris against the device's limits",
                  body, args.out)  # fmt: skip
 
 

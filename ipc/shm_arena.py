@@ -32,6 +32,7 @@ import struct
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -396,9 +397,21 @@ def _close_mmap(mapping: mmap.mmap) -> None:
         mapping.close()
 
 
+# Called with a newly mapped segment's address and length; returns the call that undoes
+# what it did, run before the mapping is closed (`ShmReader(on_map=...)`).
+MappingHook = Callable[[int, int], Callable[[], None]]
+
+
+def _release(mapping: _Mapping) -> None:
+    if mapping.undo is not None:
+        mapping.undo()
+    _close_mmap(mapping.mmap)
+
+
 class _Mapping(NamedTuple):
     mmap: mmap.mmap
     inode: int
+    undo: Callable[[], None] | None = None
 
 
 class ShmReader:
@@ -407,10 +420,15 @@ class ShmReader:
     `view` is zero-copy over read-only memory (writing to it kills the process with
     SIGSEGV; `clone()` first). It is valid while the entry is pinned: copy it to the
     device, or finish using it, before sending the `ReleaseImages` for it.
+
+    `on_map` sees every segment once, as it is mapped: on CUDA the scheduler registers
+    it as pinned host memory, so a view's copy to the device is a DMA straight from
+    shared memory, asynchronous, instead of a staged pageable copy.
     """
 
-    def __init__(self, shm_dir: Path = SHM_DIR) -> None:
+    def __init__(self, shm_dir: Path = SHM_DIR, on_map: MappingHook | None = None) -> None:
         self.shm_dir = shm_dir
+        self.on_map = on_map
         self._mappings: dict[str, _Mapping] = {}
 
     def view(self, pointer: ShmPointer) -> torch.Tensor:
@@ -455,11 +473,15 @@ class ShmReader:
             stat = os.fstat(fd)
             if mapping is not None and mapping.inode == stat.st_ino:
                 return mapping
-            new = _Mapping(mmap.mmap(fd, stat.st_size, prot=mmap.PROT_READ), stat.st_ino)
+            mapped = mmap.mmap(fd, stat.st_size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
+        undo = None
+        if self.on_map is not None:
+            undo = self.on_map(np.frombuffer(mapped, np.uint8).ctypes.data, len(mapped))
         if mapping is not None:
-            _close_mmap(mapping.mmap)
+            _release(mapping)
+        new = _Mapping(mapped, stat.st_ino, undo)
         self._mappings[segment] = new
         return new
 
@@ -467,7 +489,7 @@ class ShmReader:
         """Forget a segment (e.g. its worker exited) so its memory can be returned."""
         mapping = self._mappings.pop(segment, None)
         if mapping is not None:
-            _close_mmap(mapping.mmap)
+            _release(mapping)
 
     def close(self) -> None:
         for segment in list(self._mappings):

@@ -55,6 +55,7 @@ from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.pinned_host import cuda_host_registrar
 from iris_serve.scheduler.ranks import StepBroadcaster, join_group
 from iris_serve.scheduler.step_faults import STEP_ERROR_STATUS, STEP_ERROR_TYPE
 
@@ -91,7 +92,7 @@ class SchedulerLoop:
             PushSocket(SCHEDULER_TO_TOKENIZER, ipc_address(run_dir, f"release-{i}"))
             for i in range(num_workers)
         ]
-        self.reader = ShmReader()
+        self.reader = ShmReader(on_map=cuda_host_registrar(engine.device))
         self.stopping = False
         self._last_stats: EngineStats | None = None
         self._encoder_seconds: list[float] = []

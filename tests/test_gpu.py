@@ -120,3 +120,24 @@ def test_the_start_up_profile_reads_the_activations_peak_on_the_gpu(small_bf16):
     profile = profile_activations(model, config, layout, device)
     assert profile.prefill_bytes > 0 and profile.encoder_bytes > 0
     assert torch.cuda.memory_allocated(device) == before
+
+
+def test_arena_segments_are_pinned_so_pixels_go_to_the_gpu_by_dma():
+    """The scheduler's reader registers each worker segment with CUDA: a view of an
+    image is pinned host memory and its non-blocking copy arrives intact."""
+    import numpy as np
+
+    from iris_serve.ipc.shm_arena import ShmArena, ShmReader, instance_prefix, new_instance_id
+    from iris_serve.scheduler.pinned_host import cuda_host_registrar
+
+    pixels = np.random.default_rng(0).integers(0, 256, (720, 1280, 3), dtype=np.uint8)
+    with (
+        ShmArena(instance_prefix(new_instance_id()) + "w0", 8 << 20) as arena,
+        ShmReader(on_map=cuda_host_registrar(torch.device("cuda"))) as reader,
+    ):
+        view = reader.view(arena.put(None, pixels))
+        assert view.is_pinned()
+        copied = view.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(copied.cpu(), torch.from_numpy(pixels))
+        del view

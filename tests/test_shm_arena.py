@@ -237,6 +237,37 @@ def test_reader_follows_a_restarted_worker(prefix: str, reader: ShmReader) -> No
         fresh.view(pointer)
 
 
+def test_every_segment_is_shown_to_on_map_once_and_undone_once(prefix: str) -> None:
+    """The scheduler registers each segment with CUDA as it maps it (`on_map`): once per
+    mapping, over the whole segment, undone when a restarted worker's new file replaces
+    it and when the reader closes."""
+    mapped: list[tuple[int, int]] = []
+    undone: list[int] = []
+
+    def on_map(address: int, size: int) -> Callable[[], None]:
+        mapped.append((address, size))
+        return lambda: undone.append(address)
+
+    with ShmReader(on_map=on_map) as reader:
+        for value in (1, 2):  # the same segment name, two incarnations
+            with ShmArena(f"{prefix}w0", 4 * KiB) as arena:
+                first = reader.view(arena.put(None, np.full(100, value, np.uint8)))
+                second = reader.view(arena.put(None, np.full(50, value, np.uint8)))
+                assert first.eq(value).all() and second.eq(value).all()
+                address, size = mapped[-1]
+                assert size == arena.path.stat().st_size
+                for view in (first, second):  # the views lie in the registered range
+                    assert (
+                        address
+                        <= view.data_ptr()
+                        < view.data_ptr() + view.numel()
+                        <= address + size
+                    )
+                del first, second
+        assert len(mapped) == 2 and undone == [mapped[0][0]]  # the first, on the remap
+    assert undone == [address for address, _ in mapped]
+
+
 # --- processes and cleanup ---------------------------------------------------------
 
 

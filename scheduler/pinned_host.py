@@ -1,0 +1,48 @@
+"""Workers' shared-memory segments as pinned host memory on CUDA.
+
+A cache-miss image goes to the device as uint8 pixels read straight from the worker's
+arena (`ipc.shm_arena.ShmReader.view`). From pageable memory, CUDA copies through a
+staging buffer and the copy blocks the calling thread; from memory registered with
+`cudaHostRegister` it is one DMA, asynchronous on the stream (`non_blocking=True`). The
+scheduler registers each segment once, as it maps it (read-only: the mapping is), and
+unregisters it before unmapping. A pin on the arena entry keeps its bytes in place until
+the image's embedding exists, so the copy is complete before the worker may reuse them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from iris_serve.ipc.shm_arena import MappingHook
+
+logger = logging.getLogger(__name__)
+HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the segments are mapped read-only
+
+
+def cuda_host_registrar(device: torch.device) -> MappingHook | None:
+    """The `ShmReader(on_map=...)` hook for `device`: None off CUDA. A segment CUDA
+    refuses to register stays pageable (copies still work, synchronously); the refusal
+    is logged once."""
+    if device.type != "cuda":
+        return None
+    cudart = torch.cuda.cudart()
+    warned = False
+
+    def register(address: int, size: int) -> Callable[[], None]:
+        nonlocal warned
+        error = cudart.cudaHostRegister(address, size, HOST_REGISTER_READ_ONLY)
+        if int(error) != 0:
+            if not warned:
+                logger.warning(
+                    "cudaHostRegister refused a shared-memory segment (%s): image copies "
+                    "to the GPU stay pageable",
+                    error,
+                )
+                warned = True
+            return lambda: None
+        return lambda: cudart.cudaHostUnregister(address)
+
+    return register
