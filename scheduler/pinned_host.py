@@ -11,8 +11,10 @@ the image's embedding exists, so the copy is complete before the worker may reus
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,7 @@ def cuda_host_registrar(device: torch.device) -> MappingHook | None:
         nonlocal warned
         error = cudart.cudaHostRegister(address, size, HOST_REGISTER_READ_ONLY)
         if int(error) != 0:
+            clear_last_cuda_error()
             if not warned:
                 logger.warning(
                     "cudaHostRegister refused a shared-memory segment (%s): image copies "
@@ -46,3 +49,16 @@ def cuda_host_registrar(device: torch.device) -> MappingHook | None:
         return lambda: cudart.cudaHostUnregister(address)
 
     return register
+
+
+def clear_last_cuda_error() -> None:
+    """Reads (and so resets) the CUDA runtime's last error in this thread. A refused
+    `cudaHostRegister` leaves its error there, and PyTorch's check after the next kernel
+    launch in this thread (the scheduler's step) would raise it as the step's own.
+    torch's `cudart()` binding does not expose `cudaGetLastError`: it is called in the
+    runtime library this process loaded (none loaded: nothing to clear)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if "libcudart.so" in path:
+            ctypes.CDLL(path).cudaGetLastError()
+            return

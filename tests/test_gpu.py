@@ -141,3 +141,15 @@ def test_arena_segments_are_pinned_so_pixels_go_to_the_gpu_by_dma():
         torch.cuda.synchronize()
         assert torch.equal(copied.cpu(), torch.from_numpy(pixels))
         del view
+
+
+def test_a_segment_cuda_refuses_stays_pageable_and_the_next_step_runs():
+    """A refused registration is logged, not raised; its error must not surface at the
+    next kernel launch of the thread (the step's)."""
+    from iris_serve.scheduler.pinned_host import cuda_host_registrar
+
+    register = cuda_host_registrar(torch.device("cuda"))
+    assert register is not None
+    undo = register(0, 4096)  # no memory there: refused
+    undo()
+    assert (torch.ones(4, device="cuda") + 1).sum().item() == 8
