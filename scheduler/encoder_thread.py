@@ -19,7 +19,10 @@ image only once its embedding is ready (see image_encoder.py).
   the caching allocator never recycles it under a step still reading it.
 
 A submitted call owns its pixels: the caller's tensors (views of a worker's shared
-memory, whose pin a finished or aborted request gives back at any time) are copied first.
+memory, whose pin a finished or aborted request gives back at any time) are copied first,
+before `submit` returns: on a CPU into the process's memory, on CUDA straight to the
+device on the encoder's stream (a DMA from the segment, which the scheduler registered as
+pinned: `pinned_host.py`), waited for so that no pin goes back while the copy reads it.
 Calls run one at a time, in submission order, so the tower's activations are those of one
 call at the encoder budget, as inline.
 
@@ -67,9 +70,10 @@ class EncoderThread:
         self._closed = False
 
     def submit(self, pixels: Sequence[torch.Tensor], grids: Sequence[Grid]) -> Future:
-        """Queues a call on copies of `pixels`; its future holds the embeddings."""
+        """Queues a call on copies of `pixels` (made here); its future holds the
+        embeddings."""
         future: Future = Future()
-        owned = [image.clone() for image in pixels]
+        owned = self._own(pixels)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the encoder thread is closed")
@@ -78,6 +82,17 @@ class EncoderThread:
                 self._worker = threading.Thread(target=self._drain, name=_NAME, daemon=True)
                 self._worker.start()
         return future
+
+    def _own(self, pixels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of `pixels` that outlive their pins (see the module's docstring)."""
+        if self._stream is None:
+            return [image.clone() for image in pixels]
+        with torch.cuda.stream(self._stream):
+            owned = [image.to(self.device, non_blocking=True) for image in pixels]
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        copied.synchronize()
+        return owned
 
     @staticmethod
     def wait_any(futures: Sequence[Future], timeout: float) -> None:

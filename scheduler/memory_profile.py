@@ -18,12 +18,13 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from iris_serve.scheduler.attention import SequenceChunk, create_backend
+from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk, create_backend
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 
@@ -54,7 +55,14 @@ def profile_activations(
     follower, which never runs the vision tower) and frees what they allocated."""
     prefill_tokens = config.max_num_batched_tokens
     image_tokens = largest_encoder_call(config) if encoder else 0
-    prefill = _peak(device, lambda: _prefill(model, config, layout, device, prefill_tokens))
+    # a KV cache of the chunk's own, allocated before the peak is read: only the
+    # activations count
+    cache = KVCache(layout, math.ceil(prefill_tokens / layout.page_size), device)
+    attention = create_backend(config.attention_backend, cache, device)
+    prefill = _peak(device, partial(_prefill, model, config, attention, prefill_tokens))
+    del attention, cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # so the caller's reserved bytes are its own
     vision = _peak(device, lambda: _vision(model, image_tokens, device)) if image_tokens else 0
     return ActivationProfile(prefill_tokens, image_tokens, prefill, vision)
 
@@ -96,15 +104,13 @@ def _peak(device: torch.device, run: Callable[[], object]) -> int:
 def _prefill(
     model: Qwen2VLForCausalLM,
     config: EngineConfig,
-    layout: KVLayout,
-    device: torch.device,
+    attention: AttentionBackend,
     num_tokens: int,
 ) -> torch.Tensor:
-    """One chunk of `num_tokens` tokens over a KV cache of its own (allocated before the
-    peak is read from, so only the activations count), DeepStack levels included."""
-    pages = math.ceil(num_tokens / layout.page_size)
-    cache = KVCache(layout, pages, device)
-    attention = create_backend(config.attention_backend, cache, device)
+    """One chunk of `num_tokens` tokens from the start of `attention`'s cache, DeepStack
+    levels included."""
+    device = attention.device
+    pages = math.ceil(num_tokens / attention.kv_cache.layout.page_size)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device).expand(3, -1)
     embeddings = model.embed_tokens(input_ids)

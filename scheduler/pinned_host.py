@@ -5,8 +5,9 @@ arena (`ipc.shm_arena.ShmReader.view`). From pageable memory, CUDA copies throug
 staging buffer and the copy blocks the calling thread; from memory registered with
 `cudaHostRegister` it is one DMA, asynchronous on the stream (`non_blocking=True`). The
 scheduler registers each segment once, as it maps it (read-only: the mapping is), and
-unregisters it before unmapping. A pin on the arena entry keeps its bytes in place until
-the image's embedding exists, so the copy is complete before the worker may reuse them.
+unregisters it before unmapping. The copy is complete before the entry's pin can go back
+to the worker: beside the steps the encoder thread's `submit` waits for it, inline the
+step's own sync (its sampled ids) does.
 """
 
 from __future__ import annotations
