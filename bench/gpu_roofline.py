@@ -204,10 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     for size in [(1280, 720), (1920, 1080)]:
         rows.append(vit_row(engine, model_dir, size, matmul_rate))
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
-    model = checkpoint.description[:1].upper() + checkpoint.description[1:]
     moe = engine.model.config.moe
     body = (
-        f"{model}, {engine.dtype}, "
+        f"{checkpoint.sentence} {engine.dtype} "
         f"on {name}: measured bandwidth {bandwidth / 1e9:.1f} GB/s (copy), matmul rate "
         f"{matmul_rate / 1e12:.2f} TFLOP/s ({engine.dtype}). Decode steps: {args.steps} per "
         "point."

@@ -460,8 +460,7 @@ def embedding_note(model_dir: Path, run: Setting, results: dict[str, list[dict[s
 
 
 def report(
-    description: str,
-    model_dir: Path,
+    checkpoint: Checkpoint,
     run: Setting,
     results: dict[str, list[dict[str, Any]]],
     png: str,
@@ -470,7 +469,7 @@ def report(
     variants = "; ".join(f"`{name}`: `{' '.join(f)}`" for name, f in run.variants)
     return "\n".join(
         [
-            f"{description[:1].upper()}{description[1:]}. One request at a time with N "
+            f"{checkpoint.sentence} One request at a time with N "
             "distinct JPEGs (never seen before by the server) and a short question, "
             f"`max_tokens=1`; N doubles up to {run.counts[-1]} or until a request fails or "
             f"takes longer than {run.timeout:.0f} s (the status then reads `timeout`). After "
@@ -489,7 +488,7 @@ def report(
             markdown_table(SUMMARY_HEADER, summary(run, results)),
             "",
             "MiB per added image = (peak private at the most images − at the fewest) / "
-            "(difference in images). " + embedding_note(model_dir, run, results),
+            "(difference in images). " + embedding_note(checkpoint.model_dir, run, results),
             "",
             "## Per request",
             "",
@@ -567,7 +566,7 @@ def main() -> None:
     write_result(
         name,
         f"N images in one request: TTFT and scheduler peak memory (HTTP, {title})",
-        report(checkpoint.description, model_dir, run, results, png),
+        report(checkpoint, run, results, png),
         out_dir,
     )
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.results_io import (
-    ARCH_TITLES,
     RESULTS_DIR,
     Checkpoint,
     markdown_table,
@@ -156,7 +155,8 @@ def setup_text(
         else "the built-in httpx client (`--client builtin`, no `ignore_eos`)"
     )  # fmt: skip
     return (
-        f"{_described(args, model_dir)}, float32 on every server on a CPU, bfloat16 on a "
+        f"{Checkpoint.of(args).sentence[:-1]} (`{model_dir.name}`), float32 on every server "
+        "on a CPU, bfloat16 on a "
         "GPU. One server at a time, each started fresh with its "
         f"defaults, warmed up ({len(WARM_UP)} small-image requests, and one request of the "
         "cold workload), "
@@ -169,12 +169,6 @@ def setup_text(
         "workloads one request at a time. Load average (1 min) before / after: "
         f"{load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores."
     )
-
-
-def _described(args: argparse.Namespace, model_dir: Path) -> str:
-    if getattr(args, "model", None) is not None:
-        return f"Checkpoint `{model_dir}`"
-    return f"Generated {ARCH_TITLES[args.arch]} `{args.size}` checkpoint (`{model_dir.name}`)"
 
 
 def report(

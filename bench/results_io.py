@@ -70,6 +70,11 @@ class Checkpoint:
     title: str  # in result titles
     description: str  # how a result's sentence names it ("generated Qwen2.5-VL `small` checkpoint")
 
+    @property
+    def sentence(self) -> str:
+        """The description as a result's opening sentence."""
+        return f"{self.description[:1].upper()}{self.description[1:]}."
+
     @classmethod
     def of(cls, args: argparse.Namespace) -> Checkpoint:
         if getattr(args, "model", None) is not None:

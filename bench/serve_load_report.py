@@ -191,7 +191,7 @@ def setup_text(
         eos = "No `ignore_eos` is sent, so answers may stop at EOS."
     image = next((x.image for x in plan_.workloads if x.image), None)
     parts = [
-        f"{checkpoint.description[:1].upper()}{checkpoint.description[1:]}.",
+        checkpoint.sentence,
         f"Client: {client}. {w.num_prompts} requests per run, at most {w.concurrency} in "
         f"flight, greedy, `max_completion_tokens` {w.output_len}, {w.input_len} random text "
         "tokens"
