@@ -2,7 +2,7 @@
 that receive tokens run, as grouped matmuls over the tokens sorted by expert.
 
 The forward has no host sync: tokens are sorted by expert on the device, group ends come
-from a device-side `bincount`, and `torch.nn.functional.grouped_mm` runs every expert's
+from a device-side count (`_count_rows`), and `torch.nn.functional.grouped_mm` runs every expert's
 rows in one call per projection (two per layer). Where grouped_mm cannot run (a device or
 dtype without it, or rows not 16-byte aligned) a loop over the experts that received tokens
 does the same arithmetic after one `.tolist()` of the counts. Either way an expert without
@@ -66,7 +66,7 @@ class RoutedExperts(nn.Module):
         top_k = experts.shape[1]
         order = torch.argsort(experts.flatten(), stable=True)
         token = order // top_k  # the token of each (token, slot) pair, sorted by expert
-        rows_per_expert = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        rows_per_expert = _count_rows(experts.flatten(), self.num_experts)
         sorted_x = x[token]
         gate, up = _grouped_linear(sorted_x, self.gate_up_proj, rows_per_expert).chunk(2, dim=-1)
         sorted_y = _grouped_linear(F.silu(gate) * up, self.down_proj, rows_per_expert)
@@ -87,6 +87,13 @@ class SparseMoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k)
         return self.tp.all_reduce(self.experts(x, experts, weights))
+
+
+def _count_rows(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert `[E]`. Not `torch.bincount`: on CUDA it reads the largest id back
+    to the host to size its output, a sync per layer that a CUDA graph cannot record."""
+    counts = torch.zeros(num_experts, dtype=torch.long, device=experts.device)
+    return counts.scatter_add_(0, experts, torch.ones_like(experts))
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
