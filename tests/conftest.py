@@ -9,7 +9,9 @@ ones.
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 # The triton attention backend's tests run its kernels under Triton's interpreter on the
@@ -41,6 +43,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(no_gpu)
+
+
+@pytest.fixture(scope="session")
+def kernels() -> ModuleType:
+    """`scheduler.attention.triton_kernels`, its kernels and triton's own helpers
+    interpreted (see TRITON_INTERPRET above): the triton backend's tests on the CPU."""
+    import torch
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.zeros, InterpretedFunction):
+        if torch.cuda.is_available():
+            pytest.skip("triton compiles here (a GPU): these tests run its interpreter")
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 (see tests/conftest.py)")
+    module = importlib.import_module("iris_serve.scheduler.attention.triton_kernels")
+    assert isinstance(module._unified_attention_kernel, InterpretedFunction)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ import importlib
 import importlib.util
 import sys
 import time
-from types import ModuleType
 
 import pytest
 import torch
@@ -27,22 +26,7 @@ torch.set_num_threads(2)
 CPU = torch.device("cpu")
 PAGE = 4
 NUM_PAGES = 128
-KERNELS = "iris_serve.scheduler.attention.triton_kernels"
-
-
-@pytest.fixture(scope="module")
-def kernels() -> ModuleType:
-    """`triton_kernels`, its kernels and triton's own helpers interpreted."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.zeros, InterpretedFunction):
-        if torch.cuda.is_available():
-            pytest.skip("triton compiles here (a GPU): these tests run its interpreter")
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 (see tests/conftest.py)")
-    module = importlib.import_module(KERNELS)
-    assert isinstance(module._unified_attention_kernel, InterpretedFunction)
-    return module
+KERNELS = "iris_serve.scheduler.attention.triton_kernels"  # `kernels`: tests/conftest.py
 
 
 def triton_backend(cache: KVCache, split_decode: bool | None = None):
@@ -184,6 +168,37 @@ def test_split_rule_takes_few_long_decodes_only(kernels):
     cache = make_cache(2, 8)
     assert triton_backend(cache).prepare(decodes(long, 5)).split
     assert not triton_backend(cache, split_decode=True).prepare(mixed).split
+
+
+# -- fixed buffers for CUDA graphs ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("split_decode", [True, False], ids=["split", "unified"])
+def test_static_decode_refilled_for_each_step_matches_sdpa(kernels, split_decode):
+    """One context per graph size, built once: two steps of a size-4 graph refill its
+    buffers (3 long decodes, then 2 short ones on other pages: stale, wider table rows
+    behind them) and each equals `sdpa`; the padding rows write no KV."""
+    heads, kv_heads, dim = 4, 2, 16
+    cache = make_cache(kv_heads, dim)
+    backend = triton_backend(cache, split_decode)
+    static = backend.static_decode(max_seqs=8, max_pages=80)
+    context = static.context(4)
+    assert static.context(4) is context and context.split == split_decode
+    pages = sequence_pages("scattered", [75, 3, 16, 2, 5])
+    steps = [
+        [SequenceChunk.of(p, n - 1, 1) for p, n in zip(pages[:3], [300, 9, 64], strict=True)],
+        [SequenceChunk.of(p, n - 1, 1) for p, n in zip(pages[3:], [5, 17], strict=True)],
+    ]
+    for seed, chunks in enumerate(steps):
+        q, k, v = new_tokens(chunks, heads, kv_heads, dim, seed=seed)
+        padded = [torch.cat([t, torch.randn(4 - len(chunks), *t.shape[1:])]) for t in (q, k, v)]
+        reference = KVCache(cache.layout, NUM_PAGES, CPU)
+        reference.slots.copy_(cache.slots)
+        expected = SdpaBackend(reference, CPU).prepare(chunks).attend(1, q, k, v)
+        static.fill(chunks, 4)
+        got = context.attend(1, *padded)
+        torch.testing.assert_close(got[: len(chunks)], expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(cache.slots, reference.slots)
 
 
 # -- choosing the backend ----------------------------------------------------------------

@@ -22,6 +22,7 @@ from iris_serve.scheduler.attention.base import (
     AttentionBackend,
     PageRun,
     SequenceChunk,
+    StaticDecode,
     new_token_slots,
     page_runs,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "AttentionBackend",
     "PageRun",
     "SequenceChunk",
+    "StaticDecode",
     "create_backend",
     "new_token_slots",
     "page_runs",

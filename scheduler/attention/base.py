@@ -63,6 +63,22 @@ def new_token_slots(chunk: SequenceChunk, page_size: int) -> list[int]:
     return slots
 
 
+class StaticDecode(ABC):
+    """A backend's decode metadata in buffers that never move, for CUDA graphs: a graph
+    captured for `size` sequences reads `context(size)`, and each replay only rewrites
+    the buffers' first `size` rows (`fill`). Rows past the step's sequences are padding:
+    they write no KV and attend to one key, so any page is safe to read."""
+
+    @abstractmethod
+    def context(self, size: int) -> AttentionContext:
+        """The context a graph for `size` decoding sequences captures; built once."""
+
+    @abstractmethod
+    def fill(self, chunks: Sequence[SequenceChunk], size: int) -> None:
+        """Writes a decode step's metadata (`chunks`: at most `size` decodes; none while
+        capturing) into the buffers, padded to `size`, asynchronously."""
+
+
 class AttentionBackend(ABC):
     """A way to run paged attention on a device; one instance per engine."""
 
@@ -75,3 +91,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, chunks: Sequence[SequenceChunk]) -> AttentionContext:
         """The step's attention: metadata built once here, reused by every layer."""
+
+    def static_decode(self, max_seqs: int, max_pages: int) -> StaticDecode | None:
+        """Fixed buffers for decode steps of up to `max_seqs` sequences of at most
+        `max_pages` pages each, or None where the backend plans each step on the host and
+        so cannot be replayed from a graph (`sdpa`)."""
+        return None
