@@ -20,6 +20,8 @@ CPU path is from the machine's memory bandwidth.
   out) ÷ the matmul rate;
 - ViT: one 1280×720 and one 1920×1080 image through the vision tower, `2 × vision
   parameters × patches` FLOPs ÷ the matmul rate;
+- on CUDA, decode with the CUDA graphs captured at start-up against the same engine's
+  eager steps (`--enforce-eager`'s path, its graphs set aside), batch by batch;
 - on CUDA, pixels to the device: one 1920×1080 uint8 image from a worker's arena, copied
   `non_blocking` from the arena as mapped (pageable) and registered as pinned host
   memory (`scheduler.pinned_host`, what the scheduler does): how long the copy call holds
@@ -94,6 +96,26 @@ def decode_row(engine: Engine, context: int, batch: int, steps: int, bandwidth: 
         engine.abort(request_id)
     return [f"decode, batch {batch} × {context}", step * 1e3, roofline * 1e3, batch / step,
             roofline / step]  # fmt: skip
+
+
+def graphs_against_eager(
+    engine: Engine, args: argparse.Namespace, bandwidth: float, graph_ms: list[float]
+) -> list[list]:
+    """The decode rows again with the engine's graphs set aside: eager steps, same engine."""
+    graphs = engine.runner.decode_graphs
+    if graphs is None:
+        return []
+    engine.runner.decode_graphs = None
+    try:
+        eager_ms = [
+            decode_row(engine, args.context, b, args.steps, bandwidth)[1] for b in args.batches
+        ]
+    finally:
+        engine.runner.decode_graphs = graphs
+    return [
+        [f"{batch} × {args.context}", graphs_step, eager_step, eager_step / graphs_step]
+        for batch, graphs_step, eager_step in zip(args.batches, graph_ms, eager_ms, strict=True)
+    ]
 
 
 def prefill_row(engine: Engine, tokens: int, matmul_rate: float) -> list:
@@ -200,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = measured_bandwidth(device, (1 << 30) if on_gpu else (256 << 20))
     matmul_rate = measured_matmul_rate(device, engine.dtype, 8192 if on_gpu else 1024)
     rows = [decode_row(engine, args.context, b, args.steps, bandwidth) for b in args.batches]
+    graph_rows = graphs_against_eager(engine, args, bandwidth, [row[1] for row in rows])
     rows.append(prefill_row(engine, args.context, matmul_rate))
     for size in [(1280, 720), (1920, 1080)]:
         rows.append(vit_row(engine, model_dir, size, matmul_rate))
@@ -221,6 +244,14 @@ def main(argv: list[str] | None = None) -> None:
         + "\n\n"
         + markdown_table(
             ["what", "measured ms", "roofline ms", "per second", "fraction of roofline"], rows
+        )
+        + "\n\n## Decode: CUDA graphs against eager steps\n\n"
+        + (
+            markdown_table(
+                ["batch × context", "graphs ms", "eager ms", "eager ÷ graphs"], graph_rows
+            )
+            if graph_rows
+            else "Measured on CUDA, with graphs (not under --enforce-eager) only."
         )
         + "\n\n## Pixels to the device\n\n"
         + (

@@ -62,6 +62,15 @@ class EngineConfig:
             "TRITON_INTERPRET=1)",
         ),
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=_flag(
+            "--enforce-eager",
+            "launch every kernel of every step from Python. Default on CUDA: decode-only "
+            "steps replay CUDA graphs captured at start-up for batch sizes up to "
+            "--max-num-seqs (triton backend)",
+        ),
+    )
     kv_cache_memory: int = field(
         default=1 << 30,
         metadata=_flag(

@@ -12,6 +12,7 @@ import torch
 
 from iris_serve.scheduler.attention import AttentionBackend, create_backend
 from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.decode_graphs import CudaGraphCapture, DecodeGraphs
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.memory_profile import profile_activations
 from iris_serve.scheduler.models.registry import load_model
@@ -33,13 +34,16 @@ class DeviceState:
     model: Qwen2VLForCausalLM
     kv_cache: KVCache
     attention: AttentionBackend
+    max_model_len: int
+    decode_graphs: DecodeGraphs | None
 
     @classmethod
     def build(cls, config: EngineConfig, tp: TPShard = SINGLE, replica: int = 0) -> DeviceState:
         """Loads this rank's shard and sizes its KV cache; under tensor parallelism every
         rank takes the smallest page count any rank can hold (a collective), so that page
         ids mean the same on all of them. `replica`: the data-parallel replica the rank
-        belongs to (it picks the GPU)."""
+        belongs to (it picks the GPU). On CUDA the decode graphs are captured last, on
+        every rank in the same order (their collectives are recorded too)."""
         device = rank_device(config.resolved_device(), replica * tp.size + tp.rank)
         dtype = config.resolved_dtype(device)
         model = load_model(config.model, dtype=dtype, device=device, tp=tp)
@@ -50,7 +54,41 @@ class DeviceState:
         num_pages = agree_on_minimum(num_pages, tp, device)
         kv_cache = KVCache(layout, num_pages, device)
         attention = create_backend(config.attention_backend, kv_cache, device)
-        return cls(device, dtype, model, kv_cache, attention)
+        max_model_len = min(
+            config.max_model_len or model.config.max_position_embeddings,
+            model.config.max_position_embeddings,
+            num_pages * config.page_size,
+        )
+        graphs = None
+        if device.type == "cuda" and not config.enforce_eager:
+            graphs = _capture_decode_graphs(model, attention, device, config, max_model_len)
+        return cls(device, dtype, model, kv_cache, attention, max_model_len, graphs)
+
+
+def _capture_decode_graphs(
+    model: Qwen2VLForCausalLM,
+    attention: AttentionBackend,
+    device: torch.device,
+    config: EngineConfig,
+    max_model_len: int,
+) -> DecodeGraphs | None:
+    max_pages = -(-max_model_len // config.page_size)
+    reserved = torch.cuda.memory_reserved(device)
+    try:
+        with torch.inference_mode():
+            graphs = DecodeGraphs.build(
+                model, attention, device, config.max_num_seqs, max_pages, CudaGraphCapture(device)
+            )
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"capturing CUDA graphs for decode failed ({error}); --enforce-eager runs without them"
+        ) from error
+    if graphs is not None:
+        logger.info(
+            "decode graphs hold %.2f GiB of GPU memory (within the headroom)",
+            (torch.cuda.memory_reserved(device) - reserved) / 2**30,
+        )
+    return graphs
 
 
 def rank_device(device: torch.device, index: int) -> torch.device:

@@ -118,11 +118,7 @@ class Engine:
         self.grammars = Grammars(config.model, model_config.vocab_size, self.eos_token_ids)
         self.grammars.prepare_in_background()
         capacity = self.kv_cache.num_pages * config.page_size
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-            capacity,
-        )
+        self.max_model_len = state.max_model_len
         if config.max_model_len and self.max_model_len < config.max_model_len:
             logger.warning(
                 "max_model_len lowered from %d to %d: the KV cache holds %d tokens",
@@ -162,7 +158,9 @@ class Engine:
         )
         stretch = config.resolved_itl_stretch(self.device)
         self.pacer = StepPacer(stretch, config.page_size) if stretch else None
-        self.runner = ModelRunner(self.model, self.attention, self.device, self.dtype, followers)
+        self.runner = ModelRunner(
+            self.model, self.attention, self.device, self.dtype, followers, state.decode_graphs
+        )
         self.cores = CoreSharing(self.image_encoder.background, self.device)
         self.requests: dict[str, Request] = {}
         self._failed: list[FailedRequest] = []

@@ -23,6 +23,7 @@ from iris_serve.scheduler.sampling import Sampler, SamplingRow, token_logprobs
 from iris_serve.scheduler.step_faults import RanksOutOfStep
 
 if TYPE_CHECKING:
+    from iris_serve.scheduler.decode_graphs import DecodeGraphs
     from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
 
 
@@ -64,8 +65,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         followers: Followers | None = None,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.decode_graphs = decode_graphs
         self.attention = attention
         self.device = device
         self.dtype = dtype
@@ -134,7 +137,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model over the step's tokens; fp32 logits `[len(logit_rows), vocab]`, or None
-        when no row samples. A collective under tensor parallelism: every rank calls it."""
+        when no row samples. A collective under tensor parallelism: every rank calls it.
+        A pure decode step replays a CUDA graph where the rank captured them (every rank
+        decides alike, from the same inputs)."""
+        if self.decode_graphs is not None and self.decode_graphs.handles(inputs):
+            return self.decode_graphs.run(inputs)
         embeddings = self.model.embed_tokens(inputs.input_ids)
         deepstack = self._splice_images(embeddings, inputs)
         attention = self.attention.prepare(inputs.chunks)

@@ -174,7 +174,13 @@ class Follower:
 
     def __init__(self, state: DeviceState) -> None:
         self.state = state
-        self.runner = ModelRunner(state.model, state.attention, state.device, state.dtype)
+        self.runner = ModelRunner(
+            state.model,
+            state.attention,
+            state.device,
+            state.dtype,
+            decode_graphs=state.decode_graphs,
+        )
         config = state.model.config
         self.embedding_width = config.hidden_size * (1 + config.deepstack_levels)
         self.tables: dict[str, PageTable] = {}

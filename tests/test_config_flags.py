@@ -53,6 +53,7 @@ def test_help_shows_the_dataclass_defaults_in_the_flags_units():
         (["--kv-cache-memory", "512MB"], "engine", "kv_cache_memory", 512 * 10**6),
         (["--block-size", "32"], "engine", "page_size", 32),
         (["--disable-prefix-caching"], "engine", "enable_prefix_caching", False),
+        (["--enforce-eager"], "engine", "enforce_eager", True),
         (["--mm-processor-cache-gb", "1.5"], "worker", "arena_bytes", 3 * GiB // 2),
         (["--allowed-media-domains", "a.org", "b.org"], "worker", "allowed_media_domains",
          ("a.org", "b.org")),

@@ -77,6 +77,30 @@ def test_bf16_greedy_tokens_equal_transformers_on_the_gpu(small_bf16, backend):
         pairs = enumerate(zip(got, expected, strict=False))
         first = next((i for i, (a, b) in pairs if a != b), min(len(got), len(expected)))
         assert got == expected, f"{backend}: first divergence at token {first}: {got} vs {expected}"
+    graphs = engine.runner.decode_graphs
+    assert (graphs is not None and graphs.replays[1] > 0) == (backend == "triton")
+
+
+def test_a_padded_decode_graph_gives_each_sequence_transformers_tokens(small_bf16):
+    """Three prompts decode together in the graph of 4 (one padding row); each sequence's
+    greedy tokens equal transformers' for that prompt alone."""
+    builder = PromptBuilder(small_bf16)
+    prompts = [
+        chat_prompt(builder, "Describe the weather in three words."),
+        chat_prompt(builder, "What is in the picture?", [make_image(320, 240, seed=3)]),
+        chat_prompt(builder, "Name a colour."),
+    ]
+    engine = Engine(
+        EngineConfig(model=small_bf16, device="cuda", max_num_seqs=8, num_kv_pages=1024)
+    )
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    greedy = Sampling(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outputs = engine.generate(prompts, greedy)
+    assert graphs.replays[4] > 0
+    for prompt, got in zip(prompts, outputs, strict=True):
+        expected = _transformers_tokens(small_bf16, prompt)
+        assert got[: len(expected)] == expected
 
 
 @pytest.mark.parametrize("backend", _backends())
