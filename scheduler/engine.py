@@ -236,7 +236,7 @@ class Engine:
         if request is not None:
             self.planner.finish(request)
             request.finish_reason = "abort"
-            self.image_encoder.release(request_id)  # its pins wait in `pop_released_pins`
+            self._release(request)  # its pins wait in `pop_released_pins`
 
     def pop_released_pins(self) -> list[Pin]:
         """Shared-memory pins whose pixels no step will read again, each exactly once: an
@@ -352,7 +352,7 @@ class Engine:
             if reason is not None:
                 request.finish_reason = reason
                 self.planner.finish(request)
-                self.image_encoder.release(request.request_id)
+                self._release(request)
                 del self.requests[request.request_id]
             outputs.append(
                 RequestOutput(
@@ -392,12 +392,18 @@ class Engine:
             )
         )
 
+    def _release(self, request: Request) -> None:
+        """What an ended request held beyond its pages (the planner frees those): its
+        images' pins and embeddings, and the sampler's state for it."""
+        self.image_encoder.release(request.request_id)
+        self.runner.release(request.request_id)
+
     def _fail_request(self, request: Request, error: Exception) -> None:
         """Ends a request outside a step (its image's encoding raised), as on an abort."""
         logger.error("encoding an image of %s failed", request.request_id, exc_info=error)
         self.planner.finish(request)
         request.finish_reason = "abort"
-        self.image_encoder.release(request.request_id)
+        self._release(request)
         del self.requests[request.request_id]
         self._failed.append(FailedRequest(request.request_id, client_message(error)))
         if isinstance(error, torch.OutOfMemoryError):
@@ -412,12 +418,12 @@ class Engine:
                 try:
                     self._take_embeds(request, index, image_pixels)
                 except ValueError:
-                    self.image_encoder.release(request.request_id)
+                    self._release(request)
                     raise
                 continue
             if image_pixels is not None or self.image_encoder.hold_cached(request, index):
                 continue
-            self.image_encoder.release(request.request_id)
+            self._release(request)
             report = request.image_reports[index] if request.image_reports else None
             where = report.part if report else f"image {index + 1}"
             named = f" with uuid {report.uuid!r}" if report and report.uuid else ""
@@ -478,7 +484,7 @@ class Engine:
             request = chunk.request
             self.planner.fail(request, num_computed_tokens=chunk.start)
             request.finish_reason = "abort"
-            self.image_encoder.release(request.request_id)  # its pins wait in pop_released_pins
+            self._release(request)  # its pins wait in pop_released_pins
             del self.requests[request.request_id]
             self._failed.append(FailedRequest(request.request_id, message))
         return isinstance(error, torch.OutOfMemoryError)

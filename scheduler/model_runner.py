@@ -105,6 +105,7 @@ class ModelRunner:
                 c.request.prompt_token_ids,
                 c.request.output_token_ids,
                 c.request.grammar,
+                c.request.request_id,
             )
             for c in sampling_chunks
         ]
@@ -112,6 +113,10 @@ class ModelRunner:
         raw = token_logprobs(logits, [row.params.logprobs for row in rows])
         tokens = self.sampler(logits, rows)
         return Sampled(tokens.tolist(), raw(tokens) if raw else [None] * len(rows))
+
+    def release(self, request_id: str) -> None:
+        """Drops what the runner keeps for a request that has ended (its penalty state)."""
+        self.sampler.release(request_id)
 
     def inputs(self, plan: StepPlan, images: list[ChunkImages]) -> StepInputs:
         chunks = plan.chunks

@@ -3,7 +3,8 @@
 Every request in a step is sampled in one pass over a `[batch, vocab]` logits tensor, in
 vLLM's order: the grammar mask of the rows with structured output, logit bias, min_tokens suppression, repetition penalty (prompt and output
 tokens, as transformers' `RepetitionPenaltyLogitsProcessor`), frequency and presence
-penalties (output tokens, OpenAI's definition); then greedy rows take the argmax and the
+penalties (output tokens, OpenAI's definition; what they read stays on the device between
+steps, `penalties.py`); then greedy rows take the argmax and the
 others go through temperature, top-k, top-p and min-p masks and an exponential-race draw
 (`argmax(p / q)` with `q ~ Exp(1)` is a sample from `p`).
 The race lets a request with a `seed` draw its noise from its own generator, so its
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from iris_serve.ipc.messages import Sampling, TokenLogprob
+from iris_serve.scheduler.penalties import PenaltyTable
 from iris_serve.scheduler.structured_output import GrammarMatcher, apply_bitmask, new_bitmask
 
 
@@ -57,6 +59,9 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()  # read only by the repetition penalty
     output_token_ids: Sequence[int] = ()  # read only by the penalties
     grammar: GrammarMatcher | None = None  # structured output: masks what would break it
+    # whose row this is: a penalised request keeps its penalty state under it from step
+    # to step (`Sampler.release` when it ends); None: this call alone (tests)
+    request_id: str | None = None
 
     @property
     def penalized(self) -> bool:
@@ -65,17 +70,33 @@ class SamplingRow:
 
 
 class Sampler:
-    """Samples one token per row of a logits batch; no Python loop over the vocabulary."""
+    """Samples one token per row of a logits batch; no Python loop over the vocabulary.
+    Holds the penalised requests' state (`PenaltyTable`) between calls."""
+
+    def __init__(self) -> None:
+        self.penalties: PenaltyTable | None = None
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         logits = logits.float()
-        vocab = logits.shape[-1]
-        device = logits.device
         self._apply_grammars(logits, rows)
         self._add_bias(logits, rows)
         self._suppress(logits, rows)
-        self._penalize(logits, rows)
+        penalized = self._penalize(logits, rows)
+        tokens = self._choose(logits, rows)
+        if penalized is not None and self.penalties is not None:
+            logit_rows, table_rows = penalized
+            self.penalties.record(table_rows, tokens[logit_rows])
+            self.penalties.release_unnamed()
+        return tokens
 
+    def release(self, request_id: str) -> None:
+        """Drops what the sampler keeps for a request that has ended."""
+        if self.penalties is not None:
+            self.penalties.release(request_id)
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        device = logits.device
         greedy_tokens = logits.argmax(dim=-1)
         if all(row.params.temperature == 0.0 for row in rows):
             return greedy_tokens
@@ -121,30 +142,52 @@ class Sampler:
             row_index, token_index, bias = zip(*pairs, strict=True)
             logits[list(row_index), list(token_index)] += torch.tensor(bias, device=logits.device)
 
-    @staticmethod
-    def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-        """The penalties, batched over the rows that ask for one: per row, output-token
-        counts and a prompt-or-output mask as `[rows, vocab]` tensors."""
+    def _penalize(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> tuple[list[int], list[int]] | None:
+        """The penalties of the rows that ask for one, from each request's row of the
+        penalty table (`penalties.py`). Returns the penalised rows of `logits` and their
+        rows of the table, or None."""
         penalized = [i for i, row in enumerate(rows) if row.penalized]
         if not penalized:
-            return
-        vocab, device = logits.shape[-1], logits.device
+            return None
+        device = logits.device
+        if self.penalties is None:
+            self.penalties = PenaltyTable(logits.shape[-1], device)
+        table = self.penalties
         chosen = [rows[i] for i in penalized]
-        counts = _token_counts([row.output_token_ids for row in chosen], vocab, device)
-        in_prompt = _token_counts([row.prompt_token_ids for row in chosen], vocab, device) > 0
-        seen = in_prompt | (counts > 0)
+        table_rows = table.acquire(
+            [row.request_id for row in chosen],
+            [row.prompt_token_ids for row in chosen],
+            [row.output_token_ids for row in chosen],
+        )
 
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, device=device).unsqueeze(1)
 
-        repetition = column([row.params.repetition_penalty for row in chosen])
-        frequency = column([row.params.frequency_penalty for row in chosen])
-        presence = column([row.params.presence_penalty for row in chosen])
-        part = logits[penalized]
-        repeated = torch.where(part > 0, part / repetition, part * repetition)
-        part = torch.where(seen, repeated, part)
-        part = part - frequency * counts - presence * (counts > 0)
-        logits[penalized] = part
+        repeating = [
+            k
+            for k, row in enumerate(chosen)
+            if row.params.repetition_penalty != 1.0 and table.num_seen(table_rows[k])
+        ]
+        if repeating:  # as transformers: seen tokens' logits divided if > 0, else multiplied
+            at = torch.tensor([penalized[k] for k in repeating], device=device).unsqueeze(1)
+            ids = table.seen([table_rows[k] for k in repeating])
+            penalty = column([chosen[k].params.repetition_penalty for k in repeating])
+            score = logits[at, ids]
+            logits[at, ids] = torch.where(score > 0, score / penalty, score * penalty)
+        counted = [
+            k
+            for k, row in enumerate(chosen)
+            if row.params.frequency_penalty or row.params.presence_penalty
+        ]
+        if counted:  # OpenAI's: output tokens only
+            at = torch.tensor([penalized[k] for k in counted], device=device)
+            counts = table.counts([table_rows[k] for k in counted])
+            frequency = column([chosen[k].params.frequency_penalty for k in counted])
+            presence = column([chosen[k].params.presence_penalty for k in counted])
+            logits[at] -= frequency * counts + presence * (counts > 0)
+        return penalized, table_rows
 
     @staticmethod
     def _apply_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -193,17 +236,6 @@ class Sampler:
         drop_sorted = mass_before >= top_p.unsqueeze(1)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         return logits.masked_fill(drop, float("-inf"))
-
-
-def _token_counts(sequences: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """`[len(sequences), vocab]` float counts of each token id in each sequence."""
-    longest = max((len(ids) for ids in sequences), default=0)
-    index = torch.full((len(sequences), longest + 1), vocab, dtype=torch.long)
-    for i, ids in enumerate(sequences):
-        index[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-    counts = torch.zeros(len(sequences), vocab + 1, device=device)
-    counts.scatter_add_(1, index.to(device), torch.ones(index.shape, device=device))
-    return counts[:, :vocab]
 
 
 def token_logprobs(

@@ -126,7 +126,7 @@ def penalized_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """The logits the greedy argmax sees after the sampler's bias and penalties."""
     out = logits.clone().float()
     Sampler._add_bias(out, [row])
-    Sampler._penalize(out, [row])
+    Sampler()._penalize(out, [row])
     return out
 
 

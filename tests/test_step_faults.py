@@ -24,7 +24,9 @@ from tests.reference import chat_prompt, cpu_engine, make_image
 
 torch.set_num_threads(2)
 MAX_NEW = 6
-GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+# penalised, as every request is under Qwen2.5-VL's generation_config.json: the sampler
+# holds state for each request, which an ended request must give back as well
+GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.05)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,8 @@ def assert_all_released(iris: Engine) -> None:
     assert not iris.requests and not iris.has_unfinished_requests()
     assert iris.pixels.num_pinned == 0 and iris.embedding_cache.num_pinned == 0
     assert iris.embedding_cache.pending_keys() == []
+    penalties = iris.runner.sampler.penalties
+    assert penalties is None or len(penalties) == 0, "a request's penalty state leaked"
 
 
 def test_a_failed_step_ends_its_requests_and_the_others_finish_as_without_it(
@@ -104,6 +108,7 @@ def test_a_failed_step_ends_its_requests_and_the_others_finish_as_without_it(
         [expected] = clean.generate([prompts[request_id]], GREEDY)
         assert tokens[request_id] == expected, request_id
     assert_all_released(iris)
+    assert iris.runner.sampler.penalties is not None  # the failed requests had state
     logged = [record for record in caplog.records if record.exc_info]
     assert len(logged) == 1 and "a step failed" in logged[0].getMessage()
 

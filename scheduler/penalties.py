@@ -1,0 +1,139 @@
+"""What the repetition, frequency and presence penalties read, kept on the device from
+step to step: per penalised request, the tokens it has seen and how often it has
+generated each.
+
+Rebuilt every step from the token lists, that is O(prompt + output) host work, a
+host-to-device copy and a dozen `[rows, vocab]` passes per step: 17 ms a step at 8 rows
+of 4k tokens on a CPU, 62 ms at 32 (vocabulary 151,936), beside a ~20 ms decode step.
+And every request asks for one where the checkpoint's `generation_config.json` does, as
+Qwen2-VL's and Qwen2.5-VL's (repetition_penalty 1.05).
+
+Here each running request that asks for a penalty holds one row of two tables, written
+once from its token lists and then extended on the device by each sampled token:
+
+- `seen_ids` `[rows, width]`: its distinct prompt tokens, then every output token. The
+  repetition penalty gathers the logits there, rescales them and scatters them back, as
+  transformers' `RepetitionPenaltyLogitsProcessor` does over the whole sequence (a
+  repeated id gets the same value twice). A row's unused columns repeat its first id.
+- `output_counts` `[rows, vocab]`: what the frequency and presence penalties read.
+
+A step's host work is O(penalised rows); its device work O(rows × seen tokens) for the
+repetition penalty, O(rows × vocab) only for rows with a frequency or presence penalty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+INITIAL_ROWS = 8
+INITIAL_WIDTH = 256
+
+
+class PenaltyTable:
+    """Rows held by requests (`acquire`) until `release`; a request without an id
+    (`None`) holds a row for one call only (`release_unnamed`). The tables double when
+    rows or columns run out and never shrink: they hold at most as many rows as requests
+    have been penalised at once, as many columns as the most tokens one has seen."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab = vocab
+        self.device = device
+        self.seen_ids = torch.zeros(0, INITIAL_WIDTH, dtype=torch.long, device=device)
+        self.output_counts = torch.zeros(0, vocab, dtype=torch.float32, device=device)
+        self._num_seen: list[int] = []  # per row: the columns of seen_ids it uses
+        self._row_of: dict[str, int] = {}
+        self._unnamed: list[int] = []
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        """Rows held by requests."""
+        return len(self._row_of)
+
+    def acquire(
+        self,
+        request_ids: Sequence[str | None],
+        prompts: Sequence[Sequence[int]],
+        outputs: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """Each request's row; a request seen for the first time gets a row filled from
+        its prompt and output tokens (its one host-to-device copy)."""
+        rows = []
+        for request_id, prompt, output in zip(request_ids, prompts, outputs, strict=True):
+            row = self._row_of.get(request_id) if request_id is not None else None
+            if row is None:
+                row = self._new_row(prompt, output)
+                if request_id is None:
+                    self._unnamed.append(row)
+                else:
+                    self._row_of[request_id] = row
+            rows.append(row)
+        return rows
+
+    def num_seen(self, row: int) -> int:
+        return self._num_seen[row]
+
+    def seen(self, rows: Sequence[int]) -> torch.Tensor:
+        """`[len(rows), columns]` token ids each row has seen (repeats pad the shorter;
+        a row that has seen none would be padded with id 0: leave it out)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.seen_ids[index, : max(self._num_seen[row] for row in rows)]
+
+    def counts(self, rows: Sequence[int]) -> torch.Tensor:
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.output_counts[index]
+
+    def record(self, rows: Sequence[int], tokens: torch.Tensor) -> None:
+        """Adds each row's sampled token (`tokens` on the device: no host sync)."""
+        if max(self._num_seen[row] for row in rows) >= self.seen_ids.shape[1]:
+            self._widen()
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        columns = torch.tensor([self._num_seen[row] for row in rows], device=self.device)
+        tokens = tokens.to(self.device)
+        self.seen_ids[index, columns] = tokens
+        ones = torch.ones(len(rows), dtype=self.output_counts.dtype, device=self.device)
+        self.output_counts.index_put_((index, tokens), ones, accumulate=True)
+        for row in rows:
+            self._num_seen[row] += 1
+
+    def release(self, request_id: str) -> None:
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    def release_unnamed(self) -> None:
+        self._free.extend(self._unnamed)
+        self._unnamed.clear()
+
+    def _new_row(self, prompt: Sequence[int], output: Sequence[int]) -> int:
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        seen = [*dict.fromkeys(prompt), *output]
+        while len(seen) >= self.seen_ids.shape[1]:
+            self._widen()
+        ids = torch.tensor(seen or [0], dtype=torch.long).to(self.device)
+        self.seen_ids[row, : len(ids)] = ids
+        self.seen_ids[row, len(ids) :] = ids[0]
+        self._num_seen[row] = len(seen)
+        outputs = ids[len(seen) - len(output) : len(seen)]
+        counts = self.output_counts[row]
+        counts.zero_().index_add_(0, outputs, torch.ones_like(outputs, dtype=counts.dtype))
+        return row
+
+    def _grow(self) -> None:
+        old = self.seen_ids.shape[0]
+        new = max(INITIAL_ROWS, 2 * old)
+        ids = torch.zeros(new, self.seen_ids.shape[1], dtype=torch.long, device=self.device)
+        counts = torch.zeros(new, self.vocab, dtype=torch.float32, device=self.device)
+        ids[:old] = self.seen_ids
+        counts[:old] = self.output_counts
+        self.seen_ids, self.output_counts = ids, counts
+        self._num_seen.extend([0] * (new - old))
+        self._free.extend(range(new - 1, old - 1, -1))  # pop() takes the lowest first
+
+    def _widen(self) -> None:
+        """Doubles the columns; the new ones repeat each row's first id."""
+        ids = self.seen_ids
+        self.seen_ids = torch.cat([ids, ids[:, :1].expand(-1, ids.shape[1])], dim=1)
