@@ -197,3 +197,12 @@ def test_itl_stretch_quick_measures_each_setting_against_the_old_engine(tmp_path
         assert [float(cell) for cell in row[2:4]] == [1.0, 1.0]  # req/s, TTFT
         assert row[4] == "n/a" or float(row[4]) == 1.0  # TPOT: none if every answer is 1 token
     assert {row[header.index("ok")] for row in rounds} == {"2/2"}
+
+
+def test_penalties_quick_times_every_variant(tmp_path):
+    out = tmp_path / "results"
+    run_bench("bench.penalties", "--quick", "--out", str(out), cache_dir=tmp_path, timeout=120)
+    [(header, rows)] = markdown_tables((out / "penalties_quick.md").read_text())
+    [row] = rows
+    cells = dict(zip(header, row, strict=True))
+    assert all(float(cells[name]) > 0 for name in header[1:]), cells
