@@ -72,6 +72,9 @@ def _capture_decode_graphs(
     config: EngineConfig,
     max_model_len: int,
 ) -> DecodeGraphs | None:
+    """The decode graphs, or None where capture fails: the server then decodes eagerly
+    and says why (a capture error leaves the device usable; a rank that decodes eagerly
+    runs the same collectives, in the same order, as one that replays)."""
     max_pages = -(-max_model_len // config.page_size)
     reserved = torch.cuda.memory_reserved(device)
     try:
@@ -79,10 +82,13 @@ def _capture_decode_graphs(
             graphs = DecodeGraphs.build(
                 model, attention, device, config.max_num_seqs, max_pages, CudaGraphCapture(device)
             )
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"capturing CUDA graphs for decode failed ({error}); --enforce-eager runs without them"
-        ) from error
+    except RuntimeError:
+        logger.exception(
+            "capturing CUDA graphs for decode failed: decode steps run eagerly "
+            "(--enforce-eager skips the capture)"
+        )
+        torch.cuda.synchronize(device)
+        return None
     if graphs is not None:
         logger.info(
             "decode graphs hold %.2f GiB of GPU memory (within the headroom)",
