@@ -11,8 +11,7 @@ appended to its row's output). Variants, in one run:
   generation_config.json, so every request of a real checkpoint), state kept;
 - repetition, rebuilt: the same, each step's rows without a request id, so the state is
   built from the prompt and output lists at every step;
-- frequency + presence, kept: OpenAI's penalties (0.5 each), which read every row's
-  output counts over the whole vocabulary.
+- frequency + presence, kept: OpenAI's penalties (0.5 each), over each row's outputs.
 
     python -m bench.penalties [--batches 8 32] [--context 4000] [--steps 16] [--quick]
 """

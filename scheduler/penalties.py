@@ -2,23 +2,27 @@
 step to step: per penalised request, the tokens it has seen and how often it has
 generated each.
 
-Rebuilt every step from the token lists, that is O(prompt + output) host work, a
-host-to-device copy and a dozen `[rows, vocab]` passes per step: 17 ms a step at 8 rows
-of 4k tokens on a CPU, 62 ms at 32 (vocabulary 151,936), beside a ~20 ms decode step.
-And every request asks for one where the checkpoint's `generation_config.json` does, as
-Qwen2-VL's and Qwen2.5-VL's (repetition_penalty 1.05).
+The sampler used to rebuild all of it every step from the token lists: O(prompt + output)
+host work, a host-to-device copy and a dozen `[rows, vocab]` passes per step, 25 ms a
+step at 8 rows of 4k tokens on a 2-core CPU, 51 ms at 32 (vocabulary 151,936), beside a
+~20 ms decode step. And every request asks for one where the checkpoint's
+`generation_config.json` does, as Qwen2-VL's and Qwen2.5-VL's (repetition_penalty 1.05).
 
-Here each running request that asks for a penalty holds one row of two tables, written
+Here each running request that asks for a penalty holds one row of these tables, written
 once from its token lists and then extended on the device by each sampled token:
 
 - `seen_ids` `[rows, width]`: its distinct prompt tokens, then every output token. The
   repetition penalty gathers the logits there, rescales them and scatters them back, as
   transformers' `RepetitionPenaltyLogitsProcessor` does over the whole sequence (a
   repeated id gets the same value twice). A row's unused columns repeat its first id.
-- `output_counts` `[rows, vocab]`: what the frequency and presence penalties read.
+- `first_output` `[rows, width]`: whether an output column holds its token's first
+  occurrence among the outputs. The frequency and presence penalties add, at each first
+  occurrence, `-(frequency × count + presence)` (the count read from `output_counts`
+  `[rows, vocab]`), and 0 at the others: sums that do not depend on the order a device
+  adds them in.
 
-A step's host work is O(penalised rows); its device work O(rows × seen tokens) for the
-repetition penalty, O(rows × vocab) only for rows with a frequency or presence penalty.
+A step's host work is O(penalised rows), its device work O(rows × seen tokens): no pass
+over the vocabulary.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ class PenaltyTable:
         self.vocab = vocab
         self.device = device
         self.seen_ids = torch.zeros(0, INITIAL_WIDTH, dtype=torch.long, device=device)
+        self.first_output = torch.zeros(0, INITIAL_WIDTH, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(0, vocab, dtype=torch.float32, device=device)
         self._num_seen: list[int] = []  # per row: the columns of seen_ids it uses
+        self._num_prompt: list[int] = []  # per row: its distinct prompt tokens' columns
         self._row_of: dict[str, int] = {}
         self._unnamed: list[int] = []
         self._free: list[int] = []
@@ -80,9 +86,28 @@ class PenaltyTable:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.seen_ids[index, : max(self._num_seen[row] for row in rows)]
 
-    def counts(self, rows: Sequence[int]) -> torch.Tensor:
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.output_counts[index]
+    def num_outputs(self, row: int) -> int:
+        return self._num_seen[row] - self._num_prompt[row]
+
+    def output_penalties(
+        self, rows: Sequence[int], frequency: torch.Tensor, presence: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids `[len(rows), columns]` of each row's outputs and what to add to their
+        logits there: `-(frequency × count + presence)` at a token's first occurrence, 0
+        at its others and at the padding (`frequency`, `presence`: `[len(rows), 1]`)."""
+        width = max(self.num_outputs(row) for row in rows)
+        starts = [self._num_prompt[row] for row in rows]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device).unsqueeze(1)
+        offsets = torch.arange(width, device=self.device)
+        columns = torch.tensor(starts, device=self.device).unsqueeze(1) + offsets
+        valid = offsets < torch.tensor(
+            [self.num_outputs(row) for row in rows], device=self.device
+        ).unsqueeze(1)
+        columns = columns.clamp(max=self.seen_ids.shape[1] - 1)
+        ids = self.seen_ids[index, columns]
+        first = self.first_output[index, columns] & valid
+        counts = self.output_counts[index, ids]
+        return ids, torch.where(first, -(frequency * counts + presence), 0.0)
 
     def record(self, rows: Sequence[int], tokens: torch.Tensor) -> None:
         """Adds each row's sampled token (`tokens` on the device: no host sync)."""
@@ -92,6 +117,7 @@ class PenaltyTable:
         columns = torch.tensor([self._num_seen[row] for row in rows], device=self.device)
         tokens = tokens.to(self.device)
         self.seen_ids[index, columns] = tokens
+        self.first_output[index, columns] = self.output_counts[index, tokens] == 0
         ones = torch.ones(len(rows), dtype=self.output_counts.dtype, device=self.device)
         self.output_counts.index_put_((index, tokens), ones, accumulate=True)
         for row in rows:
@@ -116,8 +142,13 @@ class PenaltyTable:
         ids = torch.tensor(seen or [0], dtype=torch.long).to(self.device)
         self.seen_ids[row, : len(ids)] = ids
         self.seen_ids[row, len(ids) :] = ids[0]
+        num_prompt = len(seen) - len(output)
+        first = [token not in output[:j] for j, token in enumerate(output)]
+        self.first_output[row] = False
+        self.first_output[row, num_prompt : len(seen)] = torch.tensor(first, dtype=torch.bool)
         self._num_seen[row] = len(seen)
-        outputs = ids[len(seen) - len(output) : len(seen)]
+        self._num_prompt[row] = num_prompt
+        outputs = ids[num_prompt : len(seen)]
         counts = self.output_counts[row]
         counts.zero_().index_add_(0, outputs, torch.ones_like(outputs, dtype=counts.dtype))
         return row
@@ -125,15 +156,22 @@ class PenaltyTable:
     def _grow(self) -> None:
         old = self.seen_ids.shape[0]
         new = max(INITIAL_ROWS, 2 * old)
-        ids = torch.zeros(new, self.seen_ids.shape[1], dtype=torch.long, device=self.device)
+        width = self.seen_ids.shape[1]
+        ids = torch.zeros(new, width, dtype=torch.long, device=self.device)
+        first = torch.zeros(new, width, dtype=torch.bool, device=self.device)
         counts = torch.zeros(new, self.vocab, dtype=torch.float32, device=self.device)
         ids[:old] = self.seen_ids
+        first[:old] = self.first_output
         counts[:old] = self.output_counts
-        self.seen_ids, self.output_counts = ids, counts
+        self.seen_ids, self.first_output, self.output_counts = ids, first, counts
         self._num_seen.extend([0] * (new - old))
+        self._num_prompt.extend([0] * (new - old))
         self._free.extend(range(new - 1, old - 1, -1))  # pop() takes the lowest first
 
     def _widen(self) -> None:
         """Doubles the columns; the new ones repeat each row's first id."""
         ids = self.seen_ids
         self.seen_ids = torch.cat([ids, ids[:, :1].expand(-1, ids.shape[1])], dim=1)
+        self.first_output = torch.cat(
+            [self.first_output, torch.zeros_like(self.first_output)], dim=1
+        )

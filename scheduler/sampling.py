@@ -176,17 +176,20 @@ class Sampler:
             penalty = column([chosen[k].params.repetition_penalty for k in repeating])
             score = logits[at, ids]
             logits[at, ids] = torch.where(score > 0, score / penalty, score * penalty)
-        counted = [
+        counted = [  # OpenAI's penalties: output tokens only
             k
             for k, row in enumerate(chosen)
-            if row.params.frequency_penalty or row.params.presence_penalty
+            if (row.params.frequency_penalty or row.params.presence_penalty)
+            and table.num_outputs(table_rows[k])
         ]
-        if counted:  # OpenAI's: output tokens only
-            at = torch.tensor([penalized[k] for k in counted], device=device)
-            counts = table.counts([table_rows[k] for k in counted])
-            frequency = column([chosen[k].params.frequency_penalty for k in counted])
-            presence = column([chosen[k].params.presence_penalty for k in counted])
-            logits[at] -= frequency * counts + presence * (counts > 0)
+        if counted:
+            at = torch.tensor([penalized[k] for k in counted], device=device).unsqueeze(1)
+            ids, added = table.output_penalties(
+                [table_rows[k] for k in counted],
+                column([chosen[k].params.frequency_penalty for k in counted]),
+                column([chosen[k].params.presence_penalty for k in counted]),
+            )
+            logits.index_put_((at.expand_as(ids), ids), added, accumulate=True)
         return penalized, table_rows
 
     @staticmethod
