@@ -143,7 +143,7 @@ class PenaltyTable:
         self.seen_ids[row, : len(ids)] = ids
         self.seen_ids[row, len(ids) :] = ids[0]
         num_prompt = len(seen) - len(output)
-        first = [token not in output[:j] for j, token in enumerate(output)]
+        first = _first_occurrences(output)
         self.first_output[row] = False
         self.first_output[row, num_prompt : len(seen)] = torch.tensor(first, dtype=torch.bool)
         self._num_seen[row] = len(seen)
@@ -175,3 +175,13 @@ class PenaltyTable:
         self.first_output = torch.cat(
             [self.first_output, torch.zeros_like(self.first_output)], dim=1
         )
+
+
+def _first_occurrences(tokens: Sequence[int]) -> list[bool]:
+    """For each token, whether it appears here for the first time."""
+    earlier: set[int] = set()
+    flags = []
+    for token in tokens:
+        flags.append(token not in earlier)
+        earlier.add(token)
+    return flags
