@@ -61,7 +61,7 @@ class DeviceState:
         )
         graphs = None
         if device.type == "cuda" and not config.enforce_eager:
-            graphs = _capture_decode_graphs(model, attention, device, config, max_model_len)
+            graphs = _capture_decode_graphs(model, attention, device, config, max_model_len, tp)
         return cls(device, dtype, model, kv_cache, attention, max_model_len, graphs)
 
 
@@ -71,10 +71,12 @@ def _capture_decode_graphs(
     device: torch.device,
     config: EngineConfig,
     max_model_len: int,
+    tp: TPShard,
 ) -> DecodeGraphs | None:
-    """The decode graphs, or None where capture fails: the server then decodes eagerly
-    and says why (a capture error leaves the device usable; a rank that decodes eagerly
-    runs the same collectives, in the same order, as one that replays)."""
+    """The decode graphs. Where capture fails on one device the server decodes eagerly
+    and says why (a capture error leaves the device usable). Under tensor parallelism it
+    stops instead, naming `--enforce-eager`: the other ranks go on capturing, inside
+    collectives this rank would never join, and the launcher stops them all."""
     max_pages = -(-max_model_len // config.page_size)
     reserved = torch.cuda.memory_reserved(device)
     try:
@@ -82,7 +84,12 @@ def _capture_decode_graphs(
             graphs = DecodeGraphs.build(
                 model, attention, device, config.max_num_seqs, max_pages, CudaGraphCapture(device)
             )
-    except RuntimeError:
+    except RuntimeError as error:
+        if tp.size > 1:
+            raise RuntimeError(
+                f"capturing CUDA graphs for decode failed on rank {tp.rank} ({error}); "
+                "--enforce-eager runs without them"
+            ) from error
         logger.exception(
             "capturing CUDA graphs for decode failed: decode steps run eagerly "
             "(--enforce-eager skips the capture)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -140,3 +141,25 @@ def test_a_backend_that_plans_on_the_host_runs_decode_eagerly(qwen2_vl_tiny):
     engine = cpu_engine(qwen2_vl_tiny, attention_backend="sdpa")
     assert DecodeGraphs.build(engine.model, engine.attention, CPU, 4, 8, eager_replay) is None
     engine.close()
+
+
+def test_a_failed_capture_decodes_eagerly_alone_and_stops_tensor_parallel_ranks(monkeypatch):
+    """`DeviceState`'s capture on CUDA (the calls to the CUDA runtime stubbed): one device
+    goes on without graphs; a rank of a tensor-parallel group raises, naming the flag,
+    since its peers would wait for it inside their captures' collectives."""
+    from iris_serve.scheduler import device_state
+    from iris_serve.scheduler.config import EngineConfig
+    from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
+
+    def failing_build(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "build", failing_build)
+    monkeypatch.setattr(device_state, "CudaGraphCapture", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
+    config = EngineConfig(model="m")
+    capture = device_state._capture_decode_graphs
+    assert capture(None, None, CPU, config, 64, SINGLE) is None  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"rank 1 .*--enforce-eager"):
+        capture(None, None, CPU, config, 64, TPShard(1, 2))  # type: ignore[arg-type]
