@@ -17,7 +17,9 @@ pages a request fills are registered as it computes them and when it leaves.
 A step that carries decodes carries at most `prefill_cap` prefill tokens (when set; the
 engine sets it from measured step times, see step_pacer.py), so a long prompt joining
 stretches the running streams' next token by a bounded factor instead of by its whole
-prefill (stall-free batching, as in Sarathi-Serve).
+prefill (stall-free batching, as in Sarathi-Serve); one without decodes at most
+`lone_prefill_cap` (when set: while the steps wait for the cores the vision encoder
+holds, core_sharing.py).
 
 A prefill chunk runs only as far as the request's image embeddings are ready
 (`ready_until`, from the image encoder when it encodes beside the steps): a request whose
@@ -96,6 +98,7 @@ class BatchPlanner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefill_cap: int | None = None  # prefill tokens of a step with decodes
+        self.lone_prefill_cap: int | None = None  # ... and of one without
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -114,9 +117,10 @@ class BatchPlanner:
             for request in self.running:  # pages the last step filled
                 self.prefix_cache.register(request)
 
-        prefill_budget = budget
-        if self.prefill_cap is not None and any(_is_decoding(r) for r in self.running):
-            prefill_budget = self.prefill_cap
+        cap = self.lone_prefill_cap
+        if any(_is_decoding(r) for r in self.running):
+            cap = self.prefill_cap
+        prefill_budget = budget if cap is None else cap
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]

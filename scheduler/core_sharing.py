@@ -2,32 +2,109 @@
 
 While the encoder thread runs a vision-tower call, a step runs with the cores it leaves
 (`step_threads`); with no step to run, the encoder thread takes every core. On CUDA there
-is nothing to split (the encoder works on a side stream)."""
+is nothing to split (the encoder works on a side stream).
+
+Splitting suits decodes, not prefill. A decode step reads the weights once and barely
+gains from a second core (`small` on 2 cores: 16 ms with one thread beside the tower,
+14.5 ms with both alone), so the tower loses little by running beside it. A prefill
+token is compute: 1.45 ms with one thread beside the tower (whose activations evict the
+step's caches) against 0.32 ms with both cores alone. So when a step plans prefill
+beside a running tower call, the steps hold the encoder thread (`after_plan`): it parks
+before its next block part, a fraction of a second at most. Until it has, decodes go on
+alone (prefill beside them would cost them the slow prefill) and a step without decodes
+takes a paced chunk (`lone_prefill_paced`); once it has, the steps run on every core
+and prefill at full speed, and the first step that plans no prefill gives the tower its
+core back. A hold lasts at most `MAX_HOLD_SECONDS`; the next one waits as long as it
+lasted, with prefill paced beside the tower meanwhile as without holds, so a stream of
+prefill never takes more than half of the tower's time.
+
+Measured on 2 cores (`small`, one new 1280x720 image per request, 4 in flight, two
+interleaved runs each): mean TPOT 16.7 ms against 29–31 ms with the split alone, request
+throughput unchanged (0.39 req/s both).
+"""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from iris_serve.scheduler.encoder_thread import EncoderThread
 
+MAX_HOLD_SECONDS = 1.0
+
 
 class CoreSharing:
-    def __init__(self, encoder: EncoderThread | None, device: torch.device) -> None:
-        """`encoder`: the engine's encoder thread (None with `--mm-encoder-inline`).
+    def __init__(
+        self, encoder: EncoderThread | None, device: torch.device, hold_for_prefill: bool = True
+    ) -> None:
+        """`encoder`: the engine's encoder thread (None with `--mm-encoder-inline`);
+        `hold_for_prefill`: whether prefill may park it (the engine asks so only when it
+        paces prefill, which sizes the chunks while the steps wait for the cores).
 
         torch's thread count is per thread, but a thread that never read or used it takes
         the last one set by any thread: reading it here, on the engine's thread, pins the
         steps' own."""
         self.encoder = encoder if device.type == "cpu" else None
         self.cpu_threads = torch.get_num_threads() if device.type == "cpu" else 0
+        self.hold_for_prefill = hold_for_prefill and self.encoder is not None
+        self.holds = 0  # holds asked, for the benchmarks and tests
+        self._hold_started = 0.0
+        self._no_hold_until = 0.0
 
     def step_threads(self, encoding: bool) -> int:
         """The torch threads the next step runs with (0 on CUDA), `encoding`: whether a
         vision-tower call is in flight on the encoder thread. Also the step pacer's key:
         a step's costs depend on it."""
-        if self.encoder is None or not encoding:
+        if self.encoder is None or not encoding or self.encoder.parked:
             return self.cpu_threads
         return max(1, self.cpu_threads - self.encoder.num_threads)
+
+    def begin_step(self, encoding: bool, now: float | None = None) -> int:
+        """Ends a hold whose call is over or that has lasted `MAX_HOLD_SECONDS` (the next
+        one then waits as long), and returns the threads the step plans with."""
+        encoder = self.encoder
+        if self.hold_for_prefill and encoder is not None and encoder.held:
+            lasted = _now(now) - self._hold_started
+            if not encoding or lasted >= MAX_HOLD_SECONDS:
+                encoder.release()
+                if encoding:
+                    self._no_hold_until = self._hold_started + 2 * lasted
+        return self.step_threads(encoding)
+
+    @property
+    def awaiting_park(self) -> bool:
+        """A hold is asked and the encoder thread has not parked yet: a step's decodes
+        go on alone, its prefill waits for the cores (a step without decodes takes a
+        paced chunk, see `lone_prefill_paced`)."""
+        return self.encoder is not None and self.encoder.held and not self.encoder.parked
+
+    def lone_prefill_paced(self, encoding: bool, now: float | None = None) -> bool:
+        """Whether a step without decodes takes a paced chunk instead of all the prefill
+        it can: the tower runs beside it, and a hold could soon give the steps every
+        core."""
+        if not self.hold_for_prefill or not encoding:
+            return False
+        assert self.encoder is not None
+        if self.encoder.parked:
+            return False
+        return self.encoder.held or _now(now) >= self._no_hold_until
+
+    def after_plan(self, encoding: bool, prefill_tokens: int, now: float | None = None) -> int:
+        """Holds the encoder thread when the planned step carries prefill beside a running
+        tower call; releases a parked one when a step plans none. Returns the threads the
+        step runs with (the encoder's share back, once released)."""
+        encoder = self.encoder
+        if self.hold_for_prefill and encoder is not None:
+            now = _now(now)
+            if not encoder.held:
+                if encoding and prefill_tokens and now >= self._no_hold_until:
+                    encoder.hold()
+                    self.holds += 1
+                    self._hold_started = now
+            elif encoder.parked and not prefill_tokens:
+                encoder.release()
+        return self.step_threads(encoding)
 
     def share(self, threads: int, idle: bool) -> None:
         """Sets the step's `threads`; with no step to run (`idle`), the encoder thread
@@ -42,3 +119,7 @@ class CoreSharing:
         self.encoder.steps_idle = idle
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+
+def _now(now: float | None) -> float:
+    return time.monotonic() if now is None else now

@@ -12,7 +12,9 @@ image only once its embedding is ready (see image_encoder.py).
   (`CoreSharing.share`); while the steps have nothing to run (every request waits for
   an image), the encoder takes every core. It looks before each part of each vision
   block (`adapt_threads`, a forward pre-hook on its attention, MLP and norms), so it
-  follows the steps within a fraction of a block.
+  follows the steps within a fraction of a block. There too it parks while the steps
+  hold it (`hold`/`release`, asked by `CoreSharing` so that a prefill gets every core);
+  a call that has not started parks before it starts.
 - On CUDA the thread launches on a stream of its own, so the device runs the tower
   concurrently with the steps' kernels; a call's result is handed over once its work
   has finished on the device (an event), and is marked as used by the main stream, so
@@ -63,6 +65,11 @@ class EncoderThread:
         self.num_threads = num_threads
         self.all_threads = max(all_threads, num_threads)
         self.steps_idle = False  # set by the engine's loop; read here before each block
+        # A hold parks the encoder thread before its next block part, so a prefill can
+        # have every core (core_sharing.py); `parked` says it waits there.
+        self._hold = threading.Condition()
+        self._held = False
+        self.parked = False
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._lock = threading.Lock()
         self._queue: deque[tuple[Future, list[torch.Tensor], list[Grid]]] = deque()
@@ -108,6 +115,23 @@ class EncoderThread:
             self._queue.clear()
         for future, _, _ in queued:
             future.cancel()
+        self.release()
+
+    def hold(self) -> None:
+        """Asks the encoder thread to park before its next block part (or call) until
+        `release()`; `parked` turns True once it does."""
+        with self._hold:
+            self._held = True
+
+    def release(self) -> None:
+        with self._hold:
+            self._held = False
+            self.parked = False  # for the caller at once: the thread is about to run
+            self._hold.notify_all()
+
+    @property
+    def held(self) -> bool:
+        return self._held
 
     # -- in the encoder thread ----------------------------------------------------------------
 
@@ -115,9 +139,20 @@ class EncoderThread:
         """Every core while the steps have nothing to run, else the encoder's share (a
         forward pre-hook in the vision blocks; acts in the encoder thread only)."""
         if self.device.type == "cpu" and threading.current_thread().name.startswith(_NAME):
+            self._park_while_held()
             wanted = self.all_threads if self.steps_idle else self.num_threads
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
+
+    def _park_while_held(self) -> None:
+        with self._hold:
+            if not self._held:
+                return
+            self.parked = True
+            try:
+                self._hold.wait_for(lambda: not self._held)
+            finally:
+                self.parked = False
 
     def _drain(self) -> None:
         """The worker thread: runs the queued calls, and ends when none is left."""
@@ -132,6 +167,8 @@ class EncoderThread:
                 future, pixels, grids = self._queue.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
+            if self.device.type == "cpu":
+                self._park_while_held()
             try:
                 future.set_result(self._run(pixels, grids))
             except BaseException as error:  # the future carries it to the engine

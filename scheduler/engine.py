@@ -161,7 +161,9 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.attention, self.device, self.dtype, followers, state.decode_graphs
         )
-        self.cores = CoreSharing(self.image_encoder.background, self.device)
+        self.cores = CoreSharing(
+            self.image_encoder.background, self.device, hold_for_prefill=self.pacer is not None
+        )
         self.requests: dict[str, Request] = {}
         self._failed: list[FailedRequest] = []
         self._generate_ids = itertools.count()
@@ -284,10 +286,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.image_encoder.background is not None:
             self._encode_beside()
-        threads = self.cores.step_threads(self.image_encoder.encoding)
+        encoding = self.image_encoder.encoding
+        threads = self.cores.begin_step(encoding)
         if self.pacer is not None:
-            self.planner.prefill_cap = self.pacer.cap(threads)
+            cap = self.pacer.cap(threads)
+            self.planner.prefill_cap = 0 if self.cores.awaiting_park else cap
+            self.planner.lone_prefill_cap = cap if self.cores.lone_prefill_paced(encoding) else None
         plan = self.planner.schedule()
+        threads = self.cores.after_plan(encoding, plan.num_prefill_tokens)
         for request in plan.preempted:
             self.image_encoder.forget(request.request_id)
         self.cores.share(threads, idle=not plan.chunks)
