@@ -38,7 +38,10 @@ decodes and other prefills go on. How far ahead of the prefills the encoder work
 bounded by the encoder budget (`max_num_encoder_tokens` image tokens encoding or held
 and not yet consumed; at least one image when none is encoding), so memory stays flat in
 the number of images, as with inline encoding, which stays the `--mm-encoder-inline`
-baseline (and the path of `--disable-chunked-mm-encoding`).
+baseline (and the path of `--disable-chunked-mm-encoding`). On a CPU its calls take
+images up to `CPU_CALL_TOKENS` only: one 1280x720 image (1,196 tokens) already keeps the
+cores busy, and three of them in one call made the first one's request wait seconds for
+the other two before any of them could prefill.
 
 Baselines: `shared=False` keys entries by (request id, image key) in a cache of capacity
 0, so an embedding lives exactly as long as the request that computed it; "request"
@@ -69,6 +72,7 @@ if TYPE_CHECKING:
     from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
 
 MAX_TIMINGS = 4096  # encoder durations kept until drained (a histogram feed, not a log)
+CPU_CALL_TOKENS = 1024  # image tokens per call of the encoder thread on a CPU (see _submit)
 
 # Per chunk of a step, the images it overlaps and each one's whole embedding.
 ChunkImages = list[tuple[ImageRef, torch.Tensor]]
@@ -115,6 +119,12 @@ class ImageEncoder:
         self.device = device
         self.dtype = dtype
         self.max_num_encoder_tokens = max_num_encoder_tokens
+        # Beside the steps on a CPU, a call takes images up to CPU_CALL_TOKENS only: the
+        # tower is compute-bound well below that, so a larger call would just make its
+        # first image's request wait for the others' (no prefill of any until all are done).
+        self._call_tokens = max_num_encoder_tokens
+        if device.type == "cpu":
+            self._call_tokens = min(max_num_encoder_tokens, CPU_CALL_TOKENS)
         self.chunked = chunked
         self.shared = shared  # False: entries are per request (no reuse across requests)
         self.background: EncoderThread | None = None  # None: inside the steps
@@ -289,7 +299,7 @@ class ImageEncoder:
 
     def _submit(self, jobs: list[_Job]) -> None:
         assert self.background is not None
-        for batch in _batches(jobs, self.max_num_encoder_tokens):
+        for batch in _batches(jobs, self._call_tokens):
             pixels = [self.pixels.get(*job.source) for job in batch]
             future = self.background.submit(pixels, [job.image.grid_thw for job in batch])
             self._calls.append(_Call(batch, future))

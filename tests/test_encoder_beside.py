@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from iris_serve.ipc.messages import Sampling
+from iris_serve.scheduler import image_encoder
 from iris_serve.scheduler.engine import Engine
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import (
@@ -218,3 +219,25 @@ def test_the_encoder_thread_ends_when_idle_and_the_next_image_starts_another(mod
     assert len(workers) == 2 and workers[0] is not workers[1]
     assert all(worker is not threading.main_thread() for worker in workers)
     assert_parity(model_dir, prompts, outputs, GREEDY.max_tokens)
+
+
+def test_on_a_cpu_each_tower_call_takes_images_up_to_its_call_size_only(
+    model_dir, builder, monkeypatch
+):
+    """A CPU tower call is compute-bound at one image's size: batching more only makes the
+    first image's request wait for the others' (image_encoder.CPU_CALL_TOKENS)."""
+    pictures = [make_image(112, 112, seed=60 + i) for i in range(3)]  # 16 tokens each
+    prompt = chat_prompt(builder, "Compare them.", pictures)
+    monkeypatch.setattr(image_encoder, "CPU_CALL_TOKENS", 32)
+    iris = cpu_engine(model_dir, max_num_encoder_tokens=4096)
+    calls: list[int] = []
+    encode_images = iris.model.encode_images
+
+    def counting(pixel_values, grids):
+        calls.append(len(grids))
+        return encode_images(pixel_values, grids)
+
+    iris.model.encode_images = counting
+    [tokens] = iris.generate([prompt], GREEDY)
+    assert calls == [2, 1]  # within the budget, in calls of at most 32 image tokens
+    assert_parity(model_dir, [prompt], [tokens], GREEDY.max_tokens)
