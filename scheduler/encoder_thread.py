@@ -146,13 +146,10 @@ class EncoderThread:
 
     def _park_while_held(self) -> None:
         with self._hold:
-            if not self._held:
-                return
-            self.parked = True
-            try:
-                self._hold.wait_for(lambda: not self._held)
-            finally:
-                self.parked = False
+            while self._held:  # a hold asked again before this thread woke: still parked
+                self.parked = True
+                self._hold.wait()
+            self.parked = False
 
     def _drain(self) -> None:
         """The worker thread: runs the queued calls, and ends when none is left."""

@@ -192,6 +192,12 @@ def test_a_held_encoder_parks_before_its_next_call_and_close_lets_it_go(model_di
     future = encoder.submit([prompt.pixels[0]], [image.grid_thw])
     wait_until(lambda: encoder.parked, "the encoder parks before the call")
     assert not future.done()
+    with encoder._hold:  # released and held again before the parked thread could wake
+        encoder.release()
+        assert not encoder.parked
+        encoder.hold()
+    wait_until(lambda: encoder.parked, "the woken encoder parks again")
+    assert not future.done()
     encoder.close()  # a closing engine never leaves its thread parked
     assert future.result(WAIT_SECONDS).shape[0] == image.length
 
