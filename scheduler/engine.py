@@ -36,6 +36,7 @@ from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.core_sharing import CoreSharing
 from iris_serve.scheduler.device_state import DeviceState
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
+from iris_serve.scheduler.given_images import hold_given_images
 from iris_serve.scheduler.image_encoder import ImageEncoder, request_scoped_keys
 from iris_serve.scheduler.model_runner import Followers, ModelRunner, Sampled
 from iris_serve.scheduler.models.mrope import mrope_positions
@@ -79,16 +80,6 @@ class EngineSnapshot:
     mm_embedding_cache_hits: int  # images a request got without the vision tower
     mm_embedding_cache_misses: int
     mm_embedding_cache_usage_bytes: int
-
-
-class RefusedImage(ValueError):
-    """An image the engine cannot take (a 400 naming the content part, when the worker
-    said which): it came without pixels and its embedding is not cached (the client must
-    send its data again), or the client's embeddings do not fit the model."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class Engine:
@@ -183,7 +174,7 @@ class Engine:
         """Admits a prompt descriptor and its pixels; `pins` (one per image, None for an
         image without one) are released through `pop_released_pins` once its pixels are
         no longer needed. An image without pixels must have its embedding cached (else
-        `RefusedImage`). `reports` (one per image of a chat request) come back, with the
+        `given_images.RefusedImage`). `reports` (one per image of a chat request) come back, with the
         cache levels filled in, on the request's first output. On ValueError nothing was
         taken: the caller keeps its pins."""
         token_ids = prompt.token_ids
@@ -224,7 +215,11 @@ class Engine:
             request.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         if sampling.structured is not None:
             request.grammar = self.grammars.matcher(sampling.structured)
-        self._hold_embeddings(request, prompt.pixels)
+        try:  # the client's embeddings, and the cached ones of images sent by uuid alone
+            hold_given_images(request, prompt.pixels, self.image_encoder, self.model.config)
+        except ValueError:
+            self._release(request)
+            raise
         self.pixels.add(request_id, prompt.pixels, pins)
         for index, image in enumerate(prompt.images):
             if image.embeds:  # copied into the embedding cache: the arena entry can go
@@ -414,50 +409,6 @@ class Engine:
         self._failed.append(FailedRequest(request.request_id, client_message(error)))
         if isinstance(error, torch.OutOfMemoryError):
             release_device_memory(self.device)
-
-    def _hold_embeddings(self, request: Request, pixels: Sequence[torch.Tensor | None]) -> None:
-        """Takes every image given by its embeddings (`image_embeds`) into the embedding
-        cache and pins the cached embedding of every image that came without pixels;
-        raises `RefusedImage` (a ValueError) with nothing held."""
-        for index, image_pixels in enumerate(pixels):
-            if request.images[index].embeds:
-                try:
-                    self._take_embeds(request, index, image_pixels)
-                except ValueError:
-                    self._release(request)
-                    raise
-                continue
-            if image_pixels is not None or self.image_encoder.hold_cached(request, index):
-                continue
-            self._release(request)
-            report = request.image_reports[index] if request.image_reports else None
-            where = report.part if report else f"image {index + 1}"
-            named = f" with uuid {report.uuid!r}" if report and report.uuid else ""
-            raise RefusedImage(
-                f"{where}: the image{named} is no longer cached (neither its pixels nor its "
-                "embedding): send it again with its data and the same uuid",
-                report.part if report else None,
-            )
-
-    def _take_embeds(self, request: Request, index: int, given: torch.Tensor | None) -> None:
-        """A client's embeddings of image `index`, checked against this model: one row per
-        image token, and the vision tower's width (hidden size x (1 + DeepStack levels))."""
-        config = self.model.config
-        width = config.hidden_size * (1 + config.deepstack_levels)
-        expected = (request.images[index].length, width)
-        if given is None or tuple(given.shape) != expected or not given.is_floating_point():
-            report = request.image_reports[index] if request.image_reports else None
-            shape = "none" if given is None else f"{list(given.shape)} {given.dtype}"
-            raise RefusedImage(
-                f"{report.part if report else f'image {index + 1}'}: image_embeds of shape "
-                f"{shape} do not fit this model: {list(expected)} expected (one row per image "
-                f"token; hidden size {config.hidden_size} x (1 + {config.deepstack_levels} "
-                "DeepStack levels))",
-                report.part if report else None,
-            )
-        # a copy in any case: `given` is a view of the worker's arena, released next
-        embedding = given.to(device=self.device, dtype=self.dtype, copy=True)
-        self.image_encoder.hold_given(request, index, embedding)
 
     def _image_reports(self, request: Request) -> list[ImageReport] | None:
         """On a chat request's first token (every image has been looked up by then), the
