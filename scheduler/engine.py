@@ -174,9 +174,9 @@ class Engine:
         """Admits a prompt descriptor and its pixels; `pins` (one per image, None for an
         image without one) are released through `pop_released_pins` once its pixels are
         no longer needed. An image without pixels must have its embedding cached (else
-        `given_images.RefusedImage`). `reports` (one per image of a chat request) come back, with the
-        cache levels filled in, on the request's first output. On ValueError nothing was
-        taken: the caller keeps its pins."""
+        `given_images.RefusedImage`). `reports` (one per image of a chat request) come
+        back, with the cache levels filled in, on the request's first output. On
+        ValueError nothing was taken: the caller keeps its pins."""
         token_ids = prompt.token_ids
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
