@@ -48,7 +48,7 @@ class CoreSharing:
         self.encoder = encoder if device.type == "cpu" else None
         self.cpu_threads = torch.get_num_threads() if device.type == "cpu" else 0
         self.hold_for_prefill = hold_for_prefill and self.encoder is not None
-        self.holds = 0  # holds asked, for the benchmarks and tests
+        self.holds = 0  # holds asked so far (the tests read it)
         self._hold_started = 0.0
         self._no_hold_until = 0.0
 
