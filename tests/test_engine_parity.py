@@ -12,6 +12,7 @@ import torch
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
+from iris_serve.scheduler.attention import sdpa
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity as assert_parity_with
 from tests.reference import chat_prompt as chat
@@ -45,8 +46,17 @@ def test_text_one_image_and_three_mixed_images(each_arch_dir, each_arch_builder)
     assert_parity(each_arch_dir, prompts, engine(each_arch_dir).generate(prompts, GREEDY))
 
 
-@pytest.mark.parametrize("budget", [16, 64, 100_000])
-def test_long_prompt_at_any_chunk_budget(each_arch_dir, each_arch_builder, budget):
+@pytest.mark.parametrize(
+    ("budget", "split_from"),
+    [(16, None), (64, None), pytest.param(64, 32, id="64-split-attention"), (100_000, None)],
+)
+def test_long_prompt_at_any_chunk_budget(
+    each_arch_dir, each_arch_builder, budget, split_from, monkeypatch
+):
+    """`split_from`: chunks after history of that many tokens or more attend to their own
+    tokens and to their history apart (sdpa.SPLIT_MIN_NEW_TOKENS, lowered to reach it)."""
+    if split_from is not None:
+        monkeypatch.setattr(sdpa, "SPLIT_MIN_NEW_TOKENS", split_from)
     text = " ".join(f"Sentence {i} mentions apples, rivers and {i * 7} stones." for i in range(25))
     prompt = chat(
         each_arch_builder, text, [make_image(150, 100, seed=6), make_image(90, 120, seed=7)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iris_serve.scheduler.attention import SequenceChunk
+from iris_serve.scheduler.attention import SequenceChunk, sdpa
 from iris_serve.scheduler.attention.sdpa import SdpaBackend
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.page_table import page_runs
@@ -24,7 +24,14 @@ def dense_causal(q, k, v):
 
 
 @pytest.mark.parametrize("layout", ["scattered pages", "one run per sequence"])
-def test_chunked_prefill_and_batched_decode_match_dense_attention(layout):
+@pytest.mark.parametrize("after_history", ["masked", "split"])
+def test_chunked_prefill_and_batched_decode_match_dense_attention(
+    layout, after_history, monkeypatch
+):
+    """`split`: every chunk after history (of 2 tokens or more) attends to its own tokens
+    and to each run of its history apart, the parts merged by log-sum-exps."""
+    threshold = 2 if after_history == "split" else 1 << 30
+    monkeypatch.setattr(sdpa, "SPLIT_MIN_NEW_TOKENS", threshold)
     g = torch.Generator().manual_seed(0)
     lengths = [11, 5, 17]
     seqs = [

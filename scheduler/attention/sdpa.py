@@ -9,7 +9,13 @@ allocator keeps a sequence's pages in few runs (`free_pages.py`). Per sequence a
   (grouped-query attention without expanding K/V, and no mask: the token sees all);
 - a prefill chunk with no history attends causally over its own new k/v;
 - a prefill chunk after cached tokens attends over the view of its whole context with
-  a causal mask shifted by the cached tokens.
+  a causal mask shifted by the cached tokens; on the CPU, a chunk of at least
+  `SPLIT_MIN_NEW_TOKENS` attends causally over its own new k/v and, unmasked, over each
+  run of its history, the parts merged by their log-sum-exps. A mask makes the CPU
+  kernel compute every block of the rectangle; the causal part skips the blocks above
+  the diagonal. Measured for `small` (4 heads, 2 KV heads, head dim 128) on 2 cores, per
+  layer: 1,202 new tokens after 290, 24.1 ms masked against 18.4 split; 2,048 after
+  2,048, 126 against 90; below about 512 new tokens the mask is as fast or faster.
 
 A context can span several runs: a prefix shared with other sequences, or a pool
 fragmented by evictions. A decode then attends to each run on its own and merges the
@@ -31,6 +37,7 @@ from iris_serve.scheduler.attention.base import AttentionBackend, SequenceChunk,
 from iris_serve.scheduler.kv_cache import KVCache
 
 SlotSpan = tuple[int, int]  # (first slot, number of slots)
+SPLIT_MIN_NEW_TOKENS = 512  # on the CPU, a chunk after history this long splits its attention
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class _Item:
     spans: tuple[SlotSpan, ...]  # the context's slots, in order; empty: no history read
     is_decode: bool
     mask: torch.Tensor | None  # [new, context] bool for a chunk after cached tokens
+    split: bool = False  # history and own tokens apart (CPU): `spans` are the history's
 
 
 class SdpaBackend(AttentionBackend):
@@ -68,7 +76,12 @@ class SdpaStep:
             if chunk.num_cached == 0:
                 self.items.append(_Item(rows, (), is_decode=False, mask=None))
                 continue
-            spans = _context_spans(chunk, page_size)
+            split = not chunk.is_decode and chunk.num_new >= SPLIT_MIN_NEW_TOKENS
+            if split and device.type == "cpu":
+                spans = _context_spans(chunk, page_size, chunk.num_cached)
+                self.items.append(_Item(rows, spans, is_decode=False, mask=None, split=True))
+                continue
+            spans = _context_spans(chunk, page_size, chunk.context_len)
             mask = None
             if not chunk.is_decode:
                 mask = torch.ones(chunk.num_new, chunk.context_len, dtype=torch.bool)
@@ -87,7 +100,10 @@ class SdpaStep:
             if not item.spans:
                 out[item.rows] = _causal(query, k[item.rows], v[item.rows])
                 continue
-            if item.is_decode:
+            if item.split:
+                own = (query, k[item.rows], v[item.rows])
+                out[item.rows] = _after_history(*own, keys, values, item.spans)
+            elif item.is_decode:
                 packed = query.view(1, num_kv_heads, -1, query.shape[-1])  # [1, kv, group, D]
                 out[item.rows] = _decode(packed, keys, values, item.spans).reshape(query.shape)
             else:
@@ -104,10 +120,10 @@ class SdpaStep:
         return out
 
 
-def _context_spans(chunk: SequenceChunk, page_size: int) -> tuple[SlotSpan, ...]:
-    """The slots of the chunk's first `context_len` tokens as spans, one per page run."""
+def _context_spans(chunk: SequenceChunk, page_size: int, length: int) -> tuple[SlotSpan, ...]:
+    """The slots of the chunk's first `length` tokens as spans, one per page run."""
     spans = []
-    remaining = chunk.context_len
+    remaining = length
     for first_page, num_pages in chunk.runs:
         length = min(num_pages * page_size, remaining)
         spans.append((first_page * page_size, length))
@@ -136,6 +152,36 @@ def _decode(
         lses.append(lse)
     weights = torch.softmax(torch.stack(lses), dim=0).unsqueeze(-1)  # [spans, 1, kv, g, 1]
     return (torch.stack(outs) * weights).sum(dim=0).to(packed.dtype)
+
+
+def _after_history(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    spans: tuple[SlotSpan, ...],
+) -> torch.Tensor:
+    """A prefill chunk after cached tokens, on the CPU: q `[n, heads, dim]` and its own
+    k/v `[n, kv, dim]` causally, each history span unmasked, merged by log-sum-exps."""
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]; the kernel groups heads
+    parts = [_flash(query, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), True)]
+    for start, length in spans:
+        span_k = keys[:, start : start + length].unsqueeze(0)
+        span_v = values[:, start : start + length].unsqueeze(0)
+        parts.append(_flash(query, span_k, span_v, False))
+    outs, lses = zip(*parts, strict=True)
+    weights = torch.softmax(torch.stack(lses), dim=0).unsqueeze(-1)  # [parts, 1, heads, n, 1]
+    merged = (torch.stack(outs) * weights).sum(dim=0).to(q.dtype)
+    return merged[0].transpose(0, 1)
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention: the output and its log-sum-exps (grouped KV heads)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[:2]
+    return out, lse
 
 
 def _context(cache: torch.Tensor, spans: tuple[SlotSpan, ...]) -> torch.Tensor:
