@@ -206,3 +206,18 @@ def test_penalties_quick_times_every_variant(tmp_path):
     [row] = rows
     cells = dict(zip(header, row, strict=True))
     assert all(float(cells[name]) > 0 for name in header[1:]), cells
+
+
+def test_chunk_attention_quick_times_both_paths(tmp_path):
+    """Per layer and end to end, with a prompt long enough for a chunk after history."""
+    out = tmp_path / "results"
+    run_bench(
+        "bench.chunk_attention", "--quick", "--out", str(out), cache_dir=tmp_path, timeout=120
+    )
+    text = (out / "chunk_attention_tiny_quick.md").read_text()
+    check_provenance(text)
+    (layer_header, [layer]), (e2e_header, [e2e]) = markdown_tables(text)
+    assert float(layer[layer_header.index("masked ms")]) > 0
+    assert float(layer[layer_header.index("split ms")]) > 0
+    assert int(e2e[e2e_header.index("prompt tokens")]) > 2048  # a second chunk, after history
+    assert float(e2e[e2e_header.index("split s")]) > 0
