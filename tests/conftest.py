@@ -113,3 +113,18 @@ def each_arch_builder(each_arch_dir: str):
     from iris_serve.tokenizer_worker.prompt import PromptBuilder
 
     return PromptBuilder(each_arch_dir)
+
+
+@pytest.fixture(scope="module")
+def model_dir(qwen2_5_vl_tiny: Path) -> str:
+    """The engine tests' default checkpoint: Qwen2.5-VL's tiny one (a module that needs
+    another declares its own `model_dir`)."""
+    return str(qwen2_5_vl_tiny)
+
+
+@pytest.fixture(scope="module")
+def builder(model_dir: str):
+    """`PromptBuilder` of `model_dir`'s checkpoint."""
+    from iris_serve.tokenizer_worker.prompt import PromptBuilder
+
+    return PromptBuilder(model_dir)

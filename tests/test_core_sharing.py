@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler import core_sharing
 from iris_serve.scheduler.core_sharing import MAX_HOLD_SECONDS, CoreSharing
 from iris_serve.scheduler.encoder_thread import EncoderThread
-from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity, chat_prompt, cpu_engine, make_image
 
 torch.set_num_threads(2)
@@ -112,16 +110,6 @@ def test_on_cuda_there_is_nothing_to_share():
 
 
 # --- the encoder thread parks ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_dir(qwen2_5_vl_tiny) -> str:
-    return str(qwen2_5_vl_tiny)
-
-
-@pytest.fixture(scope="module")
-def builder(model_dir) -> PromptBuilder:
-    return PromptBuilder(model_dir)
 
 
 class PartLog:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler import image_encoder
 from iris_serve.scheduler.engine import Engine
-from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import (
     assert_parity,
     chat_prompt,
@@ -26,16 +24,6 @@ from tests.reference import (
 torch.set_num_threads(2)
 GREEDY = Sampling(temperature=0.0, max_tokens=8)
 GATE_TIMEOUT_SECONDS = 60.0
-
-
-@pytest.fixture(scope="module")
-def model_dir(qwen2_5_vl_tiny) -> str:
-    return str(qwen2_5_vl_tiny)
-
-
-@pytest.fixture(scope="module")
-def builder(model_dir) -> PromptBuilder:
-    return PromptBuilder(model_dir)
 
 
 class Gate:

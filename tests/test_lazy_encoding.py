@@ -35,11 +35,6 @@ NO_PREFIX = {"enable_prefix_caching": False}
 PREFIX_SETTINGS = [False, True]
 
 
-@pytest.fixture(scope="module")
-def model_dir(qwen2_5_vl_tiny) -> str:
-    return str(qwen2_5_vl_tiny)
-
-
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def cache_arch_dir(request) -> str:
     """The cache-state tests run on every architecture whose entries differ: Qwen3-VL's carry
@@ -50,11 +45,6 @@ def cache_arch_dir(request) -> str:
 @pytest.fixture(scope="module")
 def cache_arch_builder(cache_arch_dir) -> PromptBuilder:
     return PromptBuilder(cache_arch_dir)
-
-
-@pytest.fixture(scope="module")
-def builder(model_dir) -> PromptBuilder:
-    return PromptBuilder(model_dir)
 
 
 _VISION_CALLS: weakref.WeakKeyDictionary[Engine, list[list]] = weakref.WeakKeyDictionary()

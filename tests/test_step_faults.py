@@ -30,11 +30,6 @@ GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, repetiti
 
 
 @pytest.fixture(scope="module")
-def model_dir(qwen2_5_vl_tiny) -> str:
-    return str(qwen2_5_vl_tiny)
-
-
-@pytest.fixture(scope="module")
 def clean(model_dir) -> Engine:
     """An engine that sees no fault: the tokens every other request must match."""
     return cpu_engine(model_dir)
