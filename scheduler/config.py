@@ -29,9 +29,11 @@ _DTYPES = {
     "half": "float16",
 }
 _CACHES = "caches"  # the help section of the cache flags (`server.args`)
-# `--max-itl-stretch` on a CPU, chosen by bench/itl_stretch.py (results/itl_stretch_small.md):
-# served images on `small` keep p99 ITL about 2.5x the median at 2 and 2.5 (3 to 3.8 at 3,
-# 71x with the old engine), at the old engine's throughput; text loses more at 2.
+# `--max-itl-stretch` on a CPU, chosen by bench/itl_stretch.py (results/itl_stretch_small*.md):
+# with the encoder held for prefill, served images on `small` keep p99 ITL 3-3.35x the
+# median at 2 to 4 with four servers up at once (2.3-2.7x with Iris alone, serve_load),
+# 73x with the old engine, at 0.87-0.95x its req/s whatever the setting; text loses more
+# at 2, and its ITL tail grows with the stretch (p99/median 4.6 at 2.5, 6.4 at 4).
 CPU_ITL_STRETCH = 2.5
 
 
