@@ -14,8 +14,9 @@ allocator keeps a sequence's pages in few runs (`free_pages.py`). Per sequence a
   run of its history, the parts merged by their log-sum-exps. A mask makes the CPU
   kernel compute every block of the rectangle; the causal part skips the blocks above
   the diagonal. Measured for `small` (4 heads, 2 KV heads, head dim 128) on 2 cores, per
-  layer: 1,202 new tokens after 290, 24.1 ms masked against 18.4 split; 2,048 after
-  2,048, 126 against 90; below about 512 new tokens the mask is as fast or faster.
+  layer: 1,202 new tokens after 290, 23.8 ms masked against 18.0 split; 2,048 after
+  2,048, 120 against 82; below about 512 new tokens the mask is as fast or faster; an
+  ~11k-token prompt's first token 0.83x as long (bench/results/chunk_attention_small.md).
 
 A context can span several runs: a prefix shared with other sequences, or a pool
 fragmented by evictions. A decode then attends to each run on its own and merges the
@@ -125,9 +126,9 @@ def _context_spans(chunk: SequenceChunk, page_size: int, length: int) -> tuple[S
     spans = []
     remaining = length
     for first_page, num_pages in chunk.runs:
-        length = min(num_pages * page_size, remaining)
-        spans.append((first_page * page_size, length))
-        remaining -= length
+        span_length = min(num_pages * page_size, remaining)
+        spans.append((first_page * page_size, span_length))
+        remaining -= span_length
         if remaining == 0:
             break
     return tuple(spans)
