@@ -15,9 +15,11 @@ its history unmasked, merged by log-sum-exps (`scheduler/attention/sdpa.py`,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,17 @@ SHAPES = [(256, 1400), (512, 512), (1202, 290), (1024, 1024), (2048, 2048), (204
 PAGE = 16
 
 
+@contextlib.contextmanager
+def split_from(threshold: int) -> Iterator[None]:
+    """`sdpa.SPLIT_MIN_NEW_TOKENS` set to `threshold` inside the block."""
+    default = sdpa.SPLIT_MIN_NEW_TOKENS
+    sdpa.SPLIT_MIN_NEW_TOKENS = threshold
+    try:
+        yield
+    finally:
+        sdpa.SPLIT_MIN_NEW_TOKENS = default
+
+
 def layer_ms(heads: int, kv_heads: int, dim: int, new: int, cached: int, reps: int) -> float:
     """Milliseconds of one layer's `attend` (the k/v write included) for one chunk."""
     pages = -(-(new + cached) // PAGE)
@@ -56,8 +69,11 @@ def layer_ms(heads: int, kv_heads: int, dim: int, new: int, cached: int, reps: i
     return (time.perf_counter() - started) / reps * 1e3
 
 
-def first_token_seconds(model_dir: Path, prompt_tokens: int, reps: int) -> dict[str, list[float]]:
-    """Each variant's times to first token, the variants alternating on one engine."""
+def first_token_seconds(
+    model_dir: Path, prompt_tokens: int, reps: int
+) -> tuple[dict[str, list[float]], int]:
+    """Each variant's times to first token, the variants alternating on one engine, and
+    the prompts' length in tokens."""
     from iris_serve.scheduler.config import EngineConfig
     from iris_serve.scheduler.engine import Engine
     from iris_serve.tokenizer_worker.prompt import PromptBuilder
@@ -73,17 +89,14 @@ def first_token_seconds(model_dir: Path, prompt_tokens: int, reps: int) -> dict[
 
     engine.generate([prompt()], once)  # warm-up
     seconds: dict[str, list[float]] = {"masked": [], "split": []}
-    default = sdpa.SPLIT_MIN_NEW_TOKENS
     for _ in range(reps):
-        for variant, threshold in (("masked", MASKED), ("split", default)):
-            sdpa.SPLIT_MIN_NEW_TOKENS = threshold
+        for variant, threshold in (("masked", MASKED), ("split", sdpa.SPLIT_MIN_NEW_TOKENS)):
             request = prompt()
-            started = time.perf_counter()
-            engine.generate([request], once)
-            seconds[variant].append(time.perf_counter() - started)
-    sdpa.SPLIT_MIN_NEW_TOKENS = default
-    seconds["prompt tokens"] = [float(len(request.token_ids))]
-    return seconds
+            with split_from(threshold):
+                started = time.perf_counter()
+                engine.generate([request], once)
+                seconds[variant].append(time.perf_counter() - started)
+    return seconds, len(request.token_ids)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,17 +123,15 @@ def main(argv: list[str] | None = None) -> None:
     for new, cached in shapes:
         masked_ms, split_ms = [], []
         for _ in range(args.reps):  # alternating, so drift hits both alike
-            sdpa.SPLIT_MIN_NEW_TOKENS, default = MASKED, sdpa.SPLIT_MIN_NEW_TOKENS
-            masked_ms.append(layer_ms(heads, kv_heads, dim, new, cached, 10))
-            sdpa.SPLIT_MIN_NEW_TOKENS = 1
-            split_ms.append(layer_ms(heads, kv_heads, dim, new, cached, 10))
-            sdpa.SPLIT_MIN_NEW_TOKENS = default
+            with split_from(MASKED):
+                masked_ms.append(layer_ms(heads, kv_heads, dim, new, cached, 10))
+            with split_from(1):  # every shape, those below the default threshold too
+                split_ms.append(layer_ms(heads, kv_heads, dim, new, cached, 10))
         masked, split = min(masked_ms), min(split_ms)
         layer_rows.append([new, cached, masked, split, split / masked])
         print(f"{new} after {cached}: masked {masked:.2f} ms, split {split:.2f} ms", flush=True)
 
-    seconds = first_token_seconds(model_dir, args.prompt_tokens, args.reps)
-    tokens = int(seconds.pop("prompt tokens")[0])
+    seconds, tokens = first_token_seconds(model_dir, args.prompt_tokens, args.reps)
     masked_s, split_s = statistics.median(seconds["masked"]), statistics.median(seconds["split"])
     runs = {variant: " ".join(f"{s:.2f}" for s in seconds[variant]) for variant in seconds}
     title = f"{ARCH_TITLES[args.arch]} `{args.size}`"
