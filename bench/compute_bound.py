@@ -3,6 +3,7 @@ in-process engine on the same cores, with no HTTP, no IPC and no second process.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import deque
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from bench.images import jpeg_bytes
 from bench.load_client import Workload, noise_jpeg, random_text
@@ -67,25 +69,36 @@ def compute_bound(
             images.append(load_image(data))
         return builder.build(builder.render_chat([{"role": "user", "content": content}]), images)
 
+    # An earlier bound's engine is unreachable by now, but its reference cycles hold its
+    # device memory until collected: on CUDA each engine takes its share of the GPU
+    # (`--gpu-memory-utilization`), so a second beside an uncollected first runs out.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     engine = Engine(EngineConfig(model=str(model_dir)))
-    warm = [request(-1 - i) for i in range(2)]  # distinct inputs: no cache hits later
-    engine.generate([prepare(*r) for r in warm], Sampling(temperature=0.0, max_tokens=4))
+    try:
+        warm = [request(-1 - i) for i in range(2)]  # distinct inputs: no cache hits later
+        engine.generate([prepare(*r) for r in warm], Sampling(temperature=0.0, max_tokens=4))
 
-    inputs = [request(i) for i in range(w.num_prompts)]  # generated outside the timings
-    started = time.perf_counter()
-    prompts = [prepare(*r) for r in inputs]
-    preprocess_s = time.perf_counter() - started
+        inputs = [request(i) for i in range(w.num_prompts)]  # generated outside the timings
+        started = time.perf_counter()
+        prompts = [prepare(*r) for r in inputs]
+        preprocess_s = time.perf_counter() - started
 
-    params = [Sampling(temperature=0.0, max_tokens=max(1, n), ignore_eos=True) for n in output_lens]
-    pending, in_flight = deque(range(len(prompts))), 0
-    started = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        while pending and in_flight < w.concurrency:
-            i = pending.popleft()
-            engine.add_request(f"bound-{i}", prompts[i], params[i])
-            in_flight += 1
-        in_flight -= sum(out.finished for out in engine.step())
-    engine_s = time.perf_counter() - started
+        params = [
+            Sampling(temperature=0.0, max_tokens=max(1, n), ignore_eos=True) for n in output_lens
+        ]
+        pending, in_flight = deque(range(len(prompts))), 0
+        started = time.perf_counter()
+        while pending or engine.has_unfinished_requests():
+            while pending and in_flight < w.concurrency:
+                i = pending.popleft()
+                engine.add_request(f"bound-{i}", prompts[i], params[i])
+                in_flight += 1
+            in_flight -= sum(out.finished for out in engine.step())
+        engine_s = time.perf_counter() - started
+    finally:
+        engine.close()
     return Bound(
         w.name,
         len(prompts),

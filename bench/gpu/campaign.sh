@@ -9,7 +9,11 @@
 #   tests      pytest -m gpu: bf16 greedy parity with transformers on the
 #              GPU per attention backend, every backend against sdpa       ~2 min
 #   roofline   bench.gpu_roofline on the real-size checkpoint             ~3 min
-#   serve      bench.serve_load: Iris vs transformers serve, random-mm     ~6 min
+#   serve      bench.serve_load: Iris, Iris --mm-encoder-inline (issue 12's
+#              baseline) and transformers serve, random-mm (SERVE_ARGS: more
+#              bench.serve_load flags, e.g. "--concurrency 4 --no-peer") ~6 min
+#   overlap    bench.encoder_overlap: the encoder beside the steps vs inline,
+#              in process, with where the time goes                       ~2 min
 #   scenarios  bench.multiturn_image and bench.agent_repeat               ~6 min
 #   images     bench.image_probe: 1..64 1280x720 images in one request    ~5 min
 #   peers      bench.peers: Iris vs transformers serve on the cold, growing-
@@ -30,7 +34,7 @@ MODEL=/tmp/iris-models/${LIKE}-random-bf16
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -gt 0 ] || usage
 
 install() {
@@ -72,7 +76,10 @@ stage() {
         serve)
             checkpoint
             "$PY" -m bench.serve_load --model "$MODEL" --device cuda --client builtin \
-                --num-prompts 32 --concurrency 8 --out "$OUT" ;;
+                --num-prompts 32 --concurrency 8 --inline-baseline --out "$OUT" ${SERVE_ARGS:-} ;;
+        overlap)
+            checkpoint
+            "$PY" -m bench.encoder_overlap --model "$MODEL" --device cuda --out "$OUT" ;;
         scenarios)
             checkpoint
             "$PY" -m bench.multiturn_image --model "$MODEL" --out "$OUT"
@@ -91,7 +98,7 @@ stage() {
 }
 
 for name in "$@"; do
-    case "$name" in env|tests|roofline|serve|scenarios|images|peers) ;; *) echo "unknown stage: $name"; usage ;; esac
+    case "$name" in env|tests|roofline|serve|overlap|scenarios|images|peers) ;; *) echo "unknown stage: $name"; usage ;; esac
 done
 install
 for name in "$@"; do
