@@ -187,14 +187,23 @@ class EngineConfig:
             group=_CACHES,
         ),
     )
-    mm_encoder_inline: bool = field(
-        default=False,
+    mm_encoder_inline: bool | None = field(
+        default=None,
         metadata=_flag(
             "--mm-encoder-inline",
             "run the vision encoder inside the steps, for the images their chunks overlap "
-            "(every stream waits for it; the baseline). Default: beside the steps, in a "
-            "thread of its own (CPU) or on a CUDA stream of its own",
+            "(every stream waits for it). Default: inside on CUDA, beside on a CPU (see "
+            "--mm-encoder-beside)",
             group=_CACHES,
+            aliases=(
+                {
+                    "flag": "--mm-encoder-beside",
+                    "help": "run the vision encoder beside the steps: in a thread of its own "
+                    "(on a CPU with --encoder-threads of the cores) or on a CUDA stream of "
+                    "its own, so decodes go on while images encode",
+                    "const": False,
+                },
+            ),
         ),
     )
     encoder_threads: int | None = field(
@@ -235,6 +244,19 @@ class EngineConfig:
         if self.max_itl_stretch is not None:
             return self.max_itl_stretch
         return CPU_ITL_STRETCH if device.type == "cpu" else 0.0
+
+    def resolved_encoder_inline(self, device: torch.device) -> bool:
+        """`mm_encoder_inline`, by default beside the steps on a CPU and inside them on
+        CUDA. On a CPU a 1280x720 image takes seconds in the tower of `small`, and inside
+        the steps it stalls every stream that long (p99 ITL 73x the median, against 2.4x
+        beside: bench/results/serve_load_small_builtin.md). On an H100 it takes ~50 ms
+        inside the steps for Qwen2.5-VL-7B, and 210-270 ms in the encoder's thread beside
+        them, whatever the stream's priority (bench/results/
+        encoder_overlap_Qwen2.5-VL-7B-Instruct-random-bf16.md: 0.59x the requests/s
+        in process; served 0.80x, at 0.72x the TPOT: serve_load_Qwen2.5-VL-7B-*)."""
+        if self.mm_encoder_inline is not None:
+            return self.mm_encoder_inline
+        return device.type != "cpu"
 
     def resolved_encoder_threads(self) -> int:
         """The encoder thread's torch threads on a CPU: `encoder_threads`, by default half

@@ -18,7 +18,11 @@ image only once its embedding is ready (see image_encoder.py).
 - On CUDA the thread launches on a stream of its own, so the device runs the tower
   concurrently with the steps' kernels; a call's result is handed over once its work
   has finished on the device (an event), and is marked as used by the main stream, so
-  the caching allocator never recycles it under a step still reading it.
+  the caching allocator never recycles it under a step still reading it. It is not the
+  default there (`EngineConfig.resolved_encoder_inline`): on an H100 a call took 210-270
+  ms beside the steps against ~50 ms inside them, and a higher stream priority did not
+  shorten it, which points at the host side (this thread's Python launches and the
+  steps' share one interpreter; not yet established).
 
 A submitted call owns its pixels: the caller's tensors (views of a worker's shared
 memory, whose pin a finished or aborted request gives back at any time) are copied first,
@@ -48,12 +52,6 @@ import torch
 
 Grid = tuple[int, int, int]
 _NAME = "iris-encoder"
-# On CUDA the tower's stream goes first where its kernels and the steps' wait for the same
-# SMs (a lower number is a higher priority; CUDA maps it into the device's range). At equal
-# priority each of the tower's ~1,500 small kernels per 1280x720 image queued behind the
-# steps' big ones: on an H100 with Qwen2.5-VL-7B, a call took 273 ms beside the steps
-# against 50 ms inline (bench/results/encoder_overlap_*).
-ENCODER_STREAM_PRIORITY = -1
 TowerCall = Callable[[Sequence[torch.Tensor], Sequence[Grid]], torch.Tensor]
 
 
@@ -79,7 +77,7 @@ class EncoderThread:
         self._stream: torch.cuda.Stream | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         if device.type == "cuda":
-            self._stream = torch.cuda.Stream(device, priority=ENCODER_STREAM_PRIORITY)
+            self._stream = torch.cuda.Stream(device)
             self._copy_stream = torch.cuda.Stream(device)
         self._lock = threading.Lock()
         self._queue: deque[tuple[Future, list[torch.Tensor], list[Grid]]] = deque()

@@ -137,7 +137,11 @@ class Engine:
             config.max_num_encoder_tokens,
             chunked=config.chunked_mm_encoding,
             shared=config.enable_mm_embedding_cache,
-            encoder_threads=None if config.mm_encoder_inline else config.resolved_encoder_threads(),
+            encoder_threads=(
+                None
+                if config.resolved_encoder_inline(self.device)
+                else config.resolved_encoder_threads()
+            ),
         )
         self.planner = BatchPlanner(
             self.kv_cache.pool,

@@ -12,10 +12,12 @@ role's config module needs nothing from the server to declare it:
     metavar    the value's name in the help
     group      the help section (a key of the `groups` given to `add_config_flags`)
     aliases    more flags (each a dict of these keys) that set the same field
+    const      what a `bool` field's flag stores (default: the opposite of the field's
+               default; a field defaulting to None may have a flag for each value)
 
 The rest follows the field's type: a `Literal` gives the choices; `bool` defaulting to
-True gives a flag that sets it False (`--disable-...`), defaulting to False one that
-sets it True; `tuple[...]`/`list[...]` take one or more values.
+True gives a flag that sets it False (`--disable-...`), defaulting to False (or None) one
+that sets it True; `tuple[...]`/`list[...]` take one or more values.
 
 Every such flag defaults to `argparse.SUPPRESS`, so the namespace holds only the flags
 that were given and `config_kwargs` returns only those: the dataclass supplies every
@@ -149,7 +151,7 @@ def _unwrap_optional(hint: Any) -> Any:
 def _kind_kwargs(spec: Mapping[str, Any], field: dataclasses.Field, kind: Any) -> dict[str, Any]:
     """argparse's action, type, choices and nargs for one flag of `field`."""
     if kind is bool:
-        return {"action": "store_const", "const": not field.default}
+        return {"action": "store_const", "const": spec.get("const", not field.default)}
     origin = typing.get_origin(kind)
     if origin is Literal:
         return {"choices": typing.get_args(kind)}

@@ -59,6 +59,8 @@ def test_help_shows_the_dataclass_defaults_in_the_flags_units():
          ("a.org", "b.org")),
         (["--limit-mm-per-prompt", '{"image": 3}'], "worker", "limit_mm_per_prompt", 3),
         (["--mm-arena-wait-timeout", "2.5"], "worker", "arena_wait_timeout_s", 2.5),
+        (["--mm-encoder-inline"], "engine", "mm_encoder_inline", True),
+        (["--mm-encoder-beside"], "engine", "mm_encoder_inline", False),
     ],
 )  # fmt: skip
 def test_a_flag_sets_its_field_in_the_fields_unit(argv, section, field, value):
@@ -85,3 +87,15 @@ def test_parsing_serve_flags_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("given", "device", "inline"),
+    [(None, "cpu", False), (None, "cuda", True), (True, "cpu", True), (False, "cuda", False)],
+)
+def test_the_vision_encoder_runs_beside_the_steps_on_a_cpu_and_inside_them_on_cuda(
+    given, device, inline
+):
+    """Unless a flag says otherwise (measured: `EngineConfig.resolved_encoder_inline`)."""
+    config = EngineConfig(model="m", mm_encoder_inline=given)
+    assert config.resolved_encoder_inline(torch.device(device)) is inline
