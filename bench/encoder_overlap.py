@@ -5,9 +5,11 @@ The closed loop of `bench.compute_bound` (one new image per request, a few reque
 flight, answers of a fixed length with EOS ignored, greedy) through two engines on the same
 checkpoint, both resident, in alternating rounds with fresh images each round:
 
-- `beside`: Iris's default (the tower in a thread of its own; on CUDA on a stream of its
-  own; on a CPU with its share of the cores and the step pacer);
-- `inline`: `--mm-encoder-inline --max-itl-stretch 0`, the engine before issue 12.
+- `beside`: `--mm-encoder-beside` (the default on a CPU): the tower in a thread of its
+  own, on CUDA on a stream of its own, on a CPU with its share of the cores and the
+  step pacer;
+- `inline`: `--mm-encoder-inline --max-itl-stretch 0` (the default on CUDA): the engine
+  before issue 12.
 
 Per variant: requests/s, TTFT and TPOT per request (from `add_request` to the step that
 returned the first token, and from there to the last), and where the loop spent its time:
@@ -48,10 +50,10 @@ from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
 from iris_serve.tokenizer_worker.prompt import PromptBuilder, load_image
 
-VARIANTS = {"beside": {}, "inline": {"mm_encoder_inline": True, "max_itl_stretch": 0.0}}
-# On CUDA, a third variant: the beside engine with its encoder on a stream of the steps'
-# priority (`encoder_thread.ENCODER_STREAM_PRIORITY` raises the encoder's).
-EQUAL_PRIORITY = "beside, equal priority"
+VARIANTS = {
+    "beside": {"mm_encoder_inline": False},
+    "inline": {"mm_encoder_inline": True, "max_itl_stretch": 0.0},
+}
 
 
 @dataclass
@@ -219,28 +221,15 @@ def main(argv: list[str] | None = None) -> None:
     params = Sampling(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     warm = make_prompts(builder, 2, 999, size, args.text_tokens)
     device = engines["beside"].device
-    variants = {name: name for name in engines}  # variant -> engine
-    streams = {}  # on CUDA: variant -> the beside engine's encoder stream for it
-    background = engines["beside"].image_encoder.background
-    if device.type == "cuda" and background is not None:
-        variants[EQUAL_PRIORITY] = "beside"
-        streams = {"beside": background._stream, EQUAL_PRIORITY: torch.cuda.Stream(device)}
-    traces: dict[str, list[Trace]] = {name: [] for name in variants}
+    traces: dict[str, list[Trace]] = {name: [] for name in engines}
     try:
         for name, engine in engines.items():  # warm-up: images of its own
             closed_loop(engine, holders[name], warm, params, args.concurrency)
         for round_ in range(args.rounds):
             prompts = make_prompts(builder, args.requests, 1000 + round_, size, args.text_tokens)
-            order = (
-                list(variants)[round_ % len(variants) :] + list(variants)[: round_ % len(variants)]
-            )
-            for name in order:  # the same new images for each: every engine has its own caches
-                if name in streams:  # between rounds no call is queued: the thread is gone
-                    background._stream = streams[name]  # type: ignore[union-attr]
-                engine_name = variants[name]
-                trace = closed_loop(
-                    engines[engine_name], holders[engine_name], prompts, params, args.concurrency
-                )
+            order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
+            for name in order:  # the same new images for both: each has its own caches
+                trace = closed_loop(engines[name], holders[name], prompts, params, args.concurrency)
                 traces[name].append(trace)
                 rate = args.requests / trace.wall_s
                 print(f"round {round_} {name}: {rate:.3f} req/s", flush=True)
@@ -261,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{checkpoint.sentence} Device {device}, {args.rounds} rounds of {args.requests} "
         f"requests per variant, {args.concurrency} in flight, each with {args.text_tokens} "
         f"random text tokens and one new {args.image} JPEG, {args.output_tokens} tokens back "
-        f"(EOS ignored); both engines resident, the order rotating each round. Requests/s ÷ "
+        f"(EOS ignored); both engines resident, rounds alternating. Requests/s ÷ "
         f"inline's: **{ratios}**.\n\n"
         + markdown_table(HEADER, rows)
         + "\n\nShares are of the loop's wall time; `tower call ms` is each call's own "

@@ -122,8 +122,11 @@ def _nvidia_driver() -> str:
 
 
 def git_commit() -> str:
-    """HEAD's short hash, marked when tracked code (results aside) differs from it; where
-    the tree has no `.git` (the GPU campaign's machine), `IRIS_COMMIT` (bench.gpu.prepare)."""
+    """HEAD's short hash, marked when tracked code (results aside) differs from it; on the
+    GPU campaign's machine `IRIS_COMMIT` (bench.gpu.prepare: the commit its wheels were
+    built from), whatever `.git` the device tool copied there (it may be older)."""
+    if os.environ.get("IRIS_COMMIT"):
+        return os.environ["IRIS_COMMIT"]
     repo = RESULTS_DIR.parent.parent
     try:
         head = _git(repo, "rev-parse", "--short", "HEAD").stdout.strip()

@@ -4,6 +4,7 @@ compute bound of the same work in process.
     bash bench/install_vllm_client.sh       # once: the vLLM client in its own venv
     python -m bench.serve_load [--size tiny|small] [--arch ARCH] [--quick] [--out DIR]
         [--client vllm|builtin] [--vllm PATH] [--no-peer] [--inline-baseline] [--threads N]
+        [--iris-flags=FLAGS]
 
 Two workloads, each sent to every server: `image` (`--dataset-name random-mm`: one
 1280×720 random-noise JPEG + 200 random text tokens per request, 32 tokens asked back)
@@ -12,7 +13,9 @@ in flight, greedy (`--temperature 0`). The servers, one after the other on the s
 generated checkpoint (`--arch`; Qwen2.5-VL by default), each started fresh and warmed up
 with one image and one text request of their own:
 
-- Iris: `iris serve` with its defaults (`bench.server_process.IrisServer`);
+- Iris: `iris serve` with its defaults (`bench.server_process.IrisServer`), and
+  `--iris-flags` if given (`--iris-flags=--mm-encoder-beside` on CUDA, where the
+  encoder runs inside the steps by default);
 - with `--inline-baseline`, Iris again with `--mm-encoder-inline --max-itl-stretch 0`
   (`iris inline`): the vision encoder inside the steps and prefill chunks as large as
   the token budget, the engine as it was before issue 12;
@@ -285,6 +288,12 @@ def main(argv: list[str] | None = None) -> None:
         "before issue 12: the encoder inside the steps, unpaced prefill chunks)",
     )
     parser.add_argument("--device", default="auto", help="for both servers")
+    parser.add_argument(
+        "--iris-flags",
+        default="",
+        help="more flags for the `iris` server alone, e.g. --iris-flags=--mm-encoder-beside "
+        "(on CUDA the encoder runs inside the steps by default, as in `iris inline`)",
+    )
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=1234, help="workload i uses seed + i")
@@ -319,7 +328,15 @@ def main(argv: list[str] | None = None) -> None:
         scratch = Path(tmp)
         iris = IrisServer(
             model_dir,
-            ["--served-model-name", "iris", "--device", args.device, *plan_.iris_flags, *threads],
+            [
+                "--served-model-name",
+                "iris",
+                "--device",
+                args.device,
+                *plan_.iris_flags,
+                *threads,
+                *shlex.split(args.iris_flags),
+            ],
             log_path=scratch / "iris.log",
             env=threads_env,
         )

@@ -206,6 +206,8 @@ def setup_text(
             "honoured, as `vllm bench serve` is usually run (and without the proxy's hop)."
         )
     parts.append(f"Iris flags: `{shlex.join(plan_.iris_flags) or '(defaults)'}`.")
+    if getattr(args, "iris_flags", ""):
+        parts.append(f"`iris` alone also: `{args.iris_flags}` (`--iris-flags`).")
     if args.threads:
         parts.append(
             f"`OMP_NUM_THREADS={args.threads}` for both servers (and Iris's "

@@ -221,3 +221,24 @@ def test_chunk_attention_quick_times_both_paths(tmp_path):
     assert float(layer[layer_header.index("split ms")]) > 0
     assert int(e2e[e2e_header.index("prompt tokens")]) > 2048  # a second chunk, after history
     assert float(e2e[e2e_header.index("split s")]) > 0
+
+
+def test_encoder_overlap_quick_traces_both_placements(tmp_path):
+    """Beside the steps the tower runs in calls of its own and no step encodes; inline
+    it runs inside the steps; each variant's requests all get their tokens."""
+    out = tmp_path / "results"
+    run_bench(
+        "bench.encoder_overlap", "--quick", "--out", str(out), cache_dir=tmp_path, timeout=180
+    )
+    text = (out / "encoder_overlap_tiny_quick.md").read_text()
+    check_provenance(text)
+    [(header, rows)] = markdown_tables(text)
+    by_variant = {row[0]: dict(zip(header, row, strict=True)) for row in rows}
+    assert set(by_variant) == {"beside", "inline"}
+    for cells in by_variant.values():
+        assert float(cells["req/s"]) > 0 and float(cells["TTFT mean ms"]) > 0
+        assert int(cells["tower calls"]) >= 1
+    assert float(by_variant["inline"]["tower in steps (of wall)"]) > 0
+    assert float(by_variant["beside"]["tower in steps (of wall)"]) < float(
+        by_variant["inline"]["tower in steps (of wall)"]
+    )

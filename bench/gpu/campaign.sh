@@ -9,8 +9,8 @@
 #   tests      pytest -m gpu: bf16 greedy parity with transformers on the
 #              GPU per attention backend, every backend against sdpa       ~2 min
 #   roofline   bench.gpu_roofline on the real-size checkpoint             ~3 min
-#   serve      bench.serve_load: Iris, Iris --mm-encoder-inline (issue 12's
-#              baseline) and transformers serve, random-mm (SERVE_ARGS: more
+#   serve      bench.serve_load: Iris --mm-encoder-beside, Iris --mm-encoder-inline
+#              (the CUDA default) and transformers serve, random-mm (SERVE_ARGS: more
 #              bench.serve_load flags, e.g. "--concurrency 4 --no-peer") ~6 min
 #   overlap    bench.encoder_overlap: the encoder beside the steps vs inline,
 #              in process, with where the time goes                       ~2 min
@@ -76,7 +76,8 @@ stage() {
         serve)
             checkpoint
             "$PY" -m bench.serve_load --model "$MODEL" --device cuda --client builtin \
-                --num-prompts 32 --concurrency 8 --inline-baseline --out "$OUT" ${SERVE_ARGS:-} ;;
+                --num-prompts 32 --concurrency 8 --inline-baseline --iris-flags=--mm-encoder-beside \
+                --out "$OUT" ${SERVE_ARGS:-} ;;
         overlap)
             checkpoint
             "$PY" -m bench.encoder_overlap --model "$MODEL" --device cuda --out "$OUT" ;;
