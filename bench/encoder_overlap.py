@@ -140,6 +140,37 @@ def closed_loop(
     return trace
 
 
+def tower_alone_ms(engine: Engine, prompt: Any, reps: int) -> dict[str, float]:
+    """The best of `reps` tower calls for the prompt's first image with no step running:
+    in this thread, and through the encoder thread (whose submit copies the pixels first;
+    on a CPU it runs on its share of the cores). A call beside the steps that takes far
+    longer than these is slowed by the steps, not by running in a thread."""
+    encoder, background = engine.image_encoder, engine.image_encoder.background
+    pixels, grids = [prompt.pixels[0]], [prompt.prompt.images[0].grid_thw]
+    device = engine.device
+
+    def timed(call: Any) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            call()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - started)
+        return best * 1e3
+
+    with torch.inference_mode():
+        found = {"in the caller's thread": timed(lambda: encoder.tower(pixels, grids))}
+    if background is not None:
+        found["through the encoder thread"] = timed(
+            lambda: background.submit(pixels, grids).result()
+        )
+    encoder.drain_seconds()  # not the closed loop's
+    return found
+
+
 def make_prompts(
     builder: PromptBuilder, n: int, seed: int, size: tuple[int, int], text_tokens: int
 ) -> list[Any]:
@@ -225,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for name, engine in engines.items():  # warm-up: images of its own
             closed_loop(engine, holders[name], warm, params, args.concurrency)
+        alone = tower_alone_ms(engines["beside"], warm[0], reps=3)
         for round_ in range(args.rounds):
             prompts = make_prompts(builder, args.requests, 1000 + round_, size, args.text_tokens)
             order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
@@ -254,7 +286,10 @@ def main(argv: list[str] | None = None) -> None:
         f"inline's: **{ratios}**.\n\n"
         + markdown_table(HEADER, rows)
         + "\n\nShares are of the loop's wall time; `tower call ms` is each call's own "
-        "duration (on CUDA between events on the encoder's stream).\n"
+        "duration (on CUDA between events on the encoder's stream).\n\n"
+        "One tower call for one such image with no step running (best of 3, ms): "
+        + ", ".join(f"{where} {ms:.1f}" for where, ms in alone.items())
+        + ".\n"
     )
     suffix = "_quick" if args.quick else ""
     write_result(

@@ -4,16 +4,20 @@
 #   here:   python -m bench.gpu.prepare                  # wheels the device lacks -> .whl/
 #   there:  bash bench/gpu/campaign.sh STAGE...          # a `run` with carry [".whl"]
 #
-# Stages, each meant to fit the device's 10-minute command limit (estimated times):
-#   env        nvidia-smi, driver and package versions                    seconds
-#   tests      pytest -m gpu: bf16 greedy parity with transformers on the
-#              GPU per attention backend, every backend against sdpa       ~2 min
+# Stages, each meant to fit the device's 10-minute command limit (times measured on an
+# H100 on 2026-11-26 where given, else estimated; a session has 15 device minutes in
+# all, and a machine's start took ~40 s):
+#   env        nvidia-smi, driver and package versions                    11 s
+#   tests      pytest -m gpu: greedy tokens against transformers on the
+#              GPU in fp32 and bf16 per attention backend, every backend
+#              against sdpa                                               50 s
 #   roofline   bench.gpu_roofline on the real-size checkpoint             ~3 min
 #   serve      bench.serve_load: Iris --mm-encoder-beside, Iris --mm-encoder-inline
 #              (the CUDA default) and transformers serve, random-mm (SERVE_ARGS: more
-#              bench.serve_load flags, e.g. "--concurrency 4 --no-peer") ~6 min
+#              bench.serve_load flags; "--concurrency 4 --no-peer": 124 s) ~6 min
 #   overlap    bench.encoder_overlap: the encoder beside the steps vs inline,
-#              in process, with where the time goes                       ~2 min
+#              in process, with where the time goes                       48 s
+#   (the first stage that needs the checkpoint generates it: 28 s more)
 #   scenarios  bench.multiturn_image and bench.agent_repeat               ~6 min
 #   images     bench.image_probe: 1..64 1280x720 images in one request    ~5 min
 #   peers      bench.peers: Iris vs transformers serve on the cold, growing-
@@ -34,7 +38,7 @@ MODEL=/tmp/iris-models/${LIKE}-random-bf16
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -gt 0 ] || usage
 
 install() {
