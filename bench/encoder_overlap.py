@@ -13,7 +13,7 @@ checkpoint, both resident, in alternating rounds with fresh images each round:
 
 Per variant: requests/s, TTFT and TPOT per request (from `add_request` to the step that
 returned the first token, and from there to the last), and where the loop spent its time:
-the steps' model calls (`ModelRunner.execute`: count, decodes per step, prefill tokens),
+the steps' model calls (`ModelRunner.execute`: their count, share of the time, decodes per step),
 the vision tower inside the steps (`ImageEncoder.encode`; inline only), the waits of steps
 with nothing to run while images encode, and the tower calls themselves (CUDA events on
 CUDA, so a call slowed by the steps beside it shows as longer).
@@ -64,7 +64,6 @@ class Trace:
     step_s: float = 0.0
     decodes: int = 0
     decode_steps: int = 0
-    prefill_tokens: int = 0
     inline_tower_s: float = 0.0
     idle_waits: int = 0
     idle_s: float = 0.0
@@ -89,7 +88,6 @@ def traced(engine: Engine) -> list[Trace]:
         now.steps += 1
         now.decodes += plan.num_decodes
         now.decode_steps += plan.num_decodes > 0
-        now.prefill_tokens += plan.num_prefill_tokens
         return sampled
 
     def timed_encode(chunks: Any) -> Any:

@@ -200,7 +200,8 @@ class EngineConfig:
                     "flag": "--mm-encoder-beside",
                     "help": "run the vision encoder beside the steps: in a thread of its own "
                     "(on a CPU with --encoder-threads of the cores) or on a CUDA stream of "
-                    "its own, so decodes go on while images encode",
+                    "its own, so decodes go on while images encode (the later of the two "
+                    "flags wins)",
                     "const": False,
                 },
             ),

@@ -61,6 +61,7 @@ def test_help_shows_the_dataclass_defaults_in_the_flags_units():
         (["--mm-arena-wait-timeout", "2.5"], "worker", "arena_wait_timeout_s", 2.5),
         (["--mm-encoder-inline"], "engine", "mm_encoder_inline", True),
         (["--mm-encoder-beside"], "engine", "mm_encoder_inline", False),
+        (["--mm-encoder-beside", "--mm-encoder-inline"], "engine", "mm_encoder_inline", True),
     ],
 )  # fmt: skip
 def test_a_flag_sets_its_field_in_the_fields_unit(argv, section, field, value):
