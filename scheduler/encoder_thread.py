@@ -32,8 +32,13 @@ pinned: `pinned_host.py`), waited for so that no pin goes back while the copy re
 Calls run one at a time, in submission order, so the tower's activations are those of one
 call at the encoder budget, as inline.
 
-The thread exits as soon as no call is queued, and the next call starts a new one. The
-OpenMP runtime (libgomp) keeps a pool of worker threads for every thread that ran a
+On CUDA the thread lives as long as the encoder: torch keeps cuDNN's attention graphs
+per thread, and building them for a ViT's ~90 attention calls took ~250 ms of a ~45 ms
+call on an H100 (`bench/gpu/tower_thread_probe.py`: a new thread per call 230-360 ms, one
+thread kept alive 43 ms from its third call, the caller's thread 42-50 ms).
+
+On a CPU the thread exits as soon as no call is queued, and the next call starts a new
+one. The OpenMP runtime (libgomp) keeps a pool of worker threads for every thread that ran a
 parallel region, until that thread exits; with more of them than cores it stops letting
 idle workers spin and puts them to sleep at once, so each of the hundreds of parallel
 regions of a step pays a futex wake-up. Measured on 2 cores: once an encoder thread had
@@ -57,11 +62,17 @@ TowerCall = Callable[[Sequence[torch.Tensor], Sequence[Grid]], torch.Tensor]
 
 class EncoderThread:
     def __init__(
-        self, call: TowerCall, device: torch.device, num_threads: int, all_threads: int
+        self,
+        call: TowerCall,
+        device: torch.device,
+        num_threads: int,
+        all_threads: int,
+        keep_alive: bool | None = None,
     ) -> None:
         """`call(pixels, grids)`: the embeddings of the images (the patch maker and the
         vision tower); on a CPU, `num_threads`: torch's intra-op threads for it while the
-        steps run, `all_threads` while they do not."""
+        steps run, `all_threads` while they do not. `keep_alive`: one thread until
+        `close()`, not one per busy spell (None: on CUDA only; see the module's docstring)."""
         if num_threads < 1:
             raise ValueError(f"the encoder needs at least one thread, got {num_threads}")
         self._call = call
@@ -80,6 +91,8 @@ class EncoderThread:
             self._stream = torch.cuda.Stream(device)
             self._copy_stream = torch.cuda.Stream(device)
         self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)  # a call queued, or closed
+        self._keep_alive = device.type == "cuda" if keep_alive is None else keep_alive
         self._queue: deque[tuple[Future, list[torch.Tensor], list[Grid]]] = deque()
         self._worker: threading.Thread | None = None  # alive while calls are queued
         self._closed = False
@@ -93,6 +106,7 @@ class EncoderThread:
             if self._closed:
                 raise RuntimeError("the encoder thread is closed")
             self._queue.append((future, owned, list(grids)))
+            self._queued.notify()
             if self._worker is None:
                 self._worker = threading.Thread(target=self._drain, name=_NAME, daemon=True)
                 self._worker.start()
@@ -125,6 +139,7 @@ class EncoderThread:
             self._closed = True
             queued = list(self._queue)
             self._queue.clear()
+            self._queued.notify_all()
         for future, _, _ in queued:
             future.cancel()
         self.release()
@@ -164,12 +179,15 @@ class EncoderThread:
             self.parked = False
 
     def _drain(self) -> None:
-        """The worker thread: runs the queued calls, and ends when none is left."""
+        """The worker thread: runs the queued calls; ends when none is left (on CUDA
+        once closed)."""
         if self.device.type == "cpu":
             torch.get_num_threads()  # a thread's first read takes its count in; then set it
             torch.set_num_threads(self.num_threads)
         while True:
             with self._lock:
+                while self._keep_alive and not self._queue and not self._closed:
+                    self._queued.wait()
                 if not self._queue:
                     self._worker = None
                     return

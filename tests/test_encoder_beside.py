@@ -11,6 +11,7 @@ import torch
 
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler import image_encoder
+from iris_serve.scheduler.encoder_thread import EncoderThread
 from iris_serve.scheduler.engine import Engine
 from tests.reference import (
     assert_parity,
@@ -229,3 +230,24 @@ def test_on_a_cpu_each_tower_call_takes_images_up_to_its_call_size_only(
     [tokens] = iris.generate([prompt], GREEDY)
     assert calls == [2, 1]  # within the budget, in calls of at most 32 image tokens
     assert_parity(model_dir, [prompt], [tokens], GREEDY.max_tokens)
+
+
+def test_a_kept_alive_encoder_thread_serves_every_call_and_ends_on_close():
+    """On CUDA one thread serves every call (torch keeps cuDNN's attention graphs per
+    thread: a thread per call rebuilt them each time); closing the encoder ends it."""
+    threads: list[threading.Thread] = []
+
+    def call(pixels, grids):
+        threads.append(threading.current_thread())
+        return torch.stack(pixels).sum(0)
+
+    encoder = EncoderThread(call, torch.device("cpu"), 1, 1, keep_alive=True)
+    pixels = [torch.ones(2, 2)]
+    for _ in range(2):  # one after the other: the thread waits in between
+        result = encoder.submit(pixels, [(1, 1, 1)]).result(GATE_TIMEOUT_SECONDS)
+        assert torch.equal(result, torch.ones(2, 2))
+    assert len(threads) == 2 and threads[0] is threads[1]
+    assert threads[0].is_alive() and threads[0] is not threading.main_thread()
+    encoder.close()
+    threads[0].join(GATE_TIMEOUT_SECONDS)
+    assert not threads[0].is_alive(), "a closed encoder's thread lingers"
