@@ -250,11 +250,9 @@ class EngineConfig:
         """`mm_encoder_inline`, by default beside the steps on a CPU and inside them on
         CUDA. On a CPU a 1280x720 image takes seconds in the tower of `small`, and inside
         the steps it stalls every stream that long (p99 ITL 73x the median, against 2.4x
-        beside: bench/results/serve_load_small_builtin.md). On an H100 it takes ~50 ms
-        inside the steps for Qwen2.5-VL-7B, and 210-270 ms in the encoder's thread beside
-        them, whatever the stream's priority (bench/results/
-        encoder_overlap_Qwen2.5-VL-7B-Instruct-random-bf16.md: 0.59x the requests/s
-        in process; served 0.80x, at 0.72x the TPOT: serve_load_Qwen2.5-VL-7B-*)."""
+        beside: bench/results/serve_load_small_builtin.md). On an H100 with Qwen2.5-VL-7B
+        beside the steps served 0.94x inline's requests/s at 0.71x the TPOT but 1.36x the
+        TTFT (bench/results/encoder_thread_h100.md), so inline is CUDA's default."""
         if self.mm_encoder_inline is not None:
             return self.mm_encoder_inline
         return device.type != "cpu"

@@ -19,10 +19,9 @@ image only once its embedding is ready (see image_encoder.py).
   concurrently with the steps' kernels; a call's result is handed over once its work
   has finished on the device (an event), and is marked as used by the main stream, so
   the caching allocator never recycles it under a step still reading it. It is not the
-  default there (`EngineConfig.resolved_encoder_inline`): on an H100 a call took 210-270
-  ms beside the steps against ~50 ms inside them, and a higher stream priority did not
-  shorten it, which points at the host side (this thread's Python launches and the
-  steps' share one interpreter; not yet established).
+  default there (`EngineConfig.resolved_encoder_inline`): on an H100, with the thread
+  kept alive (below), beside the steps served 0.94x inline's requests/s at 0.71x the
+  TPOT but 1.36x the TTFT (`bench/results/encoder_thread_h100.md`).
 
 A submitted call owns its pixels: the caller's tensors (views of a worker's shared
 memory, whose pin a finished or aborted request gives back at any time) are copied first,

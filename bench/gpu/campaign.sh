@@ -10,7 +10,7 @@
 #   env        nvidia-smi, driver and package versions                    11 s
 #   tests      pytest -m gpu: greedy tokens against transformers on the
 #              GPU in fp32 and bf16 per attention backend, every backend
-#              against sdpa                                               50 s
+#              against sdpa                                            50-65 s
 #   roofline   bench.gpu_roofline on the real-size checkpoint             ~3 min
 #   serve      bench.serve_load: Iris --mm-encoder-beside, Iris --mm-encoder-inline
 #              (the CUDA default) and transformers serve, random-mm (SERVE_ARGS: more
