@@ -165,7 +165,8 @@ def pixel_copy_rows(device: torch.device, repeat: int = 20) -> list[list]:
 
     import numpy as np
 
-    from iris_serve.ipc.shm_arena import ShmArena, ShmReader, instance_prefix, new_instance_id
+    from iris_serve.ipc.shm_arena import ShmArena, ShmReader
+    from iris_serve.ipc.shm_names import instance_prefix, new_instance_id
     from iris_serve.scheduler.pinned_host import cuda_host_registrar
 
     pixels = np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8)

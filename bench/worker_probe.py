@@ -31,7 +31,7 @@ from typing import Any
 
 from iris_serve.ipc.messages import TOKENIZER_TO_SCHEDULER, EngineRequest, ReleaseImages, Sampling
 from iris_serve.ipc.messages import TokenizeRequest as _TokenizeRequest
-from iris_serve.ipc.shm_arena import instance_prefix, new_instance_id, sweep
+from iris_serve.ipc.shm_names import instance_prefix, new_instance_id, sweep
 from iris_serve.server.args import parse_serve_args
 from iris_serve.server.image_router import ImageRouter
 from iris_serve.server.launcher import worker_config

@@ -5,10 +5,8 @@ The segment is a plain file in /dev/shm (tmpfs) mapped with mmap, not
 SharedMemory registers it with its resource_tracker, which unlinks it (and warns) when
 that process exits — the scheduler would delete a live worker's arena. With a file we
 own the whole lifetime: the owner unlinks at close, `sweep(prefix)` removes what a
-killed process left, and `sweep_orphans()` removes arenas of dead server instances.
-
-Names are `iris-<instance>-w<worker>` with `instance = "<server pid>-<random>"`, so the
-server can sweep its own prefix at exit and any arena of a dead pid at start-up.
+killed process left, and `sweep_orphans()` removes arenas of dead server instances (the
+names and their sweeping: `shm_names`).
 
 Layout: a first-fit free list with coalescing over the segment. Every block's data is
 aligned and preceded by a 64-byte header (magic, generation, nbytes). Each allocation
@@ -41,9 +39,8 @@ import numpy as np
 import torch
 
 from iris_serve.ipc.messages import ShmHandle, ShmPointer
+from iris_serve.ipc.shm_names import SHM_DIR, check_name
 
-SHM_DIR = Path("/dev/shm")
-NAME_PREFIX = "iris-"
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
@@ -82,54 +79,6 @@ class StaleHandle(ArenaError):
 
 class StalePointer(ArenaError):
     """Reader side: the segment is gone, or the entry was freed or reused."""
-
-
-def new_instance_id() -> str:
-    return f"{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def instance_prefix(instance: str) -> str:
-    return f"{NAME_PREFIX}{instance}-"
-
-
-def segment_name(instance: str, worker_id: int) -> str:
-    return f"{instance_prefix(instance)}w{worker_id}"
-
-
-def sweep(prefix: str, shm_dir: Path = SHM_DIR) -> list[str]:
-    """Remove every segment whose name starts with `prefix`; returns the names."""
-    if not prefix.startswith(NAME_PREFIX) or prefix == NAME_PREFIX:
-        raise ValueError(f"refusing to sweep {prefix!r}: not one instance's prefix")
-    return _remove([n for n in os.listdir(shm_dir) if n.startswith(prefix)], shm_dir)
-
-
-def sweep_orphans(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Remove `iris-<pid>-...` segments whose server pid no longer exists (start-up)."""
-    return _remove([n for n in os.listdir(shm_dir) if _is_orphan(n)], shm_dir)
-
-
-def _is_orphan(name: str) -> bool:
-    pid = name.removeprefix(NAME_PREFIX).split("-", 1)[0]
-    if not name.startswith(NAME_PREFIX) or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        pass
-    return False
-
-
-def _remove(names: list[str], shm_dir: Path) -> list[str]:
-    for name in names:
-        (shm_dir / name).unlink(missing_ok=True)
-    return names
-
-
-def _check_name(name: str) -> None:
-    if not name.startswith(NAME_PREFIX) or "/" in name or name in (".", ".."):
-        raise ValueError(f"bad segment name {name!r}: must start with {NAME_PREFIX!r}")
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -176,7 +125,7 @@ class ShmArena:
         shm_dir: Path = SHM_DIR,
         preallocate: bool = True,
     ) -> None:
-        _check_name(name)
+        check_name(name)
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if alignment <= 0 or alignment & (alignment - 1):
@@ -464,7 +413,7 @@ class ShmReader:
         mapping = self._mappings.get(segment)
         if mapping is not None and not refresh:
             return mapping
-        _check_name(segment)
+        check_name(segment)
         try:
             fd = os.open(self.shm_dir / segment, os.O_RDONLY)
         except FileNotFoundError:

@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from iris_serve.scheduler.config import EngineConfig
+    from iris_serve.scheduler.entry import SchedulerProcessConfig, run_follower, run_scheduler
     from iris_serve.scheduler.generate import main_generate
-    from iris_serve.scheduler.process import SchedulerProcessConfig, run_scheduler
-    from iris_serve.scheduler.ranks import run_follower
     from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint, main_tiny_model
 
 __all__ = [
@@ -37,9 +36,9 @@ __all__ = [
 ]
 _HOMES = {
     "EngineConfig": "config",
-    "SchedulerProcessConfig": "process",
-    "run_scheduler": "process",
-    "run_follower": "ranks",
+    "SchedulerProcessConfig": "entry",
+    "run_scheduler": "entry",
+    "run_follower": "entry",
     "main_generate": "generate",
     "builtin_checkpoint": "tiny_checkpoint",
     "main_tiny_model": "tiny_checkpoint",

@@ -24,7 +24,6 @@ import os
 import signal
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +52,8 @@ from iris_serve.ipc.process_heap import freeze_startup_heap
 from iris_serve.ipc.push_thread import PushThread
 from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
-from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.entry import SchedulerProcessConfig
 from iris_serve.scheduler.pinned_host import cuda_host_registrar
 from iris_serve.scheduler.ranks import StepBroadcaster, join_group
 from iris_serve.scheduler.step_faults import STEP_ERROR_STATUS, STEP_ERROR_TYPE
@@ -62,20 +61,6 @@ from iris_serve.scheduler.step_faults import STEP_ERROR_STATUS, STEP_ERROR_TYPE
 logger = logging.getLogger("iris.scheduler")
 IDLE_POLL_SECONDS = 0.1
 STATS_INTERVAL_SECONDS = 0.2
-
-
-@dataclass(frozen=True)
-class SchedulerProcessConfig:
-    engine: EngineConfig
-    run_dir: str
-    num_workers: int
-    # Intra-op threads for torch on CPU (the launcher passes --scheduler-threads, by
-    # default every usable core). The scheduler shares the cores with the server and the
-    # tokenizer workers: on a machine busy with other work, an oversubscribed OpenMP pool
-    # spin-waits (a tiny-model decode step took 1.8 ms with one thread, 23 ms with two).
-    torch_threads: int = 1
-    replica: int = 0  # the data-parallel replica this scheduler drives
-    name: str = "scheduler"  # its process name (followers: `{name}-rank{r}`)
 
 
 class SchedulerLoop:

@@ -198,7 +198,8 @@ def test_arena_segments_are_pinned_so_pixels_go_to_the_gpu_by_dma():
     image is pinned host memory and its non-blocking copy arrives intact."""
     import numpy as np
 
-    from iris_serve.ipc.shm_arena import ShmArena, ShmReader, instance_prefix, new_instance_id
+    from iris_serve.ipc.shm_arena import ShmArena, ShmReader
+    from iris_serve.ipc.shm_names import instance_prefix, new_instance_id
     from iris_serve.scheduler.pinned_host import cuda_host_registrar
 
     pixels = np.random.default_rng(0).integers(0, 256, (720, 1280, 3), dtype=np.uint8)

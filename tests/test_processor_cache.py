@@ -13,14 +13,8 @@ import numpy as np
 import pytest
 
 from iris_serve.ipc.messages import EngineRequest, RequestError
-from iris_serve.ipc.shm_arena import (
-    ArenaFull,
-    ShmArena,
-    ShmReader,
-    instance_prefix,
-    segment_name,
-    sweep,
-)
+from iris_serve.ipc.shm_arena import ArenaFull, ShmArena, ShmReader
+from iris_serve.ipc.shm_names import instance_prefix, segment_name, sweep
 from iris_serve.tokenizer_worker import worker as worker_module
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.processor_cache import CorruptEntry, ProcessorCache

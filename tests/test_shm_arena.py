@@ -18,18 +18,14 @@ import torch
 
 from iris_serve.ipc.messages import ShmPointer
 from iris_serve.ipc.shm_arena import (
-    SHM_DIR,
     ArenaFull,
     EntryTooLarge,
     ShmArena,
     ShmReader,
     StaleHandle,
     StalePointer,
-    instance_prefix,
-    segment_name,
-    sweep,
-    sweep_orphans,
 )
+from iris_serve.ipc.shm_names import SHM_DIR, instance_prefix, segment_name, sweep, sweep_orphans
 
 KiB = 1024
 CHILD_TIMEOUT_S = 60

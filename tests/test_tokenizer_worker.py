@@ -36,14 +36,8 @@ from iris_serve.ipc.messages import (
     WorkerStats,
     unpack_token_ids,
 )
-from iris_serve.ipc.shm_arena import (
-    SHM_DIR,
-    ShmArena,
-    ShmReader,
-    instance_prefix,
-    segment_name,
-    sweep,
-)
+from iris_serve.ipc.shm_arena import ShmArena, ShmReader
+from iris_serve.ipc.shm_names import SHM_DIR, instance_prefix, segment_name, sweep
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, new_run_dir
 from iris_serve.scheduler.patches import PatchMaker
 from iris_serve.tokenizer_worker.config import WorkerConfig

@@ -8,7 +8,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from iris_serve.ipc.shm_arena import ShmArena, instance_prefix, segment_name, sweep
+from iris_serve.ipc.shm_arena import ShmArena
+from iris_serve.ipc.shm_names import instance_prefix, segment_name, sweep
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from iris_serve.tokenizer_worker.config import WorkerConfig
-    from iris_serve.tokenizer_worker.process import run_worker
+    from iris_serve.tokenizer_worker.entry import run_worker
     from iris_serve.tokenizer_worker.prompt import PromptBuilder
 
 __all__ = ["PromptBuilder", "WorkerConfig", "run_worker"]
-_HOMES = {"PromptBuilder": "prompt", "WorkerConfig": "config", "run_worker": "process"}
+_HOMES = {"PromptBuilder": "prompt", "WorkerConfig": "config", "run_worker": "entry"}
 
 
 def __getattr__(name: str) -> Any:

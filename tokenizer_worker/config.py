@@ -26,7 +26,7 @@ class WorkerConfig:
     """One tokenizer worker. Socket addresses and the arena name derive from these.
 
     `run_dir` holds the instance's ipc sockets; the arena is
-    `ipc.shm_arena.segment_name(instance_id, worker_id)`. Media limits: local files only
+    `ipc.shm_names.segment_name(instance_id, worker_id)`. Media limits: local files only
     under `allowed_local_media_path` (disabled when None), http(s) hosts only from
     `allowed_media_domains` when set (exact host names), `media_timeout_s` per fetch,
     `max_image_bytes` per encoded image and `max_image_pixels` per decoded image (checked

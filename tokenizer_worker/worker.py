@@ -43,14 +43,8 @@ from iris_serve.ipc.messages import (
     WorkerStats,
     pack_token_ids,
 )
-from iris_serve.ipc.shm_arena import (
-    SHM_DIR,
-    ArenaFull,
-    EntryTooLarge,
-    ShmArena,
-    StaleHandle,
-    segment_name,
-)
+from iris_serve.ipc.shm_arena import ArenaFull, EntryTooLarge, ShmArena, StaleHandle
+from iris_serve.ipc.shm_names import SHM_DIR, segment_name
 from iris_serve.tokenizer_worker.arena_wait import WaitingRequests
 from iris_serve.tokenizer_worker.chat import ChatError, ImagePart, parse_messages
 from iris_serve.tokenizer_worker.config import WorkerConfig
