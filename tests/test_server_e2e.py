@@ -445,10 +445,10 @@ def test_clean_shutdown_leaves_no_process_and_no_shared_memory(qwen2_vl_tiny, tm
 @pytest.mark.parametrize(
     "victim, flags",
     [
-        ("scheduler", ()),
         ("tokenizer-1", ()),
         ("scheduler-rank1", ("--tensor-parallel-size", "2")),  # a follower rank
-        ("scheduler", ("--tensor-parallel-size", "2")),  # rank 0, with a follower waiting
+        # rank 0 with a follower waiting: a single scheduler's death, and the follower too
+        ("scheduler", ("--tensor-parallel-size", "2")),
     ],
 )
 def test_a_child_killed_with_sigkill_stops_everything_cleanly(
