@@ -242,3 +242,16 @@ def test_encoder_overlap_quick_traces_both_placements(tmp_path):
     assert float(by_variant["beside"]["tower in steps (of wall)"]) < float(
         by_variant["inline"]["tower in steps (of wall)"]
     )
+
+
+def test_server_startup_quick_times_each_variant(tmp_path):
+    out = tmp_path / "results"
+    run_bench("bench.server_startup", "--quick", "--out", str(out), cache_dir=tmp_path,
+              timeout=300)  # fmt: skip
+    text = (out / "server_startup_tiny_quick.md").read_text()
+    check_provenance(text)
+    [(header, rows)] = markdown_tables(text)
+    assert [row[0] for row in rows] == ["2 tokenizer workers (default)", "1 tokenizer worker"]
+    cells = [dict(zip(header, row, strict=True)) for row in rows]
+    assert cells[0]["÷ default"] == "1"
+    assert all(float(c["up s"]) > 0 and float(c["CPU s (start and stop)"]) > 0 for c in cells)

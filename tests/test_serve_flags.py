@@ -167,7 +167,8 @@ def test_help_shows_each_flags_default_without_importing_torch():
 
 def test_the_launcher_reaches_its_children_without_importing_torch():
     """The launcher starts every child before it imports the heavy half of the stack, so
-    the children's imports run at once (a server's start-up on 2 cores: ~12 s -> ~9 s):
+    the children's imports run at once (a server's start-up on 2 cores: 12.8 -> 9.4-11.1 s,
+    bench/results/server_startup_tiny.md):
     the launcher and the roles' entry points it hands to `multiprocessing` load neither
     torch nor transformers."""
     code = (
