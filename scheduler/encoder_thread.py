@@ -93,7 +93,7 @@ class EncoderThread:
         self._queued = threading.Condition(self._lock)  # a call queued, or closed
         self._keep_alive = device.type == "cuda" if keep_alive is None else keep_alive
         self._queue: deque[tuple[Future, list[torch.Tensor], list[Grid]]] = deque()
-        self._worker: threading.Thread | None = None  # alive while calls are queued
+        self._worker: threading.Thread | None = None  # alive while calls are queued, or kept
         self._closed = False
 
     def submit(self, pixels: Sequence[torch.Tensor], grids: Sequence[Grid]) -> Future:
