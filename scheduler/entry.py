@@ -26,7 +26,11 @@ class SchedulerProcessConfig:
     # spin-waits (a tiny-model decode step took 1.8 ms with one thread, 23 ms with two).
     torch_threads: int = 1
     replica: int = 0  # the data-parallel replica this scheduler drives
-    name: str = "scheduler"  # its process name (followers: `{name}-rank{r}`)
+    name: str = "scheduler"  # its process name
+
+    def follower_name(self, rank: int) -> str:
+        """The process name of this replica's tensor-parallel rank `rank` (> 0)."""
+        return f"{self.name}-rank{rank}"
 
 
 def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
@@ -37,16 +41,10 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
     run(config, ready)
 
 
-def run_follower(
-    engine: EngineConfig,
-    run_dir: str,
-    rank: int,
-    threads: int,
-    ready: Any,
-    replica: int = 0,
-    name: str | None = None,
-) -> None:
-    """A spawned tensor-parallel rank past the first (`ranks.run_follower`)."""
+def run_follower(config: SchedulerProcessConfig, rank: int, ready: Any) -> None:
+    """A spawned tensor-parallel rank past the first of `config`'s replica
+    (`ranks.run_follower`); reports `(its name, ok, info)` on `ready`."""
     from iris_serve.scheduler.ranks import run_follower as run
 
-    run(engine, run_dir, rank, threads, ready, replica, name)
+    name = config.follower_name(rank)
+    run(config.engine, config.run_dir, rank, config.torch_threads, ready, config.replica, name)

@@ -204,8 +204,8 @@ def _children(
         schedulers += [
             context.Process(
                 target=run_follower,
-                name=f"{name}-rank{rank}",
-                args=(engine, str(run_dir), rank, threads, ready, replica, f"{name}-rank{rank}"),
+                name=config.follower_name(rank),
+                args=(config, rank, ready),
             )
             for rank in range(1, ranks)
         ]
