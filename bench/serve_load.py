@@ -4,7 +4,7 @@ compute bound of the same work in process.
     bash bench/install_vllm_client.sh       # once: the vLLM client in its own venv
     python -m bench.serve_load [--size tiny|small] [--arch ARCH] [--quick] [--out DIR]
         [--client vllm|builtin] [--vllm PATH] [--no-peer] [--inline-baseline] [--threads N]
-        [--iris-flags=FLAGS]
+        [--iris-flags=FLAGS] [--before-tree DIR]
 
 Two workloads, each sent to every server: `image` (`--dataset-name random-mm`: one
 1280×720 random-noise JPEG + 200 random text tokens per request, 32 tokens asked back)
@@ -19,6 +19,9 @@ with one image and one text request of their own:
 - with `--inline-baseline`, Iris again with `--mm-encoder-inline --max-itl-stretch 0`
   (`iris inline`): the vision encoder inside the steps and prefill chunks as large as
   the token budget, the engine as it was before issue 12;
+- with `--before-tree DIR`, Iris again from another checkout of the repository (`git
+  worktree add DIR COMMIT`) with its own defaults (`iris before`): an earlier commit
+  measured in the same run, through this venv;
 - the peer: Hugging Face's `transformers serve` on the same folder, device and dtype,
   through `bench.transformers_serve_launcher` (stock CLI; only the processor is built
   without torchvision, see there). It serves a VLM one request at a time: its
@@ -84,7 +87,7 @@ from bench.results_io import (
     add_common_arguments,
     add_model_argument,
 )
-from bench.serve_load_report import INLINE, PEER, PEER_NOTE, Plan, Run, report
+from bench.serve_load_report import BEFORE, INLINE, PEER, PEER_NOTE, Plan, Run, report
 from bench.server_process import REPO, IrisServer, group_processes
 
 STARTED = time.monotonic()
@@ -270,6 +273,16 @@ def _brief(run: Run) -> str:
     )
 
 
+def iris_variants(args) -> list[tuple[str, list[str], Path | None]]:
+    """(label, flags beyond the common ones, source tree) of each Iris server to measure."""
+    variants = [("iris", shlex.split(args.iris_flags), None)]
+    if args.inline_baseline:
+        variants.append((INLINE, ["--mm-encoder-inline", "--max-itl-stretch", "0"], None))
+    if args.before_tree:
+        variants.append((BEFORE, [], args.before_tree))
+    return variants
+
+
 # --- main ------------------------------------------------------------------------------
 
 
@@ -286,6 +299,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also measure Iris with --mm-encoder-inline --max-itl-stretch 0 (the engine "
         "before issue 12: the encoder inside the steps, unpaced prefill chunks)",
+    )
+    parser.add_argument(
+        "--before-tree",
+        type=Path,
+        default=None,
+        help="also measure `iris serve` from this checkout of another commit (e.g. `git "
+        "worktree add /tmp/before COMMIT`), with its defaults and this venv",
     )
     parser.add_argument("--device", default="auto", help="for both servers")
     parser.add_argument(
@@ -326,35 +346,21 @@ def main(argv: list[str] | None = None) -> None:
     peer_note = "Not measured (`--no-peer`)."
     with tempfile.TemporaryDirectory(prefix="serve_load-") as tmp:
         scratch = Path(tmp)
-        iris = IrisServer(
-            model_dir,
-            [
-                "--served-model-name",
-                "iris",
-                "--device",
-                args.device,
-                *plan_.iris_flags,
-                *threads,
-                *shlex.split(args.iris_flags),
-            ],
-            log_path=scratch / "iris.log",
-            env=threads_env,
-        )
-        direct = proxy and not args.quick  # the proxy's cost, and vLLM's own settings
-        with serving(iris, "iris", "iris", proxy) as target:
-            runs += measure_server(
-                target, plan_.workloads, args, model_dir, tokenizer, scratch, direct
-            )
-        if args.inline_baseline:
-            inline = IrisServer(
+        common = ["--served-model-name", "iris", "--device", args.device, *plan_.iris_flags]
+        for label, flags, tree in iris_variants(args):
+            server = IrisServer(
                 model_dir,
-                ["--served-model-name", "iris", "--device", args.device, *plan_.iris_flags,
-                 *threads, "--mm-encoder-inline", "--max-itl-stretch", "0"],
-                log_path=scratch / "iris-inline.log",
+                [*common, *threads, *flags],
+                log_path=scratch / f"{label.replace(' ', '-')}.log",
                 env=threads_env,
-            )  # fmt: skip
-            with serving(inline, "iris", INLINE, proxy) as target:
-                runs += measure_server(target, plan_.workloads, args, model_dir, tokenizer, scratch)
+                source_tree=tree,
+            )
+            # `iris direct`: the proxy's cost, and vLLM's own settings
+            direct = label == "iris" and proxy and not args.quick
+            with serving(server, "iris", label, proxy) as target:
+                runs += measure_server(
+                    target, plan_.workloads, args, model_dir, tokenizer, scratch, direct
+                )
         if not args.no_peer:
             flags = peer_flags(args.device)
             peer_note = PEER_NOTE.format(version=transformers.__version__, flags=shlex.join(flags))
@@ -385,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         bounds.append(compute_bound(model_dir, w, lens, args.seed + 500 + i, source))
     name = f"serve_load_{checkpoint.label}" + ("_builtin" if args.client == "builtin" else "")
     name += f"_threads{args.threads}" if args.threads else ""
+    name += "_vs_before" if args.before_tree else ""
     name += "_quick" if args.quick else ""
     load = (load_before, os.getloadavg()[0])
     report(args, checkpoint, name, plan_, runs, bounds, peer_note, load)

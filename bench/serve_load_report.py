@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from bench.results_io import RESULTS_DIR, Checkpoint, markdown_table, write_resu
 
 PEER = "transformers serve"
 INLINE = "iris inline"  # `--inline-baseline`: the encoder inside the steps
+BEFORE = "iris before"  # `--before-tree`: another checkout's `iris serve`
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ def plot(runs: Sequence[Run], bounds: Sequence[Bound], path: Path) -> None:
         "iris": "tab:blue",
         "iris direct": "tab:cyan",
         INLINE: "tab:purple",
+        BEFORE: "tab:gray",
         PEER: "tab:orange",
         "compute bound": "tab:green",
     }
@@ -262,6 +265,18 @@ def report(
             "",
             inline,
         ]
+    before = ratio_table(runs, BEFORE)
+    if before:
+        lines += [
+            "",
+            f"## Iris / {BEFORE} (`--before-tree`: {tree_description(args.before_tree)})",
+            "",
+            "This tree's defaults over those of the other checkout, same run, same venv. "
+            "Throughput: above 1 is this tree faster. Latencies: below 1 is this tree "
+            "faster.",
+            "",
+            before,
+        ]
     lines += [
         "",
         "## Compute bound (in-process engine, same cores, no HTTP / IPC)",
@@ -300,6 +315,18 @@ def report(
         f"({checkpoint.title})",
         "\n".join(lines), out,
     )  # fmt: skip
+
+
+def tree_description(tree: Path) -> str:
+    """`commit subject` of a checkout's HEAD (and whether it has local changes)."""
+
+    def git(*argv: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(tree), *argv], capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    head = git("log", "-1", "--format=%h %s") or f"{tree} (not a git checkout)"
+    return head + (" + uncommitted changes" if git("status", "--porcelain") else "")
 
 
 def _summary_only(metrics: dict[str, Any] | None) -> dict[str, Any] | None:

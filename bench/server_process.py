@@ -90,6 +90,24 @@ def without_label(key: str, drop: str) -> str | None:
     return f"{name}{{{','.join(rest)}}}" if rest else name
 
 
+PACKAGES = ("ipc", "server", "tokenizer_worker", "scheduler")  # pyproject's package-dir
+
+
+def namespace_shim(tree: Path) -> tempfile.TemporaryDirectory:
+    """A temporary directory whose `iris_serve/<folder>` links to `tree/<folder>`: on
+    PYTHONPATH, `iris_serve.*` imports that tree's code (a path entry is searched before
+    the editable install's finder)."""
+    missing = [name for name in PACKAGES if not (tree / name / "__init__.py").is_file()]
+    if missing:
+        raise FileNotFoundError(f"{tree} is not an Iris source tree: no {', '.join(missing)}")
+    shim = tempfile.TemporaryDirectory(prefix="iris-tree-")
+    package = Path(shim.name) / "iris_serve"
+    package.mkdir()
+    for name in PACKAGES:
+        (package / name).symlink_to(tree.resolve() / name, target_is_directory=True)
+    return shim
+
+
 def group_processes(group: int) -> list[tuple[int, list[str]]]:
     """(pid, `/proc/PID/stat` fields after the command name) of every process in process
     group `group`, zombies included: fields[0] is the state, [2] the group, [11] and
@@ -119,6 +137,11 @@ class IrisServer:
     a temporary file, removed when the server stops with exit status 0 and kept
     otherwise (its path is in the error, and in `log_path`).
 
+    `source_tree`: serve the code of another checkout instead of this one (e.g. `git
+    worktree add /tmp/before COMMIT`), through the same venv: its four folders are linked
+    as `iris_serve.*` in a temporary directory put first on the server's PYTHONPATH (every
+    process of the tree inherits it). Its dependencies must be this venv's.
+
     Subclasses start other servers the same way (`command`); `label` names the server in
     messages, and `iris_metrics` says whether `/metrics` has Iris's counters.
     """
@@ -135,6 +158,7 @@ class IrisServer:
         stop_timeout: float = 30.0,
         log_path: str | Path | None = None,
         env: Mapping[str, str] | None = None,
+        source_tree: str | Path | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.flags = list(flags)
@@ -149,6 +173,12 @@ class IrisServer:
             log_path = name
         self.log_path = Path(log_path)
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self._shim: tempfile.TemporaryDirectory | None = None
+        if source_tree is not None:
+            self._shim = namespace_shim(Path(source_tree))
+            self.env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [self._shim.name, self.env.get("PYTHONPATH")])
+            )
         self.process: subprocess.Popen | None = None
 
     @property
@@ -199,16 +229,20 @@ class IrisServer:
         """SIGTERM the launcher and wait; SIGKILL its process group if it hangs.
         Returns the launcher's exit status (None if it was never started)."""
         process = self.process
-        if process is None:
-            return None
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
         try:
-            status = process.wait(timeout=self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            status = process.wait(timeout=self.stop_timeout)
+            if process is None:
+                return None
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                status = process.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                status = process.wait(timeout=self.stop_timeout)
+        finally:
+            if self._shim is not None:
+                self._shim.cleanup()
         if status == 0 and self._temporary_log:
             self.log_path.unlink(missing_ok=True)
         return status
