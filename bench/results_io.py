@@ -127,13 +127,18 @@ def git_commit() -> str:
     built from), whatever `.git` the device tool copied there (it may be older)."""
     if os.environ.get("IRIS_COMMIT"):
         return os.environ["IRIS_COMMIT"]
-    repo = RESULTS_DIR.parent.parent
+    return checkout_commit(RESULTS_DIR.parent.parent)
+
+
+def checkout_commit(repo: Path) -> str:
+    """The short hash of `repo`'s HEAD, marked when tracked code (results aside) differs
+    from it; "unknown" outside a git checkout."""
     try:
         head = _git(repo, "rev-parse", "--short", "HEAD").stdout.strip()
         changed = _git(repo, "status", "--porcelain", "--untracked-files=no", "--", ".",
                        ":(exclude)bench/results").stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("IRIS_COMMIT", "unknown")
+        return "unknown"
     return f"{head} + uncommitted changes" if changed else head
 
 

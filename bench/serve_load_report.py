@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,13 @@ import numpy as np
 
 from bench.compute_bound import Bound
 from bench.load_client import Workload
-from bench.results_io import RESULTS_DIR, Checkpoint, markdown_table, write_result
+from bench.results_io import (
+    RESULTS_DIR,
+    Checkpoint,
+    checkout_commit,
+    markdown_table,
+    write_result,
+)
 
 PEER = "transformers serve"
 INLINE = "iris inline"  # `--inline-baseline`: the encoder inside the steps
@@ -269,7 +274,7 @@ def report(
     if before:
         lines += [
             "",
-            f"## Iris / {BEFORE} (`--before-tree`: {tree_description(args.before_tree)})",
+            f"## Iris / {BEFORE} (`--before-tree`: commit {checkout_commit(args.before_tree)})",
             "",
             "This tree's defaults over those of the other checkout, same run, same venv. "
             "Throughput: above 1 is this tree faster. Latencies: below 1 is this tree "
@@ -315,18 +320,6 @@ def report(
         f"({checkpoint.title})",
         "\n".join(lines), out,
     )  # fmt: skip
-
-
-def tree_description(tree: Path) -> str:
-    """`commit subject` of a checkout's HEAD (and whether it has local changes)."""
-
-    def git(*argv: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(tree), *argv], capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    head = git("log", "-1", "--format=%h %s") or f"{tree} (not a git checkout)"
-    return head + (" + uncommitted changes" if git("status", "--porcelain") else "")
 
 
 def _summary_only(metrics: dict[str, Any] | None) -> dict[str, Any] | None:

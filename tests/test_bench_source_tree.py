@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.results_io import checkout_commit
 from bench.server_process import PACKAGES, IrisServer, namespace_shim
 
 
@@ -51,3 +52,18 @@ def test_a_server_from_another_tree_puts_its_shim_first_and_removes_it_on_stop(t
     assert (Path(shim) / "iris_serve" / "ipc").resolve() == (tree / "ipc").resolve()
     assert server.stop() is None  # never started
     assert not Path(shim).exists()
+
+
+def test_a_result_names_the_other_trees_commit_and_says_when_it_was_changed(tmp_path):
+    tree = fake_tree(tmp_path / "tree")
+    assert checkout_commit(tree) == "unknown"  # not a git checkout
+    git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "tree"], check=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    assert checkout_commit(tree) == head
+    (tree / "ipc" / "__init__.py").write_text("changed = True\n")
+    assert checkout_commit(tree) == f"{head} + uncommitted changes"
