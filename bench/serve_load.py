@@ -18,7 +18,8 @@ with one image and one text request of their own:
   encoder runs inside the steps by default);
 - with `--inline-baseline`, Iris again with `--mm-encoder-inline --max-itl-stretch 0`
   (`iris inline`): the vision encoder inside the steps and prefill chunks as large as
-  the token budget, the engine as it was before issue 12;
+  the token budget, as before issue 12 (its other changes, uint8 pixels among them,
+  stay: `--before-tree` measures the code before it);
 - with `--before-tree DIR`, Iris again from another checkout of the repository (`git
   worktree add DIR COMMIT`) with its own defaults (`iris before`): an earlier commit
   measured in the same run, through this venv;
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--inline-baseline",
         action="store_true",
-        help="also measure Iris with --mm-encoder-inline --max-itl-stretch 0 (the engine "
+        help="also measure Iris with --mm-encoder-inline --max-itl-stretch 0 (the placement "
         "before issue 12: the encoder inside the steps, unpaced prefill chunks)",
     )
     parser.add_argument(

@@ -263,7 +263,7 @@ def report(
             f"## Iris / {INLINE} (`--mm-encoder-inline --max-itl-stretch 0`)",
             "",
             "The default (the vision encoder beside the steps, prefill beside decodes paced "
-            "by `--max-itl-stretch`) over the engine before issue 12 (the encoder inside "
+            "by `--max-itl-stretch`) over the placement before issue 12 (the encoder inside "
             "the steps, prefill chunks as large as the token budget), same run. "
             "Throughput: above 1 is the default faster. Latencies: below 1 is the default "
             "faster.",
