@@ -16,10 +16,13 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/iris
 COPY pyproject.toml README.md ./
+COPY common ./common
+COPY ipc ./ipc
+COPY launch ./launch
 COPY server ./server
 COPY tokenizer_worker ./tokenizer_worker
 COPY scheduler ./scheduler
-COPY ipc ./ipc
+COPY tiny_checkpoint ./tiny_checkpoint
 RUN python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
     && pip install . \
     && python -c "import torch; assert torch.version.cuda, 'pip replaced the CUDA torch'" \

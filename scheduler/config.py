@@ -2,7 +2,7 @@
 
 A field's `metadata` names its command-line flag (vLLM's name where one exists), its
 help and, where the flag's unit differs from the field's, how to parse it; the server's
-`server.config_flags` reads it, so the default and the help live here, once. The keys:
+`launch.config_flags` reads it, so the default and the help live here, once. The keys:
 `flag`, `help`, `parse` ("size": bytes with a unit; "gib": GiB as a float, to bytes),
 `min`, `min_error`, `metavar`, `group` (a help section). A bool that defaults to True
 gets a `--disable-...` flag that sets it False. Fields without `flag` have no flag.
@@ -28,7 +28,7 @@ _DTYPES = {
     "fp16": "float16",
     "half": "float16",
 }
-_CACHES = "caches"  # the help section of the cache flags (`server.args`)
+_CACHES = "caches"  # the help section of the cache flags (`launch.args`)
 # `--max-itl-stretch` on a CPU, chosen by bench/itl_stretch.py (results/itl_stretch_small*.md):
 # with the encoder held for prefill, served images on `small` keep p99 ITL 3-3.35x the
 # median at 2 to 4 with four servers up at once (2.3-2.7x with Iris alone, serve_load),

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import torch
 
+from iris_serve.common.process_heap import freeze_startup_heap
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
@@ -48,7 +49,6 @@ from iris_serve.ipc.messages import (
     ToServer,
     context_length_error,
 )
-from iris_serve.ipc.process_heap import freeze_startup_heap
 from iris_serve.ipc.push_thread import PushThread
 from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket

@@ -33,7 +33,7 @@ import llguidance.hf
 import torch
 from llguidance import LLMatcher
 
-from iris_serve.ipc.grammars import grammar_error, grammar_of
+from iris_serve.common.grammars import grammar_error, grammar_of
 from iris_serve.ipc.messages import StructuredOutput
 
 logger = logging.getLogger(__name__)

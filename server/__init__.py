@@ -1,0 +1,36 @@
+"""The HTTP role: the OpenAI-compatible API (chat completions, completions, models,
+health, metrics), streaming, detokenization, tool calls and structured-output checks.
+
+Its public surface, the only names the composition root (`launch/`) and the benchmarks
+may import from it (`tests/test_import_boundaries.py` holds that):
+
+- `HttpServerConfig`, `serve_http`: the HTTP process body, run by the launcher once the
+  children are ready; `import_http_side`: its heavy imports, done while they start;
+- `AppSettings`: what the API serves (model names, limits, sampling defaults);
+- `sampling_defaults`: `--generation-config`'s defaults, read before start-up so a bad
+  value fails at once.
+
+The names resolve on first use (PEP 562), so importing the package loads nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from iris_serve.common.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from iris_serve.server.app import AppSettings
+    from iris_serve.server.generation_config import sampling_defaults
+    from iris_serve.server.http_process import HttpServerConfig, import_http_side, serve_http
+
+__all__ = ["AppSettings", "HttpServerConfig", "import_http_side", "sampling_defaults", "serve_http"]
+_HOMES = {
+    "AppSettings": "app",
+    "HttpServerConfig": "http_process",
+    "import_http_side": "http_process",
+    "serve_http": "http_process",
+    "sampling_defaults": "generation_config",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -39,7 +39,7 @@ from typing import Any
 
 import xxhash
 
-from iris_serve.ipc.content_parts import (
+from iris_serve.common.content_parts import (
     IMAGE_PART_TYPES,
     image_part_data,
     image_part_url,
@@ -147,7 +147,7 @@ def _image_part_dicts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]
 
 def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str | None, str | None]]:
     """(data, uuid) of each image part that has either, in order, read as the worker reads
-    them (`ipc.content_parts`): the data is the URL, or the base64 text of an image_embeds
+    them (`common.content_parts`): the data is the URL, or the base64 text of an image_embeds
     part."""
     parts = []
     for part in _image_part_dicts(messages):
@@ -161,7 +161,7 @@ def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str | None, str | 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     """The URLs of the image parts of chat messages, in order, read as the worker reads
-    them (`ipc.content_parts.image_part_url`)."""
+    them (`common.content_parts.image_part_url`)."""
     urls = (image_part_url(part) for part in _image_part_dicts(messages))
     return [url for url in urls if isinstance(url, str) and url]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from iris_serve.ipc.grammars import grammar_error
+from iris_serve.common.grammars import grammar_error
 from iris_serve.ipc.messages import StructuredOutput
 from iris_serve.server.errors import APIError
 from iris_serve.server.protocol import (

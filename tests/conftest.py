@@ -1,4 +1,4 @@
-"""Shared fixtures: random-weight checkpoints written by `scheduler.tiny_checkpoint`.
+"""Shared fixtures: random-weight checkpoints written by `tiny_checkpoint`.
 
 `tiny_checkpoint(arch, **kwargs)` returns the folder of a checkpoint generated with
 `generate_checkpoint(arch, out_dir, **kwargs)`, once per distinct argument set per session.
@@ -66,7 +66,7 @@ def kernels() -> ModuleType:
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
     import torch
 
-    from iris_serve.scheduler.tiny_checkpoint import generate_checkpoint
+    from iris_serve.tiny_checkpoint import generate_checkpoint
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     made: dict[tuple, Path] = {}

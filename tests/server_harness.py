@@ -96,7 +96,7 @@ def iris_server(model_dir: Path, *args: str, tmp_path: Path) -> Iterator[Running
     marker = uuid.uuid4().hex
     log_path = tmp_path / f"iris-serve-{port}.log"
     command = [
-        sys.executable, "-m", "iris_serve.server.cli", "serve", str(model_dir),
+        sys.executable, "-m", "iris_serve.launch.cli", "serve", str(model_dir),
         "--port", str(port), "--kv-cache-memory", "64MiB", "--mm-shm-arena-bytes", "128MiB",
         *args,
     ]  # fmt: skip

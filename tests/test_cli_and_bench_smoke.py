@@ -35,7 +35,7 @@ def test_iris_generate_with_an_image(qwen2_vl_tiny, tmp_path):
         [
             sys.executable,
             "-m",
-            "iris_serve.server.cli",
+            "iris_serve.launch.cli",
             "generate",
             str(qwen2_vl_tiny),
             "--image",
@@ -57,7 +57,7 @@ def test_iris_generate_names_a_missing_or_broken_image(tmp_path):
     broken = tmp_path / "broken.png"
     broken.write_text("not a picture")
     for image, says in ((tmp_path / "missing.png", "No such file"), (broken, "cannot identify")):
-        command = [sys.executable, "-m", "iris_serve.server.cli", "generate", "--image", str(image)]
+        command = [sys.executable, "-m", "iris_serve.launch.cli", "generate", "--image", str(image)]
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and f"--image {image}: " in done.stderr, done.stderr
         assert says in done.stderr and "Traceback" not in done.stderr

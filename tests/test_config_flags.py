@@ -1,4 +1,4 @@
-"""`iris serve` flags are derived from the config dataclasses (`server.config_flags`)."""
+"""`iris serve` flags are derived from the config dataclasses (`launch.config_flags`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from iris_serve.launch.args import GiB, ServeArgs, build_parser, parse_serve_args
 from iris_serve.scheduler import EngineConfig
-from iris_serve.server.args import GiB, ServeArgs, build_parser, parse_serve_args
 from iris_serve.tokenizer_worker import WorkerConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -83,7 +83,7 @@ def test_engine_config_resolves_dtypes_without_importing_torch_up_front():
 def test_parsing_serve_flags_imports_no_torch():
     """`iris serve --help` answers at once: the configs load torch only when used."""
     code = (
-        "import sys; from iris_serve.server.args import parse_serve_args; "
+        "import sys; from iris_serve.launch.args import parse_serve_args; "
         "parse_serve_args(['--block-size', '8']); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

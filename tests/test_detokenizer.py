@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from iris_serve.scheduler.tiny_checkpoint.tokenizer import token_id
 from iris_serve.server.detokenizer import IncrementalDetokenizer, TextStream
+from iris_serve.tiny_checkpoint.tokenizer import token_id
 
 TEXTS = [
     "Hello world, how are you?",

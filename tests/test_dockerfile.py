@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from iris_serve.server.args import parse_serve_args
-from iris_serve.server.launcher import docker_shm_size, shared_memory_needed
+from iris_serve.launch.args import parse_serve_args
+from iris_serve.launch.launcher import docker_shm_size, shared_memory_needed
 from tests.dockerfile import (
     DOCKERFILE,
     README,

@@ -19,10 +19,10 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.registry import model_class
-from iris_serve.scheduler.tiny_checkpoint import main_tiny_model
-from iris_serve.scheduler.tiny_checkpoint.known_configs import KNOWN_CONFIGS
-from iris_serve.scheduler.tiny_checkpoint.like import like_config, resolve_name, tensor_specs
-from iris_serve.scheduler.tiny_checkpoint.shards import TensorSpec, write_sharded
+from iris_serve.tiny_checkpoint import main_tiny_model
+from iris_serve.tiny_checkpoint.known_configs import KNOWN_CONFIGS
+from iris_serve.tiny_checkpoint.like import like_config, resolve_name, tensor_specs
+from iris_serve.tiny_checkpoint.shards import TensorSpec, write_sharded
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity, chat_prompt, cpu_engine, make_image
 

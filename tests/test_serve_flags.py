@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from iris_serve.launch import launcher
+from iris_serve.launch.args import GiB, ServeArgs, build_parser, parse_serve_args
+from iris_serve.launch.launcher import engine_config, worker_config
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.server import launcher
-from iris_serve.server.args import GiB, ServeArgs, build_parser, parse_serve_args
-from iris_serve.server.launcher import engine_config, worker_config
 from iris_serve.tokenizer_worker import WorkerConfig
 
 MiB = 1 << 20
@@ -113,7 +113,7 @@ def test_an_engine_setting_out_of_range_is_one_line_before_start_up(qwen2_vl_tin
 
 def serve_fails_fast(*argv: str) -> str:
     """`iris serve ARGV` exits 1 before starting any child; returns its stderr."""
-    command = [sys.executable, "-m", "iris_serve.server.cli", "serve", *argv]
+    command = [sys.executable, "-m", "iris_serve.launch.cli", "serve", *argv]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "started" not in done.stderr  # no child was started
@@ -145,7 +145,7 @@ def test_help_shows_each_flags_default_without_importing_torch():
     no transformers (what made it take seconds), and every flag with a value says its
     default."""
     code = (
-        "import sys; from iris_serve.server.args import build_parser; p = build_parser(); "
+        "import sys; from iris_serve.launch.args import build_parser; p = build_parser(); "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); "
         "print(p.format_help())"
     )
@@ -172,7 +172,7 @@ def test_the_launcher_reaches_its_children_without_importing_torch():
     the launcher and the roles' entry points it hands to `multiprocessing` load neither
     torch nor transformers."""
     code = (
-        "import sys; import iris_serve.server.launcher; "
+        "import sys; import iris_serve.launch.launcher; "
         "from iris_serve.scheduler import SchedulerProcessConfig, run_follower, run_scheduler; "
         "from iris_serve.tokenizer_worker import WorkerConfig, run_worker; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"

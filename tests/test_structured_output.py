@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from iris_serve.ipc.grammars import grammar_error
+from iris_serve.common.grammars import grammar_error
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling, StructuredOutput
 from iris_serve.scheduler.config import EngineConfig

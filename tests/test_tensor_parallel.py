@@ -14,7 +14,7 @@ import torch
 
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.models.tensor_parallel import AttentionHeads, TPShard, TPSplit
-from iris_serve.scheduler.tiny_checkpoint.configs import SHAPES
+from iris_serve.tiny_checkpoint.configs import SHAPES
 from tests.reference import assert_parity, chat_prompt, make_image
 from tests.tp_harness import generate_tp
 

@@ -29,7 +29,8 @@ from packaging.version import Version
 from tests.dockerfile import base_image
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "server", "tokenizer_worker", "scheduler", "ipc")
+PACKAGES = ("common", "ipc", "launch", "server", "tokenizer_worker", "scheduler", "tiny_checkpoint")
+SOURCES = ("pyproject.toml", "README.md", *PACKAGES)
 PACKAGE_DATA = ("chat_template.jinja", "corpus.txt")
 
 
@@ -73,11 +74,11 @@ def test_the_wheel_holds_only_the_iris_serve_namespace(wheel: Path):
     [dist_info] = [entry for entry in top if entry.endswith(".dist-info")]
     assert top == {"iris_serve", dist_info}
     assert "iris_serve/__init__.py" not in names  # a PEP 420 namespace package
-    for package in ("server", "tokenizer_worker", "scheduler", "ipc"):
+    for package in PACKAGES:
         for init in (REPO / package).rglob("__init__.py"):  # every subpackage, too
             assert f"iris_serve/{init.relative_to(REPO).as_posix()}" in names
     for data in PACKAGE_DATA:
-        assert f"iris_serve/scheduler/tiny_checkpoint/{data}" in names
+        assert f"iris_serve/tiny_checkpoint/{data}" in names
     record = zipfile.ZipFile(wheel).read(f"{dist_info}/RECORD").decode()
     assert {line.split(",")[0] for line in record.splitlines()} == set(names)
 
@@ -89,7 +90,7 @@ def test_the_console_script_is_the_servers_cli(wheel: Path):
         ]
         parser = configparser.ConfigParser()
         parser.read_string(archive.read(entry_points).decode())
-    assert dict(parser["console_scripts"]) == {"iris": "iris_serve.server.cli:main"}
+    assert dict(parser["console_scripts"]) == {"iris": "iris_serve.launch.cli:main"}
 
 
 def test_a_fresh_venv_gets_iris_serve_and_nothing_else_top_level(wheel: Path, tmp_path: Path):
@@ -107,10 +108,9 @@ def test_a_fresh_venv_gets_iris_serve_and_nothing_else_top_level(wheel: Path, tm
     assert {name for name in installed if not name.endswith(".dist-info")} == {"iris_serve"}
 
     check = (
-        "import importlib.util, iris_serve.server.cli, iris_serve.ipc.content_parts; "
-        f"assert iris_serve.server.cli.__file__.startswith({purelib!r}); "
-        "assert [m for m in ('server', 'scheduler', 'ipc', 'tokenizer_worker') "
-        "if importlib.util.find_spec(m)] == []"
+        "import importlib.util, iris_serve.launch.cli, iris_serve.common.content_parts; "
+        f"assert iris_serve.launch.cli.__file__.startswith({purelib!r}); "
+        f"assert [m for m in {PACKAGES!r} if importlib.util.find_spec(m)] == []"
     )
     subprocess.run([str(python), "-c", check], check=True, cwd=tmp_path, timeout=60)
     script = Path(sysconfig.get_path("scripts", vars={"base": str(venv)})) / "iris"

@@ -1,8 +1,8 @@
 """The tokenizer worker role: from a request's content to token ids and pixels in its
 shared-memory arena (chat template, media, image keys, the HF processor and its cache).
 
-Its public entry surface, the only names another role's launcher or CLI may import from
-it (`tests/test_import_boundaries.py` holds that):
+Its public surface, the only names the composition root (`launch/`) and the benchmarks
+may import from it (`tests/test_import_boundaries.py` holds that):
 
 - `WorkerConfig`: one worker's settings; `iris serve` derives its flags from the fields;
 - `run_worker`: the worker process, started by the launcher;
@@ -14,8 +14,9 @@ The names resolve on first use (PEP 562), so importing the package loads nothing
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from iris_serve.common.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from iris_serve.tokenizer_worker.config import WorkerConfig
@@ -25,15 +26,4 @@ if TYPE_CHECKING:
 __all__ = ["PromptBuilder", "WorkerConfig", "run_worker"]
 _HOMES = {"PromptBuilder": "prompt", "WorkerConfig": "config", "run_worker": "entry"}
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

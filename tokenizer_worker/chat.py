@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from iris_serve.ipc.content_parts import (
+from iris_serve.common.content_parts import (
     IMAGE_PART_TYPES,
     image_part_embeds,
     image_part_url,

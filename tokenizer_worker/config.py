@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_CACHES = "caches"  # the help section of the cache flags (`server.args`)
+_CACHES = "caches"  # the help section of the cache flags (`launch.args`)
 _ARENA_NOT_EMPTY = (
     "must be positive: the arena also carries the images in flight "
     "(--disable-mm-processor-cache turns the cache off)"

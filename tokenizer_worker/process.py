@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import zmq
 
+from iris_serve.common.process_heap import freeze_startup_heap
 from iris_serve.ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     SERVER_TO_TOKENIZER,
@@ -43,7 +44,6 @@ from iris_serve.ipc.messages import (
     RequestError,
     TokenizeRequest,
 )
-from iris_serve.ipc.process_heap import freeze_startup_heap
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.worker import Reply, TokenizerWorker, drop_aborted

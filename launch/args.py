@@ -1,6 +1,6 @@
 """`iris serve` flags. Names follow vLLM's where one exists.
 
-Every flag comes from a config dataclass field (`server.config_flags`): the launcher's
+Every flag comes from a config dataclass field (`launch.config_flags`): the launcher's
 own in `ServeArgs`, the scheduler's in `EngineConfig`, the tokenizer workers' in
 `WorkerConfig`. Defaults and help are stated once, on the field; `ServeArgs.engine` and
 `ServeArgs.worker` hold only the fields whose flags were given, and the launcher builds
@@ -13,8 +13,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from iris_serve.launch.config_flags import GiB, add_config_flags, config_kwargs
 from iris_serve.scheduler import EngineConfig
-from iris_serve.server.config_flags import GiB, add_config_flags, config_kwargs
 from iris_serve.tokenizer_worker import WorkerConfig
 
 __all__ = ["GiB", "ServeArgs", "build_parser", "parse_serve_args"]

@@ -1,44 +1,22 @@
 """`iris generate`: one prompt through the in-process engine, for a quick look.
 
-This is the scheduler side's command: it runs the engine in this process, with no server
-and no worker process. It still needs a prompt built from text and images (the chat
-template, the image processor, one placeholder expanded per image), which is the
-tokenizer worker's knowledge. A role imports only `ipc` and itself, so this module does
-not import the worker: it takes a *prompt-builder factory* (`PromptBuilderFactory`,
-what it needs of one is `PromptSource`) and the caller composes the two roles. The
-caller is `server.cli`, which, as the launcher of `iris serve` does with the two
-processes, puts the worker's public `PromptBuilder` and the scheduler's engine together.
-The scheduler then depends on the shape of a prompt builder, not on its package.
+No server and no worker process: the tokenizer worker's `PromptBuilder` (chat template,
+image processor, one placeholder expanded per image) builds the prompt and the
+scheduler's `Engine` runs it, each through its role's public surface. Composing two
+roles in one process is the composition root's job, which is why this command lives here
+and not in either role.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
 
-from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.config import EngineConfig
-
-if TYPE_CHECKING:
-    from PIL import Image
-
-
-class PromptSource(Protocol):
-    """What `iris generate` uses of a prompt builder (the tokenizer worker's
-    `PromptBuilder` is one)."""
-
-    tokenizer: Any  # decodes the output ids
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> str: ...
-
-    def build(self, text: str, images: Sequence[Image.Image] = ()) -> PromptInput: ...
-
-
-PromptBuilderFactory = Callable[[Path], PromptSource]  # model folder → its prompt builder
+from iris_serve.scheduler import Engine, EngineConfig
+from iris_serve.tiny_checkpoint import builtin_checkpoint
+from iris_serve.tokenizer_worker import PromptBuilder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,19 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main_generate(argv: list[str], prompt_builder: PromptBuilderFactory) -> int:
-    """Parse `argv`, build the prompt with `prompt_builder(model_dir)`, generate, print
-    the text and a one-line summary."""
+def main_generate(argv: list[str]) -> int:
+    """Parse `argv`, build the prompt, generate, print the text and a one-line summary."""
     parser = build_parser()
     args = parser.parse_args(argv)
 
     from PIL import Image, UnidentifiedImageError
 
-    from iris_serve.scheduler.engine import Engine
-    from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
-
     model_dir = Path(args.model) if args.model else builtin_checkpoint()
-    builder = prompt_builder(model_dir)
+    builder = PromptBuilder(model_dir)
     images = []
     for path in args.image:
         try:

@@ -3,18 +3,14 @@
 Lazy imports keep `iris --help` instant and let each subcommand pull in only what it
 needs (the generator needs transformers' model classes, `generate` needs the engine).
 
-Like the launcher, this module composes the roles, through their public surfaces only
-(`iris_serve.scheduler`, `iris_serve.tokenizer_worker`): `generate` is the scheduler's
-command, handed the tokenizer worker's `PromptBuilder` to build its prompt (see
-`scheduler.generate` for why the scheduler does not import it itself).
+Like the launcher and `generate`, it belongs to the composition root (`launch/`), the one
+package that may import every role, through their public surfaces only.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,27 +31,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command == "tiny-model":
-        from iris_serve.scheduler import main_tiny_model
+        from iris_serve.tiny_checkpoint import main_tiny_model
 
         return main_tiny_model(rest)
     if command == "serve":
-        from iris_serve.server.args import parse_serve_args
+        from iris_serve.launch.args import parse_serve_args
 
         args = parse_serve_args(rest)  # before the launcher's imports: `--help` stays quick
-        from iris_serve.server.launcher import serve
+        from iris_serve.launch.launcher import serve
 
         return serve(args)
-    from iris_serve.scheduler import main_generate
+    from iris_serve.launch.generate import main_generate
 
-    return main_generate(rest, _prompt_builder)
-
-
-def _prompt_builder(model_dir: Path) -> Any:
-    """The tokenizer worker's prompt builder for `model_dir`, imported only once
-    `iris generate` has parsed its flags."""
-    from iris_serve.tokenizer_worker import PromptBuilder
-
-    return PromptBuilder(model_dir)
+    return main_generate(rest)
 
 
 if __name__ == "__main__":

@@ -27,21 +27,16 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
-from iris_serve.ipc.messages import EngineStats
-from iris_serve.ipc.process_heap import freeze_startup_heap
 from iris_serve.ipc.shm_names import SHM_DIR, instance_prefix, new_instance_id, sweep, sweep_orphans
 from iris_serve.ipc.sockets import new_run_dir
+from iris_serve.launch.args import ServeArgs
 from iris_serve.scheduler import (
     EngineConfig,
     SchedulerProcessConfig,
     run_follower,
     run_scheduler,
 )
-from iris_serve.server.args import ServeArgs
-from iris_serve.server.generation_config import sampling_defaults
-from iris_serve.server.stats_log import LOG_INTERVAL_SECONDS, banner, throughput_line
+from iris_serve.server import import_http_side, sampling_defaults
 from iris_serve.tokenizer_worker import WorkerConfig, run_worker
 
 logger = logging.getLogger("iris.launcher")
@@ -157,7 +152,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     `revision`), from the local Hugging Face cache or downloaded. FileNotFoundError, in
     one line, when it is none of these (not a traceback from the hub client)."""
     if model is None:
-        from iris_serve.scheduler import builtin_checkpoint
+        from iris_serve.tiny_checkpoint import builtin_checkpoint
 
         return builtin_checkpoint()
     path = Path(model).expanduser()
@@ -281,13 +276,6 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def import_http_side() -> None:
-    """Import what `_serve_http` needs (seconds of a core: torch via transformers'
-    config, fastapi), so it can overlap the children's start-up."""
-    import iris_serve.server.app
-    import iris_serve.server.engine_client  # noqa: F401
-
-
 def _wait_until_ready(
     children: list[BaseProcess], ready: ReadyChannel, timeout: float
 ) -> dict[str, Any] | None:
@@ -322,107 +310,33 @@ async def _serve_http(
     children: list[BaseProcess],
     defaults: dict[str, Any],
 ) -> int:
-    from iris_serve.server.app import AppSettings, create_app
-    from iris_serve.server.engine_client import ZmqEngineClient
+    from iris_serve.server import AppSettings, HttpServerConfig, serve_http
 
     replicas = args.data_parallel_size
-    client = ZmqEngineClient(
-        run_dir,
-        tokenizer_workers(args),
+    schedulers = [info[scheduler_name(r, replicas)] for r in range(replicas)]
+    first_worker = worker_config(args, 0, model_path, "", Path())
+    config = HttpServerConfig(
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout,
+        run_dir=run_dir,
+        num_workers=tokenizer_workers(args),
         num_replicas=replicas,
-        image_uuids_per_worker=worker_config(args, 0, model_path, "", Path()).max_image_uuids,
+        image_uuids_per_worker=first_worker.max_image_uuids,
+        arena_bytes=first_worker.arena_bytes,
     )
-    await client.start()
     settings = AppSettings(
         model_path=str(model_path),
         served_model_names=tuple(args.served_model_name or [args.model or model_path.name]),
-        max_model_len=min(
-            info[scheduler_name(r, replicas)]["max_model_len"] for r in range(replicas)
-        ),
+        max_model_len=min(scheduler["max_model_len"] for scheduler in schedulers),
         sampling_defaults=defaults,
         max_logprobs=args.max_logprobs,
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         api_key=args.api_key,
     )
-    app = create_app(settings, client)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        # the drain below ends what is left first; this only bounds closing the sockets
-        timeout_graceful_shutdown=args.shutdown_timeout + 5,
-    )
-    server = _DrainingServer(config, app.state.serving.drain, args.shutdown_timeout)
-    failure: list[str] = []
-    watchdog = asyncio.create_task(_watch(children, server, failure))
-    schedulers = [info[scheduler_name(r, replicas)] for r in range(replicas)]
-    arena = worker_config(args, 0, model_path, "", Path()).arena_bytes
-    url = f"http://{args.host}:{args.port}"
-    logger.info(banner(settings.served_model_names[0], url, schedulers, client.num_workers, arena))
-    throughput = asyncio.create_task(_log_throughput(client.metrics, replicas))
-    freeze_startup_heap()
-    try:
-        await server.serve()
-    finally:
-        watchdog.cancel()
-        throughput.cancel()
-        await client.close()
-    if failure:
-        logger.error("shutting down: %s", failure[0])
-        return 1
-    return 0
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's graceful shutdown (stop accepting, let open requests finish), plus: at
-    `timeout` seconds, whatever still runs is aborted in the engine, so every stream ends
-    with a finish reason and `[DONE]` rather than being cut."""
-
-    def __init__(self, config: Any, drain: Any, timeout: float) -> None:
-        super().__init__(config)
-        self._drain, self._timeout = drain, timeout
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        async def drain_later() -> None:
-            await asyncio.sleep(self._timeout)  # the grace period, not synchronisation
-            logger.info("shutdown: ending the requests still running after %.0f s", self._timeout)
-            await self._drain()
-
-        drainer = asyncio.create_task(drain_later())
-        try:
-            await super().shutdown(sockets)
-        finally:
-            drainer.cancel()
-
-
-async def _log_throughput(board: Any, replicas: int) -> None:
-    """A throughput line every `LOG_INTERVAL_SECONDS` while the engine has work."""
-    idle = EngineStats(0, 0, 0, 0, 0)
-
-    def snapshot() -> list[EngineStats]:
-        return [board.engines.get(r, idle) for r in range(replicas)]
-
-    before, since = snapshot(), time.monotonic()
-    while True:
-        await asyncio.sleep(LOG_INTERVAL_SECONDS)  # a log cadence, not synchronisation
-        now, at = snapshot(), time.monotonic()
-        line = throughput_line(before, now, at - since)
-        if line is not None:
-            logger.info(line)
-        before, since = now, at
-
-
-async def _watch(children: list[BaseProcess], server: Any, failure: list[str]) -> None:
-    while not server.should_exit:
-        dead = _dead(children)
-        if dead:
-            logger.error("%s; stopping the server", dead)
-            failure.append(dead)
-            server.should_exit = True
-            return
-        await asyncio.sleep(WATCH_INTERVAL_SECONDS)
+    return await serve_http(config, settings, schedulers, lambda: _dead(children))
 
 
 def _dead(children: list[BaseProcess]) -> str | None:

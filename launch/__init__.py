@@ -1,0 +1,41 @@
+"""The composition root: `iris` and its subcommands, the launcher of `iris serve`, and the
+flags derived from the roles' config dataclasses.
+
+The one package that may import every role, and only through each role's public surface
+(the names in its `__init__`'s `__all__`); no role imports it. Its own public surface,
+for the benchmarks: `main` (the `iris` command), `ServeArgs` and `parse_serve_args`
+(`iris serve`'s flags), `engine_config` and `worker_config` (the roles' settings those
+flags give), `usable_cores` (the CPUs the scheduler's threads are sized from).
+
+The names resolve on first use (PEP 562), so importing the package loads nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from iris_serve.common.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from iris_serve.launch.args import ServeArgs, parse_serve_args
+    from iris_serve.launch.cli import main
+    from iris_serve.launch.launcher import engine_config, usable_cores, worker_config
+
+__all__ = [
+    "ServeArgs",
+    "engine_config",
+    "main",
+    "parse_serve_args",
+    "usable_cores",
+    "worker_config",
+]
+_HOMES = {
+    "ServeArgs": "args",
+    "parse_serve_args": "args",
+    "main": "cli",
+    "engine_config": "launcher",
+    "usable_cores": "launcher",
+    "worker_config": "launcher",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

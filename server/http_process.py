@@ -1,0 +1,149 @@
+"""The HTTP role's process body: connect to the tokenizer workers, serve the OpenAI API
+with uvicorn until told to stop, drain what still runs, and log throughput meanwhile.
+
+The launcher runs it in its own process once every child is ready (`serve_http`), after
+importing the heavy half early (`import_http_side`) so that it overlaps the children's
+start-up. Whether a child has died is the launcher's knowledge: it hands in `dead_child`,
+and a death stops the server with status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+
+from iris_serve.common.process_heap import freeze_startup_heap
+from iris_serve.ipc.messages import EngineStats
+from iris_serve.server.stats_log import LOG_INTERVAL_SECONDS, banner, throughput_line
+
+if TYPE_CHECKING:
+    from iris_serve.server.app import AppSettings
+
+logger = logging.getLogger("iris.launcher")
+WATCH_INTERVAL_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class HttpServerConfig:
+    """Where the HTTP server listens, and the children it talks to."""
+
+    host: str
+    port: int
+    log_level: str
+    shutdown_timeout: float  # seconds open requests get before they are aborted
+    run_dir: Path  # the sockets' folder
+    num_workers: int
+    num_replicas: int
+    image_uuids_per_worker: int
+    arena_bytes: int  # one worker's arena, for the ready banner
+
+
+def import_http_side() -> None:
+    """Import what `serve_http` needs (seconds of a core: torch via transformers' config,
+    fastapi), so that the launcher can overlap it with the children's start-up."""
+    import iris_serve.server.app
+    import iris_serve.server.engine_client  # noqa: F401
+
+
+async def serve_http(
+    config: HttpServerConfig,
+    settings: AppSettings,
+    schedulers: Sequence[Mapping[str, Any]],
+    dead_child: Callable[[], str | None],
+) -> int:
+    """Serves until SIGINT/SIGTERM (0) or a child's death (1). `schedulers`: each
+    replica's ready info, for the banner."""
+    from iris_serve.server.app import create_app
+    from iris_serve.server.engine_client import ZmqEngineClient
+
+    client = ZmqEngineClient(
+        config.run_dir,
+        config.num_workers,
+        num_replicas=config.num_replicas,
+        image_uuids_per_worker=config.image_uuids_per_worker,
+    )
+    await client.start()
+    app = create_app(settings, client)
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level.lower(),
+        # the drain below ends what is left first; this only bounds closing the sockets
+        timeout_graceful_shutdown=config.shutdown_timeout + 5,
+    )
+    server = _DrainingServer(uvicorn_config, app.state.serving.drain, config.shutdown_timeout)
+    failure: list[str] = []
+    watchdog = asyncio.create_task(_watch(dead_child, server, failure))
+    url = f"http://{config.host}:{config.port}"
+    model = settings.served_model_names[0]
+    logger.info(banner(model, url, schedulers, client.num_workers, config.arena_bytes))
+    throughput = asyncio.create_task(_log_throughput(client.metrics, config.num_replicas))
+    freeze_startup_heap()
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()
+        throughput.cancel()
+        await client.close()
+    if failure:
+        logger.error("shutting down: %s", failure[0])
+        return 1
+    return 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's graceful shutdown (stop accepting, let open requests finish), plus: at
+    `timeout` seconds, whatever still runs is aborted in the engine, so every stream ends
+    with a finish reason and `[DONE]` rather than being cut."""
+
+    def __init__(self, config: Any, drain: Any, timeout: float) -> None:
+        super().__init__(config)
+        self._drain, self._timeout = drain, timeout
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        async def drain_later() -> None:
+            await asyncio.sleep(self._timeout)  # the grace period, not synchronisation
+            logger.info("shutdown: ending the requests still running after %.0f s", self._timeout)
+            await self._drain()
+
+        drainer = asyncio.create_task(drain_later())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drainer.cancel()
+
+
+async def _log_throughput(board: Any, replicas: int) -> None:
+    """A throughput line every `LOG_INTERVAL_SECONDS` while the engine has work."""
+    idle = EngineStats(0, 0, 0, 0, 0)
+
+    def snapshot() -> list[EngineStats]:
+        return [board.engines.get(r, idle) for r in range(replicas)]
+
+    before, since = snapshot(), time.monotonic()
+    while True:
+        await asyncio.sleep(LOG_INTERVAL_SECONDS)  # a log cadence, not synchronisation
+        now, at = snapshot(), time.monotonic()
+        line = throughput_line(before, now, at - since)
+        if line is not None:
+            logger.info(line)
+        before, since = now, at
+
+
+async def _watch(dead_child: Callable[[], str | None], server: Any, failure: list[str]) -> None:
+    while not server.should_exit:
+        dead = dead_child()
+        if dead:
+            logger.error("%s; stopping the server", dead)
+            failure.append(dead)
+            server.should_exit = True
+            return
+        await asyncio.sleep(WATCH_INTERVAL_SECONDS)
