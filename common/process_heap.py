@@ -3,10 +3,8 @@
 CPython's oldest-generation collection walks every tracked object, and a process that
 imported torch and transformers and built its model holds hundreds of thousands of them,
 all alive until it exits. A request's garbage then triggers, now and then, a full
-collection of all of them: measured in `iris serve` on 2 cores, full collections of
-40-270 ms in every process at start-up, and one of 257 ms in the HTTP server during a
-served run (every stream stalls at once); with the heap frozen, none over 5 ms in a run.
-`gc.freeze()` moves what start-up left into a permanent generation the collector never
+collection of all of them, which stalls the process for as long as the walk takes (in
+the HTTP server, every stream at once). `gc.freeze()` moves what start-up left into a permanent generation the collector never
 walks, so collections cost what the requests allocated (vLLM's engine and API server do
 the same after start-up).
 """

@@ -4,7 +4,7 @@
 `PromptBuilder` and the scheduler's `Engine` in one process. The descriptor is the same
 `Prompt` a served request carries; the pixels, which a served request leaves in the
 worker's shared-memory arena, travel beside it. Never sent: pixels do not go into a
-message (invariant 1), so this is a plain dataclass, not a wire struct.
+message (docs/design.md, "Pixels never cross ZMQ"), so this is a plain dataclass, not a wire struct.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ sweeps this instance's shared-memory segments and socket folder, so nothing is l
 It imports each role's public surface only (`iris_serve.scheduler`,
 `iris_serve.tokenizer_worker`: the config dataclass and the `run_*` entry point). Both
 are light, and the HTTP side (fastapi, transformers' config, torch) is imported only
-once the children are started, so every process's imports run at once: on 2 cores a
-server came up in 9.4-11.1 s instead of 12.8 s (bench/server_startup.py).
+once the children are started, so every process's imports run at once instead of one
+after the other (bench/results/server_startup_tiny.md).
 """
 
 from __future__ import annotations
@@ -260,9 +260,8 @@ class ReadyChannel:
 
 def scheduler_threads(args: ServeArgs) -> int:
     """`--scheduler-threads`, or every core this process may run on. The scheduler's
-    torch is where a real model spends its time: on 2 cores, giving it both served the
-    `small` checkpoint's image load 1.9x faster than leaving one to the server and the
-    workers, which cost 20% only on the tiny model's text load
+    torch is where a real model spends its time, so it gets every core rather than
+    leaving one to the server and the workers, which are mostly idle while it computes
     (bench/results/scheduler_threads_*.md)."""
     if args.scheduler_threads:
         return args.scheduler_threads

@@ -1,5 +1,5 @@
 """CUDA graphs for decode steps: one graph per batch size of a ladder, captured at start-up,
-replayed for every decode-only step (`notes/gpu-engine.md` §3).
+replayed for every decode-only step.
 
 A decode step of a 7B model is hundreds of small kernels; launched one by one from
 Python, the launch gaps cost more than the kernels at small batches. A graph replays

@@ -1,8 +1,8 @@
 """Per-image vision-tower outputs, shared by every request, LRU-bounded in bytes.
 
-Two parts, as with KV pages (STYLE lesson 4): the bookkeeping — which requests use an
-entry, which entries nobody uses (the LRU), how many bytes — and the `dict[key, Tensor]`
-it describes. The bookkeeping knows an entry before its tensor exists: `lookup` of an
+Two parts, as with KV pages (and as vLLM's `EncoderCacheManager`): the bookkeeping — which
+requests use an entry, which entries nobody uses (the LRU), how many bytes — and the
+`dict[key, Tensor]` it describes. The bookkeeping knows an entry before its tensor exists: `lookup` of an
 absent key creates a *pending* entry that the caller fills with `put` in the same step,
 so a second request asking for the key in that step is a hit and the image is encoded
 once (dedupe).

@@ -2,7 +2,7 @@
 
 The launcher hands these to `multiprocessing` (spawn), which pickles a target by its
 module's name, so the launcher imports the module that defines it. Here that costs
-nothing: the engine (torch, transformers, the model code; ~2 s of a core) is imported
+nothing: the engine (torch, transformers, the model code; seconds of a core) is imported
 inside the spawned process only, so the launcher starts every child at once and the
 children's imports overlap instead of following the launcher's own.
 """
@@ -23,7 +23,7 @@ class SchedulerProcessConfig:
     # Intra-op threads for torch on CPU (the launcher passes --scheduler-threads, by
     # default every usable core). The scheduler shares the cores with the server and the
     # tokenizer workers: on a machine busy with other work, an oversubscribed OpenMP pool
-    # spin-waits (a tiny-model decode step took 1.8 ms with one thread, 23 ms with two).
+    # spin-waits, and a step then takes many times as long.
     torch_threads: int = 1
     replica: int = 0  # the data-parallel replica this scheduler drives
     name: str = "scheduler"  # its process name

@@ -2,11 +2,11 @@
 step to step: per penalised request, the tokens it has seen and how often it has
 generated each.
 
-The sampler used to rebuild all of it every step from the token lists: O(prompt + output)
-host work, a host-to-device copy and a dozen `[rows, vocab]` passes per step, 25 ms a
-step at 8 rows of 4k tokens on a 2-core CPU, 51 ms at 32 (vocabulary 151,936), beside a
-~20 ms decode step. And every request asks for one where the checkpoint's
-`generation_config.json` does, as Qwen2-VL's and Qwen2.5-VL's (repetition_penalty 1.05).
+Rebuilding all of it every step from the token lists would cost O(prompt + output) host
+work, a host-to-device copy and a dozen `[rows, vocab]` passes per step, comparable to a
+decode step itself at agent-length contexts. And every request asks for a penalty where
+the checkpoint's `generation_config.json` does, as Qwen2-VL's and Qwen2.5-VL's
+(repetition_penalty 1.05).
 
 Here each running request that asks for a penalty holds one row of these tables, written
 once from its token lists and then extended on the device by each sampled token:

@@ -6,8 +6,8 @@ staging buffer and the copy blocks the calling thread; from memory registered wi
 `cudaHostRegister` it is one DMA, asynchronous on the stream (`non_blocking=True`). The
 scheduler registers each segment once, as it maps it (read-only: the mapping is), and
 unregisters it before unmapping. The copy is complete before the entry's pin can go back
-to the worker: beside the steps the encoder thread's `submit` waits for it, inline the
-step's own sync (its sampled ids) does.
+to the worker: with the `thread` encoder placement the encoder thread's `submit` waits
+for it, with `inline` the step's own sync (its sampled ids) does.
 """
 
 from __future__ import annotations

@@ -8,12 +8,11 @@ pay nothing; after sampling, the engine advances each matcher by its token. A co
 grammar allows only EOS, so a constrained request ends as any other, on EOS.
 
 The engine is llguidance (chosen by measurement against xgrammar,
-`bench/results/grammar_engines.md`): a 3 MB wheel with no dependencies where xgrammar
-requires torch and triton (a CPU install would pull a gigabyte of GPU packages); it
-compiles a schema in under a millisecond; a mask costs ~5-9 µs a token on a 152k
-vocabulary against xgrammar's ~3-4, both negligible next to a forward. Its tokenizer view
-is built once, in a thread started with the engine (~0.6-1.4 s for a Qwen-sized
-vocabulary), so the first constrained request does not stall every running one.
+`bench/results/grammar_engines.md`): a small wheel with no dependencies where xgrammar
+requires torch and triton (a CPU install would pull GPU packages); its schema
+compilation and per-token masks are negligible next to a forward. Its tokenizer view of
+a Qwen-sized vocabulary takes long to build, so it is built once, in a thread started
+with the engine, and the first constrained request does not stall every running one.
 
 JSON is generated compact (no free whitespace between tokens): a model with random
 weights, or a confused one, cannot loop on whitespace until `max_tokens`.

@@ -3,7 +3,7 @@
     app = create_app(AppSettings(model_path, ("my-model",), max_model_len=4096), client)
     uvicorn.run(app, host=..., port=...)
 
-The app owns HTTP only (DESIGN.md): parsing and validation (`server.protocol`), request
+The app owns HTTP only (docs/design.md, "Processes"): parsing and validation (`server.protocol`), request
 ids, streaming, detokenization and stop strings (`server.serving`), usage, client
 disconnects, and /metrics (`server.metrics`: the client's `MetricsBoard` when it has one,
 fed with the other processes' stats; else a board of the server's own histograms only).

@@ -23,7 +23,7 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
-        backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: ~4x faster
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: faster
         self._decode: Callable[[list[int]], str]
         if backend is not None:
             self._decode = partial(backend.decode, skip_special_tokens=skip_special_tokens)

@@ -227,7 +227,7 @@ def test_backend_resolution(monkeypatch):
 
 
 def test_the_cpu_path_imports_no_triton():
-    """`sdpa` and the backend registry never import triton (lazy, as DESIGN.md asks)."""
+    """`sdpa` and the backend registry never import triton (lazy, so the CPU path needs no triton)."""
     import subprocess
 
     code = (

@@ -1,4 +1,5 @@
-"""Invariant 8: greedy fp32 tokens equal transformers `generate` on the same checkpoint.
+"""Reference parity (docs/design.md): greedy fp32 tokens equal transformers `generate` on
+the same checkpoint.
 
 Every scenario runs Iris's engine and the reference on identical token ids and pixel
 values; what differs is only how Iris computes: paged KV, chunked prefill, batching,

@@ -1,4 +1,5 @@
-"""Invariants 3 and 4 at the engine: per-image embedding cache, lazy chunk-aware encoding.
+"""docs/design.md's "One cache entry per image" and "Lazy and chunk-aware" at the engine:
+per-image embedding cache, lazy chunk-aware encoding.
 
 What the vision tower ran is recorded by `engine()` below (the cache keys of each call,
 read off the model's `encode_images` and the embedding cache's `put`) and the counters;

@@ -1,4 +1,4 @@
-"""Invariant 8 with the prefix cache: reused KV pages change no token.
+"""Reference parity (docs/design.md) with the prefix cache: reused KV pages change no token.
 
 Greedy fp32 against transformers `generate`, on both architectures: a multi-turn
 conversation (each turn is the previous prompt, its answer and a new image), two prompts

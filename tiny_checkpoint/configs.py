@@ -57,7 +57,7 @@ class Shape:
 
 
 SHAPES: dict[str, Shape] = {
-    # 0.30M parameters (qwen2_vl, tied) / 0.41M (qwen2_5_vl); builds in ~0.05 s.
+    # 0.30M parameters (qwen2_vl, tied) / 0.41M (qwen2_5_vl): fast to build, for tests.
     "tiny": Shape(
         hidden=64,
         layers=2,
@@ -77,7 +77,7 @@ SHAPES: dict[str, Shape] = {
         dense_layers=(1,),
         init_std=0.2,
     ),
-    # 38.5M / 42.6M parameters; builds in ~0.5 s. Real head sizes: text head_dim 128
+    # 38.5M / 42.6M parameters. Real head sizes: text head_dim 128
     # (mrope_section [16, 24, 24], as Qwen2-VL), ViT head_dim 80.
     "small": Shape(
         hidden=512,

@@ -13,7 +13,7 @@ output (the LM width), Qwen2.5-VL's is the ViT width with `out_hidden_size` the 
 Qwen3-VL's files use the nested layout (`text_config`, `vision_config`; rope under
 `text_config.rope_scaling` with `rope_theta` beside it, as transformers 4.57 wrote them).
 They were taken from third-party copies of the hub files (TensorRT-LLM's and others' test
-configs; see shared/notes/qwen3-vl.md and qwen3-vl-moe.md), not the hub itself. The 8B does
+configs), not the hub itself. The 8B does
 not tie lm_head; the 30B-A3B routes every layer through 128 experts, top-8.
 """
 

@@ -2,7 +2,7 @@
 
 The launcher hands it to `multiprocessing` (spawn), which pickles a target by its
 module's name, so the launcher imports the module that defines it. Here that costs
-nothing: the worker (transformers' processors, torch; ~2.5 s of a core) is imported
+nothing: the worker (transformers' processors, torch; seconds of a core) is imported
 inside the spawned process only, so the launcher starts every child at once and the
 children's imports overlap instead of following the launcher's own.
 """

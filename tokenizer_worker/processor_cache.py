@@ -9,8 +9,9 @@ cached + pinned bytes never exceed the arena and an entry pinned by a request in
 is never evicted (`ipc.shm_arena`).
 
 A value is the arena entry (the resized uint8 image, `image_resize`), the image grid and
-the token count. Every hit is checked against both (DESIGN lessons: a collision or a bug must fail the request loudly, never
-hand out another image's pixels or a wrong number of placeholder tokens).
+the token count. Every hit is checked against both (docs/design.md, "One cache entry per
+image"): a collision or a bug must fail the request loudly, never hand out another
+image's pixels or a wrong number of placeholder tokens.
 
 Disabled (`--disable-mm-processor-cache`): no lookup; every image is decoded and
 processed into an anonymous entry, freed at its last release. The counters then stay

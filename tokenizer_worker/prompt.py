@@ -81,7 +81,8 @@ class PromptBuilder:
         return size
 
     def image_settings(self, size: ImageSize | None = None) -> tuple[tuple[str, Any], ...]:
-        """What an image key covers besides the encoded bytes (invariant 2)."""
+        """What an image key covers besides the encoded bytes (docs/design.md, "Hash
+        once, early, on the cheapest bytes")."""
         return (*self._settings, ("size", size or self.default_size))
 
     def pixel_bytes(self, width: int, height: int, size: ImageSize | None = None) -> int:

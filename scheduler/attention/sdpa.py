@@ -13,10 +13,8 @@ allocator keeps a sequence's pages in few runs (`free_pages.py`). Per sequence a
   `SPLIT_MIN_NEW_TOKENS` attends causally over its own new k/v and, unmasked, over each
   run of its history, the parts merged by their log-sum-exps. A mask makes the CPU
   kernel compute every block of the rectangle; the causal part skips the blocks above
-  the diagonal. Measured for `small` (4 heads, 2 KV heads, head dim 128) on 2 cores, per
-  layer: 1,202 new tokens after 290, 23.8 ms masked against 18.0 split; 2,048 after
-  2,048, 120 against 82; below about 512 new tokens the mask is as fast or faster; an
-  ~11k-token prompt's first token 0.83x as long (bench/results/chunk_attention_small.md).
+  the diagonal. Below `SPLIT_MIN_NEW_TOKENS` the mask is as fast or faster
+  (bench/results/chunk_attention_small.md has the measurements).
 
 A context can span several runs: a prefix shared with other sequences, or a pool
 fragmented by evictions. A decode then attends to each run on its own and merges the

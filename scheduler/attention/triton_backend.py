@@ -14,9 +14,10 @@ Which attention kernel (decided once per step, on the host, from the chunks):
   segments empty and pays the reduce for nothing);
 - the **unified** kernel otherwise (any mix of prefill chunks and decodes).
 
-Under CUDA graphs (`StaticTritonDecode`) the path may depend on the batch size only
-(`notes/gpu-engine.md` §3): split-K for any graph of at most `max_split_seqs` sequences,
-whatever their contexts (a short one leaves segments empty, which the reduce weighs 0).
+Under CUDA graphs (`StaticTritonDecode`) the path may depend on the batch size only (a
+graph replays the kernels it captured): split-K for any graph of at most
+`max_split_seqs` sequences, whatever their contexts (a short one leaves segments empty,
+which the reduce weighs 0).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Our Triton kernels for paged attention: the KV write, one unified kernel for any mix
 of decodes and prefill chunks, and a split-K decode for few sequences with long contexts.
 
-The design follows vLLM's unified Triton attention (see `notes/gpu-engine.md` §1), on
+The design follows vLLM's unified Triton attention (`triton_unified_attention`), on
 Iris's head-major cache: per layer, K and V are each `[kv_heads, slots, head_dim]` with
 slot `page * page_size + offset`, read in place through a block table (no gather).
 
