@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_profile import start_decoding
 from bench.results_io import (
     Checkpoint,
     add_arch_argument,
@@ -54,6 +53,22 @@ from iris_serve.scheduler.engine import Engine
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def start_decoding(engine: Engine, context: int, batch: int, steps: int) -> None:
+    """`batch` requests sharing one `context`-token prompt, all past their prefill."""
+    vocab = engine.model.config.vocab_size
+    prompt = PromptInput.text([(7 * i + 3) % (vocab - 1) + 1 for i in range(context)])
+    params = Sampling(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
+    engine.add_request("r0", prompt, params)
+    while not engine.step():  # the first prefill, chunk by chunk, until it samples
+        pass
+    for i in range(1, batch):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.planner.waiting or any(
+        len(r.output_token_ids) == 0 for r in engine.requests.values()
+    ):
+        engine.step()
 
 
 def seconds_per_call(call: Callable[[], object], device: torch.device, repeat: int) -> float:

@@ -46,24 +46,6 @@ def test_image_probe_quick(tmp_path, cache_dir):
     assert (tmp_path / "image_probe_tiny_quick.png").stat().st_size > 0
 
 
-def test_tokenizer_scaling_quick(tmp_path, cache_dir):
-    run_quick("bench.tokenizer_scaling", tmp_path, cache_dir)
-    text = (tmp_path / "tokenizer_scaling_tiny_quick.md").read_text()
-    check_provenance(text)
-    [(header, rows)] = markdown_tables(text)
-    assert header[:4] == ["tokenizer workers", "workers done s", "workers img/s", "÷ 1 worker"]
-    column = {name: header.index(name) for name in header}
-    for name in ("answered img/s", "images preprocessed", "proc. cache misses / hits"):
-        assert name in column
-    assert [r[0] for r in rows] == ["1", "2"]
-    assert rows[0][3] == "1"
-    for row in rows:
-        assert float(row[2]) > 0 and float(row[column["answered img/s"]]) > 0
-        assert row[column["images preprocessed"]] == "16"  # 8 requests x 2 new images
-        assert row[column["proc. cache misses / hits"]] == "16 / 0"  # all misses
-        assert float(row[column["worker CPU ms/img"]]) > 0
-    assert (tmp_path / "tokenizer_scaling_tiny_quick.png").stat().st_size > 0
-
 
 def test_scheduler_threads_quick(tmp_path, cache_dir):
     run_quick("bench.scheduler_threads", tmp_path, cache_dir)

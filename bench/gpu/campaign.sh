@@ -15,8 +15,6 @@
 #   serve      bench.serve_load: Iris --mm-encoder-beside, Iris --mm-encoder-inline
 #              (the CUDA default) and transformers serve, random-mm (SERVE_ARGS: more
 #              bench.serve_load flags; "--concurrency 4 --no-peer": 124 s) ~6 min
-#   overlap    bench.encoder_overlap: the encoder beside the steps vs inline,
-#              in process, with where the time goes                       48 s
 #   (the first stage that needs the checkpoint generates it: 28 s more)
 #   scenarios  bench.multiturn_image and bench.agent_repeat               ~6 min
 #   images     bench.image_probe: 1..64 1280x720 images in one request    ~5 min
@@ -82,9 +80,6 @@ stage() {
             "$PY" -m bench.serve_load --model "$MODEL" --device cuda --client builtin \
                 --num-prompts 32 --concurrency 8 --inline-baseline --iris-flags=--mm-encoder-beside \
                 --out "$OUT" ${SERVE_ARGS:-} ;;
-        overlap)
-            checkpoint
-            "$PY" -m bench.encoder_overlap --model "$MODEL" --device cuda --out "$OUT" ;;
         scenarios)
             checkpoint
             "$PY" -m bench.multiturn_image --model "$MODEL" --out "$OUT"
@@ -103,7 +98,7 @@ stage() {
 }
 
 for name in "$@"; do
-    case "$name" in env|tests|roofline|serve|overlap|scenarios|images|peers) ;; *) echo "unknown stage: $name"; usage ;; esac
+    case "$name" in env|tests|roofline|serve|scenarios|images|peers) ;; *) echo "unknown stage: $name"; usage ;; esac
 done
 install
 for name in "$@"; do
