@@ -376,20 +376,6 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict[str, Any]) -> St
     )
 
 
-def run_each(
-    model_dir: str | Path,
-    variants: Sequence[tuple[str, Sequence[str]]],
-    measure: Callable[[str, IrisServer], Any],
-    *,
-    common_flags: Sequence[str] = (),
-    overlap_start: bool = False,
-) -> dict[str, Any]:
-    """`measure(name, server)` for each `(name, flags)` variant of `iris serve`, one
-    server at a time (`measure_each`); returns the results by name."""
-    servers = [(name, IrisServer(model_dir, [*common_flags, *flags])) for name, flags in variants]
-    return measure_each(servers, measure, overlap_start=overlap_start)
-
-
 def measure_each(
     servers: Sequence[tuple[str, IrisServer]],
     measure: Callable[[str, IrisServer], Any],
@@ -439,22 +425,19 @@ def measure_each(
 
 
 def run_interleaved(
-    model_dir: str | Path,
-    variants: Sequence[tuple[str, Sequence[str]]],
+    servers: Sequence[tuple[str, IrisServer]],
     steps: Callable[[str, IrisServer], Iterator[Any]],
-    *,
-    common_flags: Sequence[str] = (),
 ) -> dict[str, list[Any]]:
-    """All variants' servers up at once, their measurements taken in turns: one item of
-    `steps(name, server)` from each variant, then the next round, until every iterator
-    is exhausted; returns each variant's items in order.
+    """All the named servers (not started yet) up at once, their measurements taken in
+    turns: one item of `steps(name, server)` from each, then the next round, until every
+    iterator is exhausted; returns each server's items in order.
 
     Requests never overlap (one at a time, the other servers idle), and a burst of load
-    from outside hits every variant alike instead of whichever one ran during it: on a
-    shared machine, interleaving keeps the comparison fair where `run_each` cannot.
+    from outside hits every server alike instead of whichever one ran during it: on a
+    shared machine, interleaving keeps the comparison fair where `measure_each` cannot.
     """
-    servers = [IrisServer(model_dir, [*common_flags, *flags]) for _, flags in variants]
-    names = [name for name, _ in variants]
+    names = [name for name, _ in servers]
+    servers = [server for _, server in servers]
     results: dict[str, list[Any]] = {name: [] for name in names}
     try:
         started = time.monotonic()
@@ -462,7 +445,7 @@ def run_interleaved(
             server.launch()
         for server in servers:
             server.wait_ready()
-        _progress(f"{len(servers)} iris serve ready in {time.monotonic() - started:.1f} s")
+        _progress(f"{len(servers)} servers ready in {time.monotonic() - started:.1f} s")
         started = time.monotonic()
         pending = {name: steps(name, server) for name, server in zip(names, servers, strict=True)}
         while pending:
@@ -476,7 +459,7 @@ def run_interleaved(
         for name, server in zip(names, servers, strict=True):
             status = server.stop()
             if status not in (0, None):
-                _progress(f"{name}: iris serve exited with {status}, log {server.log_path}")
+                _progress(f"{name}: {server.label} exited with {status}, log {server.log_path}")
     return results
 
 

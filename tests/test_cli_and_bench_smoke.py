@@ -64,20 +64,6 @@ def test_iris_generate_names_a_missing_or_broken_image(tmp_path):
         assert says in done.stderr and "Traceback" not in done.stderr
 
 
-
-
-def test_decode_peers_quick_measures_the_served_decode(tmp_path):
-    out = tmp_path / "results"
-    run_bench(
-        "bench.decode_peers", "--quick", "--peers", "iris", "--out", str(out),
-        cache_dir=tmp_path / "cache", timeout=600,
-    )  # fmt: skip
-    [(header, rows)] = markdown_tables((out / "decode_peers_tiny_quick.md").read_text())
-    assert header[:3] == ["context", "batch", "Iris median ITL ms"]
-    assert [row[:2] for row in rows] == [["128", "2"]]
-    assert float(rows[0][2]) > 0 and float(rows[0][4]) > 0  # ITL, TTFT
-
-
 def test_roofline_quick_reports_every_stage_against_the_device(tmp_path):
     out = tmp_path / "results"
     run_bench("bench.gpu_roofline", "--quick", "--out", str(out), cache_dir=tmp_path / "cache",
@@ -91,7 +77,6 @@ def test_roofline_quick_reports_every_stage_against_the_device(tmp_path):
         measured, roofline, fraction = float(row[1]), float(row[2]), float(row[4])
         assert measured > 0 and roofline > 0
         assert abs(fraction - roofline / measured) < 0.01 * fraction + 1e-3
-
 
 
 def test_tensor_parallel_quick_compares_one_and_two_ranks(tmp_path):
@@ -111,27 +96,6 @@ def test_tensor_parallel_quick_compares_one_and_two_ranks(tmp_path):
     for workload in ("decode", "prefill", "images"):
         assert cells[workload, "RankStep bytes mean / max"][3] != "-"
     assert "TP=2 matched TP=1 on all" in text
-
-
-
-def test_itl_stretch_quick_measures_each_setting_against_the_old_engine(tmp_path):
-    out = tmp_path / "results"
-    run_bench("bench.itl_stretch", "--quick", "--stretches", "3", "--out", str(out),
-              cache_dir=tmp_path / "cache", timeout=600)  # fmt: skip
-    text = (out / "itl_stretch_tiny_quick.md").read_text()
-    check_provenance(text)
-    [(_, summary), (header, rounds)] = markdown_tables(text)
-    old = "inline, unpaced (before issue 12)"
-    assert [row[:2] for row in summary] == [
-        ["stretch 3", "image"], [old, "image"], ["stretch 3", "text"], [old, "text"]
-    ]  # fmt: skip
-    for row in (row for row in summary if row[0] == old):  # each round ÷ itself
-        assert [float(cell) for cell in row[2:4]] == [1.0, 1.0]  # req/s, TTFT
-        assert row[4] == "n/a" or float(row[4]) == 1.0  # TPOT: none if every answer is 1 token
-    assert {row[header.index("ok")] for row in rounds} == {"2/2"}
-
-
-
 
 
 def test_server_startup_quick_times_each_variant(tmp_path):

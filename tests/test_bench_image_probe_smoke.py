@@ -1,28 +1,17 @@
-"""The image-count probe, the tokenizer-worker scaling and the scheduler-threads
-benchmarks run (`--quick`): each starts its `iris serve`s, writes its table (and plot)."""
+"""The image-count probe runs (`--quick`): it starts its `iris serve`s side by side and
+writes its table and plot."""
 
 from __future__ import annotations
-
-from pathlib import Path
-
-import pytest
 
 from tests.bench_smoke import check_provenance, markdown_tables, run_bench
 
 TIMEOUT_SECONDS = 240  # ~30 s each on 2 idle cores (start-up of two servers dominates)
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("iris-cache")  # the checkpoint is generated once
-
-
-def run_quick(module: str, out: Path, cache_dir: Path) -> None:
-    run_bench(module, "--quick", "--out", str(out), cache_dir=cache_dir, timeout=TIMEOUT_SECONDS)
-
-
-def test_image_probe_quick(tmp_path, cache_dir):
-    run_quick("bench.image_probe", tmp_path, cache_dir)
+def test_image_probe_quick(tmp_path):
+    cache_dir = tmp_path / "cache"
+    run_bench("bench.image_probe", "--quick", "--out", str(tmp_path), cache_dir=cache_dir,
+              timeout=TIMEOUT_SECONDS)  # fmt: skip
     text = (tmp_path / "image_probe_tiny_quick.md").read_text()
     check_provenance(text)
     (summary_header, summary), (header, rows) = markdown_tables(text)
@@ -44,16 +33,3 @@ def test_image_probe_quick(tmp_path, cache_dir):
     for image_row, text_row in zip(by_variant[variants[0]], by_variant[variants[2]], strict=True):
         assert text_row[3] == image_row[3] and text_row[6] == "0"  # same length, no ViT
     assert (tmp_path / "image_probe_tiny_quick.png").stat().st_size > 0
-
-
-
-def test_scheduler_threads_quick(tmp_path, cache_dir):
-    run_quick("bench.scheduler_threads", tmp_path, cache_dir)
-    text = (tmp_path / "scheduler_threads_tiny_quick.md").read_text()
-    check_provenance(text)
-    [(header, rows)] = markdown_tables(text)
-    assert header[:5] == ["scheduler threads", "workload", "load", "ok", "req/s"]
-    assert [r[1] for r in rows] == ["image"] * (len(rows) // 2) + ["text"] * (len(rows) // 2)
-    assert rows[0][0].endswith("(default: every core)") and len(rows) >= 4
-    assert all(r[3] == "2/2" and float(r[4]) > 0 for r in rows), rows
-    assert rows[0][5] == "1"  # the default is the ratios' base
