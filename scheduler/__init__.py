@@ -8,7 +8,11 @@ it (`tests/test_import_boundaries.py` holds that):
   launcher; `run_follower`: a tensor-parallel rank past the first, started beside it;
 - `main_generate`: `iris generate`, the in-process engine on one prompt;
 - `builtin_checkpoint`, `main_tiny_model`: the built-in tiny checkpoint (the default
-  model of `iris serve`) and `iris tiny-model`.
+  model of `iris serve`) and `iris tiny-model`;
+- `Engine`: the in-process engine, for benchmarks that measure it without the server
+  (`bench.compute_bound`, `bench.gpu_roofline`, `bench.tensor_parallel`);
+- `StepBroadcaster`, `join_group`: a tensor-parallel first rank's side, which
+  `bench.tensor_parallel` composes in process as `run_scheduler` does.
 
 The names resolve on first use (PEP 562), so importing the package loads nothing: the
 server process reads `EngineConfig` without importing torch or the model code.
@@ -21,21 +25,29 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from iris_serve.scheduler.config import EngineConfig
+    from iris_serve.scheduler.engine import Engine
     from iris_serve.scheduler.entry import SchedulerProcessConfig, run_follower, run_scheduler
     from iris_serve.scheduler.generate import main_generate
+    from iris_serve.scheduler.ranks import StepBroadcaster, join_group
     from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint, main_tiny_model
 
 __all__ = [
+    "Engine",
     "EngineConfig",
     "SchedulerProcessConfig",
+    "StepBroadcaster",
     "builtin_checkpoint",
+    "join_group",
     "main_generate",
     "main_tiny_model",
     "run_follower",
     "run_scheduler",
 ]
 _HOMES = {
+    "Engine": "engine",
     "EngineConfig": "config",
+    "StepBroadcaster": "ranks",
+    "join_group": "ranks",
     "SchedulerProcessConfig": "entry",
     "run_scheduler": "entry",
     "run_follower": "entry",

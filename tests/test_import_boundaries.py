@@ -148,7 +148,7 @@ def test_the_public_surface_resolves(package: str):
         ("iris_serve.scheduler.models.x", "from ...tokenizer_worker import chat"),
         # the launcher: the public surface only, never a submodule or a private name
         ("iris_serve.server.launcher", "from iris_serve.scheduler.process import run_scheduler"),
-        ("iris_serve.server.launcher", "from iris_serve.scheduler import Engine"),
+        ("iris_serve.server.launcher", "from iris_serve.scheduler import ModelRunner"),
         ("iris_serve.server.cli", "import iris_serve.tokenizer_worker"),
         # the rest of the server gets no exception
         ("iris_serve.server.app", "from iris_serve.scheduler import EngineConfig"),
