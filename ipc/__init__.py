@@ -22,6 +22,7 @@ __all__ = ["PromptInput", "Sampling"]
 
 
 def __getattr__(name: str) -> Any:
+    value: Any
     if name == "PromptInput":
         from iris_serve.ipc.local import PromptInput as value  # torch: only when asked for
     elif name == "Sampling":
