@@ -65,7 +65,13 @@ import httpx
 from bench import scenario
 from bench.compute_bound import compute_bound
 from bench.load_client import Workload, chat_bodies, find_vllm, run_builtin, run_vllm, vllm_command
-from bench.results_io import Checkpoint, add_arch_argument, add_common_arguments, add_model_argument
+from bench.results_io import (
+    Checkpoint,
+    add_arch_argument,
+    add_common_arguments,
+    add_model_argument,
+    checkout_commit,
+)
 from bench.serve_load_report import Run, report
 from bench.server_process import IrisServer, group_processes, measure_each, run_interleaved
 
@@ -153,7 +159,10 @@ def iris_servers(args: argparse.Namespace, model_dir: Path, logs: Path) -> list[
         tree = args.before_tree.resolve()
         server = IrisServer(model_dir, common, env=thread_env(args), source_tree=tree,
                             log_path=logs / "before.log")  # fmt: skip
-        servers.append(Server("before", server, f"`iris serve MODEL_DIR` from `{tree}`"))
+        how = f"`{shlex.join(['iris', 'serve', 'MODEL_DIR', *common])}`"
+        servers.append(
+            Server("before", server, f"{how} from `{tree}`, commit {checkout_commit(tree)}")
+        )
     return servers
 
 
