@@ -46,9 +46,8 @@ def compute_bound(
 ) -> Bound:
     """The workload through the in-process engine: no HTTP, no IPC, no second process."""
     from iris_serve.ipc.messages import Sampling
-    from iris_serve.scheduler.config import EngineConfig
-    from iris_serve.scheduler.engine import Engine
-    from iris_serve.tokenizer_worker.prompt import PromptBuilder, load_image
+    from iris_serve.scheduler import Engine, EngineConfig
+    from iris_serve.tokenizer_worker import PromptBuilder, load_image
 
     builder = PromptBuilder(model_dir)
     rng = np.random.default_rng(seed)

@@ -3,9 +3,8 @@
     python -m bench.drop_fields_proxy --upstream http://127.0.0.1:8000 --port 8100 --drop ignore_eos
 
 Why: `vllm bench serve` always sends `ignore_eos` with its random datasets, and
-`transformers serve` answers any field it does not know with a 422. `bench.serve_load`
-puts one of these in front of *each* server it measures, so both see byte-for-byte the
-same requests, without that field.
+`transformers serve` answers any field it does not know with a 422. `bench.peers` puts
+one in front of `transformers serve` (`ProxyServer`), saying `ignore_eos` its way.
 
 It is kept cheap because it shares the cores with the server it measures: each request
 (HTTP/1.1 with a Content-Length body) gets its own upstream connection, the request head
@@ -20,7 +19,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import sys
+from collections.abc import Sequence
 from urllib.parse import urlsplit
+
+from bench.server_process import REPO, IrisServer
 
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024
@@ -48,6 +51,25 @@ def drop_fields(body: bytes, fields: frozenset[str], min_new_tokens: bool = Fals
     if min_new_tokens and payload.get("ignore_eos") is True and wanted:
         kept["generation_config"] = json.dumps({"min_new_tokens": int(wanted)})
     return json.dumps(kept).encode()
+
+
+class ProxyServer(IrisServer):
+    """This proxy in front of `upstream`, dropping `ignore_eos`, started and stopped the
+    way `IrisServer` does it."""
+
+    label = "drop_fields_proxy"
+    iris_metrics = False
+
+    def __init__(self, upstream: str, flags: Sequence[str] = ()) -> None:
+        super().__init__(REPO, ["--drop", "ignore_eos", *flags], start_timeout=60.0)
+        self.upstream = upstream
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "bench.drop_fields_proxy", "--upstream", self.upstream,
+            "--port", str(self.port), *self.flags,
+        ]  # fmt: skip
 
 
 def _split_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:

@@ -21,11 +21,7 @@ CPU path is from the machine's memory bandwidth.
 - ViT: one 1280×720 and one 1920×1080 image through the vision tower, `2 × vision
   parameters × patches` FLOPs ÷ the matmul rate;
 - on CUDA, decode with the CUDA graphs captured at start-up against the same engine's
-  eager steps (`--enforce-eager`'s path, its graphs set aside), batch by batch;
-- on CUDA, pixels to the device: one 1920×1080 uint8 image from a worker's arena, copied
-  `non_blocking` from the arena as mapped (pageable) and registered as pinned host
-  memory (`scheduler.pinned_host`, what the scheduler does): how long the copy call holds
-  the calling thread, and how long until the bytes are on the device.
+  eager steps (`--enforce-eager`'s path, its graphs set aside), batch by batch.
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_profile import start_decoding
 from bench.results_io import (
     Checkpoint,
     add_arch_argument,
@@ -47,13 +42,28 @@ from bench.results_io import (
 )
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler import Engine, EngineConfig
 
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def start_decoding(engine: Engine, context: int, batch: int, steps: int) -> None:
+    """`batch` requests sharing one `context`-token prompt, all past their prefill."""
+    vocab = engine.model.config.vocab_size
+    prompt = PromptInput.text([(7 * i + 3) % (vocab - 1) + 1 for i in range(context)])
+    params = Sampling(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
+    engine.add_request("r0", prompt, params)
+    while not engine.step():  # the first prefill, chunk by chunk, until it samples
+        pass
+    for i in range(1, batch):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.planner.waiting or any(
+        len(r.output_token_ids) == 0 for r in engine.requests.values()
+    ):
+        engine.step()
 
 
 def seconds_per_call(call: Callable[[], object], device: torch.device, repeat: int) -> float:
@@ -138,7 +148,7 @@ def vit_row(engine: Engine, model_dir: Path, size: tuple[int, int], matmul_rate:
     from PIL import Image
 
     from bench.images import jpeg_bytes
-    from iris_serve.tokenizer_worker.prompt import PromptBuilder
+    from iris_serve.tokenizer_worker import PromptBuilder
 
     builder = PromptBuilder(str(model_dir))
     content = [{"type": "image"}, {"type": "text", "text": "?"}]
@@ -156,43 +166,6 @@ def vit_row(engine: Engine, model_dir: Path, size: tuple[int, int], matmul_rate:
     roofline = 2 * params * pixels.shape[0] / matmul_rate
     return [f"ViT, one {size[0]}×{size[1]} image ({pixels.shape[0]} patches)", seconds * 1e3,
             roofline * 1e3, 1 / seconds, roofline / seconds]  # fmt: skip
-
-
-def pixel_copy_rows(device: torch.device, repeat: int = 20) -> list[list]:
-    """Median host-call and completed-copy times of one 1920×1080 image's pixels, from a
-    worker arena, pageable vs registered."""
-    import statistics
-
-    import numpy as np
-
-    from iris_serve.ipc.shm_arena import ShmArena, ShmReader
-    from iris_serve.ipc.shm_names import instance_prefix, new_instance_id
-    from iris_serve.scheduler.pinned_host import cuda_host_registrar
-
-    pixels = np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8)
-    rows = []
-    with ShmArena(instance_prefix(new_instance_id()) + "w0", 16 << 20) as arena:
-        pointer = arena.put(None, pixels)
-        hooks = [("pageable", None), ("pinned (registered arena)", cuda_host_registrar(device))]
-        for label, hook in hooks:
-            with ShmReader(on_map=hook) as reader:
-                view = reader.view(pointer)
-                calls, totals = [], []
-                for _ in range(repeat + 2):  # the first two warm up
-                    synchronize(device)
-                    start = time.perf_counter()
-                    view.to(device, non_blocking=True)
-                    called = time.perf_counter()
-                    synchronize(device)
-                    calls.append(called - start)
-                    totals.append(time.perf_counter() - start)
-                total = statistics.median(totals[2:])
-                rows.append([
-                    f"1920×1080 pixels, {label}", statistics.median(calls[2:]) * 1e3,
-                    total * 1e3, pixels.nbytes / total / 1e9,
-                ])  # fmt: skip
-                del view
-    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -253,14 +226,6 @@ def main(argv: list[str] | None = None) -> None:
             )
             if graph_rows
             else "Measured on CUDA, with graphs (not under --enforce-eager) only."
-        )
-        + "\n\n## Pixels to the device\n\n"
-        + (
-            markdown_table(
-                ["copy", "host call ms", "until on the device ms", "GB/s"], pixel_copy_rows(device)
-            )
-            if on_gpu
-            else "Measured on CUDA only."
         )
     )
     label = "gpu" if on_gpu else "cpu"

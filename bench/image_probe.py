@@ -543,12 +543,8 @@ def main() -> None:
     model_dir = checkpoint.model_dir
     # Read by glibc in the servers' processes (IrisServer copies this environment).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    by_server = run_interleaved(
-        model_dir,
-        run.variants,
-        lambda name, server: sweep(run, name, server),
-        common_flags=run.flags,
-    )
+    servers = [(name, IrisServer(model_dir, [*run.flags, *flags])) for name, flags in run.variants]
+    by_server = run_interleaved(servers, lambda name, server: sweep(run, name, server))
     every = [row for points in by_server.values() for point in points for row in point]
     results: dict[str, list[dict[str, Any]]] = {}  # by variant, text-only last
     for name in [*(name for name, _ in run.variants), TEXT_ONLY]:

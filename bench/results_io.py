@@ -80,7 +80,7 @@ class Checkpoint:
         if getattr(args, "model", None) is not None:
             model_dir = args.model.resolve()
             return cls(model_dir, model_dir.name, model_dir.name, f"checkpoint `{model_dir}`")
-        from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+        from iris_serve.tiny_checkpoint import builtin_checkpoint
 
         title = f"{ARCH_TITLES[args.arch]} {args.size}"
         return cls(

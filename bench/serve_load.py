@@ -1,403 +1,362 @@
-"""Served load: `vllm bench serve` against Iris and against `transformers serve`, and the
-compute bound of the same work in process.
+"""Served load: the same workloads sent to several servers in one run, and each server's
+figures against the first's.
 
-    bash bench/install_vllm_client.sh       # once: the vLLM client in its own venv
-    python -m bench.serve_load [--size tiny|small] [--arch ARCH] [--quick] [--out DIR]
-        [--client vllm|builtin] [--vllm PATH] [--no-peer] [--inline-baseline] [--threads N]
-        [--iris-flags=FLAGS] [--before-tree DIR]
+    python -m bench.serve_load [--size tiny|small] [--arch ARCH | --model DIR] [--quick]
+        [--workloads image,text,append,window,decode] [--variant NAME=FLAGS ...]
+        [--before-tree DIR] [--flags=FLAGS] [--rounds N] [--interleave] [--threads N]
+        [--client builtin|vllm] [--vllm PATH] [--num-prompts N] [--concurrency N]
+        [--output-len N] [--decode CONTEXTxBATCH,...] [--no-bound] [--name NAME] [--out DIR]
 
-Two workloads, each sent to every server: `image` (`--dataset-name random-mm`: one
-1280×720 random-noise JPEG + 200 random text tokens per request, 32 tokens asked back)
-and `text` (`--dataset-name random`: 200 tokens in, 32 asked back); 32 requests at most 4
-in flight, greedy (`--temperature 0`). The servers, one after the other on the same
-generated checkpoint (`--arch`; Qwen2.5-VL by default), each started fresh and warmed up
-with one image and one text request of their own:
+The servers, on the same checkpoint (generated, `--arch`, Qwen2.5-VL by default, or
+`--model`), each started fresh and warmed up:
 
-- Iris: `iris serve` with its defaults (`bench.server_process.IrisServer`), and
-  `--iris-flags` if given (`--iris-flags=--mm-encoder-beside` on CUDA, where the
-  encoder runs inside the steps by default);
-- with `--inline-baseline`, Iris again with `--mm-encoder-inline --max-itl-stretch 0`
-  (`iris inline`): the vision encoder inside the steps and prefill chunks as large as
-  the token budget, as before issue 12 (its other changes, uint8 pixels among them,
-  stay: `--before-tree` measures the code before it);
-- with `--before-tree DIR`, Iris again from another checkout of the repository (`git
-  worktree add DIR COMMIT`) with its own defaults (`iris before`): an earlier commit
-  measured in the same run, through this venv;
-- the peer: Hugging Face's `transformers serve` on the same folder, device and dtype,
-  through `bench.transformers_serve_launcher` (stock CLI; only the processor is built
-  without torchvision, see there). It serves a VLM one request at a time: its
-  continuous batching is text-only, so the image workload runs as its users meet it.
+- `iris`: `iris serve` from this tree with its defaults (and `--flags`, given to every
+  Iris server); it is the base every other server is compared with;
+- each `--variant NAME=FLAGS`: `iris serve` with FLAGS added; leading `VAR=value` words
+  are its environment, e.g. `--variant 'passive=OMP_WAIT_POLICY=PASSIVE'`,
+  `--variant 'inline=--mm-encoder-inline --max-itl-stretch 0'`;
+- `--before-tree DIR`: `before`, `iris serve` from another checkout (`git worktree add
+  DIR COMMIT`) with its own defaults, through this venv
+  (`bench.server_process.namespace_shim`): an earlier commit measured in the same run.
 
-`vllm bench serve`'s random datasets always send `ignore_eos`, which `transformers serve`
-refuses (422, unknown field), so each server gets the requests through its own
-`bench.drop_fields_proxy` that removes that field, and answers may stop at EOS: compare
-output tokens/s as well as requests/s. Iris is also measured without the proxy
-(`iris direct`, `ignore_eos` honoured, fresh seeds): vLLM's usual settings, and the
-proxy's cost. Each workload has its own `--seed` (a repeated
-seed resends the same images, which Iris's caches would answer); both servers get the
-same seed per workload, so they see the same requests (and, greedy in fp32 with Iris's
-reference parity, give the same answers).
+`bench.peers` measures vLLM's CPU build and `transformers serve` with this same code.
 
-The compute bound: the same number of requests with images of the same size and the
-same prompt and answer lengths (each answer as long as Iris's was, EOS ignored), through
-`scheduler.engine.Engine` in this process at the same concurrency: decode the JPEG and
-preprocess with `PromptBuilder`, then ViT, prefill and decode — no HTTP, no IPC. Iris's
-requests/s over the bound's is the fraction to push towards 1. It runs after the servers
-have stopped, on the same cores.
+The workloads (`--workloads`, default `image,text`), greedy:
 
-`--client builtin` replaces `vllm bench serve` (1.5 GB; `bash bench/install_vllm_client.sh`
-installs it) by a small httpx load generator with the same metrics and definitions
-(TTFT to the first chunk with output, TPOT = (latency - TTFT) / (output tokens - 1), ITL
-between output chunks) and images from `bench.images`; it sends no `ignore_eos`, so it
-needs no proxy.
+- `image`, the cold workload: each request one new 1280×720 noise JPEG + 200 random text
+  tokens, 32 tokens asked back, 4 in flight (`--num-prompts`, 32 on tiny, 8 on small);
+  the built-in client (`bench.load_client`) or `vllm bench serve --dataset-name random-mm`
+  (`--client vllm`, from `bash bench/install_vllm_client.sh`);
+- `text`: the same without the image (`random`);
+- `append` and `window`: the agent workloads of `bench.scenario` (a history that grows by
+  one 640×480 screenshot per round, 16 rounds, mean over 9-16; the last 10 screenshots,
+  steps 0-6, mean over 1-6), one request at a time, `ignore_eos`;
+- `decode`: per `--decode` point, `batch` distinct random prompts of `context` tokens
+  sent at once, 64 tokens each with `ignore_eos`: the median inter-token latency is the
+  served decode step at that batch and context.
 
-This module starts the servers and runs the workloads; `bench.load_client` holds both
-clients, `bench.compute_bound` the in-process bound, `bench.serve_load_report` the tables,
-plot and result file.
+`--rounds N` sends every workload N times, new requests each round; `--interleave` starts
+every server at once and takes their workloads in turns (a burst of other work on the
+machine then hits every server alike), default one server after another. Then, for
+`image` and `text`, the compute bound: the same work through the in-process engine
+(`bench.compute_bound`), `iris`'s requests/s over the bound's being the fraction to push
+towards 1. The report (`bench.serve_load_report`): each run, the means over rounds, and
+`iris ahead of X` (above 1: `iris` better).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
+import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
+
+from bench import scenario
 from bench.compute_bound import compute_bound
-from bench.load_client import (
-    DEFAULT_CLIENT_VENV,
-    INSTALL_HINT,
-    Workload,
-    chat_bodies,
-    find_vllm,
-    run_builtin,
-    run_vllm,
-    vllm_command,
-)
+from bench.load_client import Workload, chat_bodies, find_vllm, run_builtin, run_vllm, vllm_command
 from bench.results_io import (
     Checkpoint,
     add_arch_argument,
     add_common_arguments,
     add_model_argument,
+    checkout_commit,
 )
-from bench.serve_load_report import BEFORE, INLINE, PEER, PEER_NOTE, Plan, Run, report
-from bench.server_process import REPO, IrisServer, group_processes
+from bench.serve_load_report import Run, report
+from bench.server_process import IrisServer, group_processes, measure_each, run_interleaved
 
-STARTED = time.monotonic()
+WORKLOADS = ("image", "text", "append", "window", "decode")
+SCREENSHOT = (640, 480)
+DECODE_TOKENS = 64
 
 
-def plan(size: str, quick: bool, num_prompts: int | None, concurrency: int | None) -> Plan:
-    if quick:  # smoke test: a few small requests, a lean server
-        n, c = num_prompts or 4, concurrency or 2
-        flags = [
-            "--tokenizer-workers", "1", "--kv-cache-memory", "64MiB",
-            "--mm-processor-cache-gb", "0.125",
-        ]  # fmt: skip
-        return Plan(
-            [Workload("image", 32, 8, n, c, (448, 252)), Workload("text", 32, 8, n, c, None)],
-            flags,
-        )
-    # small: its ViT takes seconds per 1280×720 image on 2 CPU cores, so fewer requests.
-    n, c = num_prompts or (32 if size == "tiny" else 8), concurrency or 4
-    return Plan(
-        [Workload("image", 200, 32, n, c, (1280, 720)), Workload("text", 200, 32, n, c, None)],
-        [],
-    )
+@dataclass(frozen=True)
+class Plan:
+    """What every server gets: the workloads in order, and how many rounds of them."""
+
+    workloads: list[Workload | scenario.Agent]
+    rounds: int
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    quick, names = args.quick, args.workloads.split(",")
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; choose among {','.join(WORKLOADS)}")
+    out = args.output_len or (8 if quick else 32)
+    n = args.num_prompts or (4 if quick else 32 if args.size == "tiny" else 8)
+    c = args.concurrency or (2 if quick else 4)
+    in_len, image = (32, (448, 252)) if quick else (200, (1280, 720))
+    shot = (320, 180) if quick else SCREENSHOT
+    chosen: list[Workload | scenario.Agent] = []
+    for name in names:
+        if name in ("image", "text"):
+            chosen.append(Workload(name, in_len, out, n, c, image if name == "image" else None))
+        elif name == "append":
+            chosen.append(
+                scenario.Agent("append", 3 if quick else 16, shot, out, 2 if quick else 9)
+            )
+        elif name == "window":
+            chosen.append(scenario.Agent("window", 2 if quick else 7, shot, out, 1))
+        else:
+            for point in ("128x2" if quick else args.decode).split(","):
+                context, batch = map(int, point.split("x"))
+                tokens = 8 if quick else DECODE_TOKENS
+                chosen.append(Workload(f"decode {point}", context, tokens, batch, batch, None))
+    return Plan(chosen, 1 if quick else args.rounds)
 
 
 # --- the servers -----------------------------------------------------------------------
 
 
-class PeerServer(IrisServer):
-    """`transformers serve MODEL_DIR` through `bench.transformers_serve_launcher`, started,
-    health-checked and stopped the way `IrisServer` does it."""
-
-    label = PEER
-    iris_metrics = False
-
-    @property
-    def command(self) -> list[str]:
-        return [
-            sys.executable, "-m", "bench.transformers_serve_launcher", str(self.model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port), *self.flags,
-        ]  # fmt: skip
-
-
-class ProxyServer(IrisServer):
-    """`bench.drop_fields_proxy` in front of `upstream`, dropping `ignore_eos`."""
-
-    label = "drop_fields_proxy"
-    iris_metrics = False
-
-    def __init__(self, upstream: str, flags: Sequence[str] = ()) -> None:
-        super().__init__(REPO, ["--drop", "ignore_eos", *flags], start_timeout=60.0)
-        self.upstream = upstream
-
-    @property
-    def command(self) -> list[str]:
-        return [
-            sys.executable, "-m", "bench.drop_fields_proxy", "--upstream", self.upstream,
-            "--port", str(self.port), *self.flags,
-        ]  # fmt: skip
-
-
-def peer_site(vllm: Path | None) -> str | None:
-    """Where accelerate (which `transformers serve` needs, from transformers[serving])
-    comes from: this venv, or the folder bench/install_vllm_client.sh fills."""
-    if importlib.util.find_spec("accelerate") is not None:
-        return None
-    venvs = [vllm.resolve().parent.parent] if vllm else []
-    for venv in [*venvs, DEFAULT_CLIENT_VENV]:
-        if (venv / "peer-site" / "accelerate").is_dir():
-            return str(venv / "peer-site")
-    raise RuntimeError(
-        "`transformers serve` needs `accelerate` (transformers[serving]); it is not in this "
-        f"venv and no <client venv>/peer-site has it. `{INSTALL_HINT}` puts it there, or "
-        "`pip install accelerate==1.15.0 psutil==7.2.2` into this venv."
-    )
-
-
-def peer_flags(device: str) -> list[str]:
-    """The peer on Iris's device and dtype (Iris: bf16 on CUDA, fp32 on CPU)."""
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = "float32" if device == "cpu" else "bfloat16"
-    return ["--device", device, "--dtype", dtype]
-
-
 @dataclass
-class Target:
-    label: str
-    model_name: str  # what requests put in `model`
-    base_url: str  # where the client sends (the proxy, with the vllm client)
-    direct_url: str  # the server itself
-    group: int  # the server's process group (all its processes; not the proxy's)
+class Server:
+    """One server to measure: its name in the tables, the server (not started) and how it
+    is started, for the result."""
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the server's live processes so far."""
-        ticks = sum(int(f[11]) + int(f[12]) for _, f in group_processes(self.group))
-        return ticks / os.sysconf("SC_CLK_TCK")
+    name: str
+    server: IrisServer
+    how: str
 
 
-@contextlib.contextmanager
-def serving(server: IrisServer, model_name: str, label: str, proxy: bool) -> Iterator[Target]:
-    with server:
-        assert server.process is not None
-        group = server.process.pid  # started with start_new_session: it leads its group
-        if not proxy:
-            yield Target(label, model_name, server.base_url, server.base_url, group)
-            return
-        with ProxyServer(server.base_url) as front:
-            yield Target(label, model_name, front.base_url, server.base_url, group)
+def parse_variant(spec: str) -> tuple[str, list[str], dict[str, str]]:
+    """`NAME=FLAGS` -> (name, flags, environment from FLAGS' leading `VAR=value` words)."""
+    name, equals, rest = spec.partition("=")
+    if not equals or not re.fullmatch(r"[\w.+-]+", name) or name in ("iris", "before"):
+        raise SystemExit(f"--variant {spec!r}: expected NAME=FLAGS, NAME not iris or before")
+    words = shlex.split(rest)
+    env = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return name, words, env
 
 
-# --- one server, every workload --------------------------------------------------------
+def iris_servers(args: argparse.Namespace, model_dir: Path, logs: Path) -> list[Server]:
+    """`iris`, each `--variant`, and `before` (`--before-tree`), in that order."""
+    threads = ["--scheduler-threads", str(args.threads)] if args.threads else []
+    common = [*(scenario.QUICK_FLAGS if args.quick else []), *shlex.split(args.flags), *threads]
+    common += ["--device", args.device]
+    specs = [("iris", [], {}), *map(parse_variant, args.variant)]
+    servers = []
+    for name, flags, env in specs:
+        env = {**thread_env(args), **env}
+        server = IrisServer(model_dir, [*common, *flags], env=env, log_path=logs / f"{name}.log")
+        how = shlex.join([*(f"{k}={v}" for k, v in env.items()), "iris", "serve", "MODEL_DIR",
+                          *common, *flags])  # fmt: skip
+        servers.append(Server(name, server, f"`{how}`"))
+    if args.before_tree:
+        tree = args.before_tree.resolve()
+        server = IrisServer(model_dir, common, env=thread_env(args), source_tree=tree,
+                            log_path=logs / "before.log")  # fmt: skip
+        how = f"`{shlex.join(['iris', 'serve', 'MODEL_DIR', *common])}`"
+        servers.append(
+            Server("before", server, f"{how} from `{tree}`, commit {checkout_commit(tree)}")
+        )
+    return servers
 
 
-def measure_server(
-    target: Target, workloads: Sequence[Workload], args, model_dir: Path, tokenizer,
-    scratch: Path, direct: bool = False,
-) -> list[Run]:  # fmt: skip
-    """Every workload through `target.base_url`; with `direct`, again straight to the
-    server (the vllm client's `ignore_eos` then honoured), each run with its own seed."""
-    log(f"{target.label} is up at {target.direct_url}; warming up")
-    for w in workloads:  # warm-up: one request per workload, seeds used nowhere else
-        warm = Workload(w.name, w.input_len, w.output_len, 1, 1, w.image)
-        bodies = chat_bodies(tokenizer, target.model_name, warm, args.seed + 900)
-        metrics = run_builtin(target.base_url, bodies, 1)
+def thread_env(args: argparse.Namespace) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+
+
+# --- measuring -------------------------------------------------------------------------
+
+
+def cpu_seconds(server: IrisServer) -> float:
+    """User + system CPU time of the server's live processes so far."""
+    assert server.process is not None  # started with start_new_session: it leads a group
+    ticks = sum(int(f[11]) + int(f[12]) for _, f in group_processes(server.process.pid))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def steps(
+    entry: Server, plan: Plan, args: argparse.Namespace, model_dir: Path, tokenizer: Any,
+    scratch: Path,
+) -> Iterator[Run]:  # fmt: skip
+    """One started server: the warm-up, then a `Run` per round and workload."""
+    server = entry.server
+    model = server.model_name()
+    log(f"{entry.name} is up at {server.base_url}; warming up")
+    for image in ((96, 64), None):  # seeds used nowhere else
+        warm = Workload("warm-up", 32, 4, 1, 1, image)
+        metrics = run_builtin(server.base_url, chat_bodies(tokenizer, model, warm, 900), 1)
         if metrics["failed"]:
-            raise RuntimeError(f"{target.label}: warm-up failed: {metrics['errors']}")
-    runs = [
-        measure_one(target, target.label, target.base_url, w, args.seed + i,
-                    args, model_dir, tokenizer, scratch)
-        for i, w in enumerate(workloads)
-    ]  # fmt: skip
-    if direct:
-        runs += [
-            measure_one(target, f"{target.label} direct", target.direct_url, w,
-                        args.seed + 100 + i, args, model_dir, tokenizer, scratch)
-            for i, w in enumerate(workloads)
-        ]  # fmt: skip
+            raise RuntimeError(f"{entry.name}: warm-up failed: {metrics['errors']}")
+    if any(isinstance(w, scenario.Agent) for w in plan.workloads):
+        with httpx.Client(timeout=600) as client:
+            scenario.warm_up(client, server, model)
+    for round_ in range(plan.rounds):
+        for i, w in enumerate(plan.workloads):
+            seed = args.seed + 1000 * round_ + 100 * i  # the agents use seed + 0..16
+            run = Run(entry.name, w.name, round_, seed)
+            cpu_before = cpu_seconds(server)
+            try:
+                run.metrics, run.rows, run.command = measure(
+                    w, server, model, seed, args, model_dir, tokenizer, scratch
+                )
+                run.metrics["server_cpu_s"] = cpu_seconds(server) - cpu_before
+                if run.metrics["completed"] == 0:
+                    run.error = f"every request failed: {run.metrics.get('errors', [])[:2]}"
+            except (RuntimeError, TimeoutError, httpx.HTTPError, subprocess.SubprocessError) as e:
+                run.error = str(e)[-2000:]
+            log(f"{entry.name} / {w.name} round {round_}: {brief(run)}")
+            yield run
+
+
+def measure(
+    w: Workload | scenario.Agent, server: IrisServer, model: str, seed: int,
+    args: argparse.Namespace, model_dir: Path, tokenizer: Any, scratch: Path,
+) -> tuple[dict[str, Any], list[dict[str, Any]], str]:  # fmt: skip
+    """(summary metrics, per-request rows of an agent workload, client command) of one
+    workload sent to one server."""
+    if isinstance(w, scenario.Agent):
+        rows = list(scenario.requests(w, server, model, seed))
+        return scenario.summary(w, rows), rows, ""
+    if w.name.startswith("decode") or args.client == "builtin":
+        bodies = chat_bodies(tokenizer, model, w, seed)
+        if w.name.startswith("decode"):
+            bodies = [json.dumps({**json.loads(b), "ignore_eos": True}).encode() for b in bodies]
+        return run_builtin(server.base_url, bodies, w.concurrency), [], f"built-in, seed {seed}"
+    filename = f"{server.port}-{w.name}-{seed}.json"
+    command = vllm_command(args.vllm_path, server.base_url, model, model_dir, w, seed, scratch,
+                           filename)  # fmt: skip
+    shown = shlex.join(command).replace(str(scratch), "$RESULT_DIR")
+    return run_vllm(command, scratch, filename), [], shown
+
+
+def measure_all(
+    servers: Sequence[Server], plan: Plan, args: argparse.Namespace, model_dir: Path,
+    interleave: bool = False,
+) -> list[Run]:  # fmt: skip
+    """Every server on every workload: one server after another (the others stopped), or
+    all up at once and measured in turns; a server that fails leaves its error in a Run."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    by_name = {entry.name: entry for entry in servers}
+    named = [(entry.name, entry.server) for entry in servers]
+    with tempfile.TemporaryDirectory(prefix="serve_load-") as tmp:
+
+        def runs_of(name: str, _: IrisServer) -> Iterator[Run]:
+            return steps(by_name[name], plan, args, model_dir, tokenizer, Path(tmp))
+
+        if interleave:
+            measured: dict[str, Any] = run_interleaved(named, runs_of)
+        else:
+            measured = measure_each(named, lambda n, s: list(runs_of(n, s)),
+                                    overlap_start=args.quick, keep_going=True)  # fmt: skip
+    runs = []
+    for name, result in measured.items():
+        if isinstance(result, Exception):
+            result = [Run(name, w.name, 0, 0, error=str(result)[-3000:]) for w in plan.workloads]
+        runs += result
     return runs
 
 
-def measure_one(
-    target: Target, label: str, url: str, w: Workload, seed: int, args, model_dir: Path,
-    tokenizer, scratch: Path,
-) -> Run:  # fmt: skip
-    run = Run(label, w.name, seed)
-    model_name = target.model_name
-    cpu_before = target.cpu_seconds()
-    try:
-        if args.client == "builtin":
-            bodies = chat_bodies(tokenizer, model_name, w, seed)
-            run.metrics = run_builtin(url, bodies, w.concurrency)
-            run.command = f"built-in client, seed {seed}"
-        else:
-            filename = f"{label.replace(' ', '_')}-{w.name}.json"
-            command = vllm_command(
-                args.vllm_path, url, model_name, model_dir, w, seed, scratch, filename
-            )
-            run.command = shlex.join(command).replace(str(scratch), "$RESULT_DIR")
-            run.metrics = run_vllm(command, scratch, filename)
-        run.metrics["server_cpu_s"] = target.cpu_seconds() - cpu_before
-        if run.metrics["completed"] == 0:
-            run.error = f"every request failed: {run.metrics.get('errors', [])[:2]}"
-    except (RuntimeError, subprocess.TimeoutExpired) as error:
-        run.error = str(error)
-    log(f"{label} / {w.name}: {_brief(run)}")
-    return run
+STARTED = time.monotonic()
 
 
 def log(message: str) -> None:
     print(f"[serve_load +{time.monotonic() - STARTED:.0f}s] {message}", file=sys.stderr, flush=True)
 
 
-def _brief(run: Run) -> str:
+def brief(run: Run) -> str:
     if run.metrics is None:
         return "FAILED " + run.error[-500:]
     m = run.metrics
-    return (
-        f"{m['completed']} ok, {m['request_throughput']:.3g} req/s, "
-        f"{m['output_throughput']:.3g} tok/s, TTFT {m['mean_ttft_ms']:.0f} ms, "
-        f"TPOT {m['mean_tpot_ms']:.1f} ms"
-    )
+    figures = [f"{m['completed']} ok", f"TTFT {m['mean_ttft_ms']:.0f} ms"]
+    figures.append(f"TPOT {m['mean_tpot_ms']:.1f} ms")
+    if "request_throughput" in m:
+        figures.append(f"{m['request_throughput']:.3g} req/s")
+    return ", ".join(figures)
 
 
-def iris_variants(args) -> list[tuple[str, list[str], Path | None]]:
-    """(label, flags beyond the common ones, source tree) of each Iris server to measure."""
-    variants = [("iris", shlex.split(args.iris_flags), None)]
-    if args.inline_baseline:
-        variants.append((INLINE, ["--mm-encoder-inline", "--max-itl-stretch", "0"], None))
-    if args.before_tree:
-        variants.append((BEFORE, [], args.before_tree))
-    return variants
+# --- the command line ------------------------------------------------------------------
 
 
-# --- main ------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser, workloads: str) -> None:
+    """What `bench.serve_load` and `bench.peers` share."""
     add_common_arguments(parser, quick_help="a few small requests (smoke test)")
     add_arch_argument(parser)
     add_model_argument(parser)
-    parser.add_argument("--client", choices=["vllm", "builtin"], default="vllm")
-    parser.add_argument("--vllm", default=None, help="the `vllm` executable of the client venv")
-    parser.add_argument("--no-peer", action="store_true", help=f"skip {PEER}")
-    parser.add_argument(
-        "--inline-baseline",
-        action="store_true",
-        help="also measure Iris with --mm-encoder-inline --max-itl-stretch 0 (the placement "
-        "before issue 12: the encoder inside the steps, unpaced prefill chunks)",
-    )
-    parser.add_argument(
-        "--before-tree",
-        type=Path,
-        default=None,
-        help="also measure `iris serve` from this checkout of another commit (e.g. `git "
-        "worktree add /tmp/before COMMIT`), with its defaults and this venv",
-    )
-    parser.add_argument("--device", default="auto", help="for both servers")
-    parser.add_argument(
-        "--iris-flags",
-        default="",
-        help="more flags for the `iris` server alone, e.g. --iris-flags=--mm-encoder-beside "
-        "(on CUDA the encoder runs inside the steps by default, as in `iris inline`)",
-    )
-    parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--concurrency", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=1234, help="workload i uses seed + i")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="OMP_NUM_THREADS for both servers (and Iris's --scheduler-threads) and torch "
-        "threads for the bound (default: the servers' own choice; the bound uses every core)",
-    )
-    args = parser.parse_args(argv)
+    parser.add_argument("--workloads", default=workloads, help=f"among {','.join(WORKLOADS)}")
+    parser.add_argument("--client", choices=["builtin", "vllm"], default="builtin",
+                        help="image/text: the built-in client or `vllm bench serve`")  # fmt: skip
+    parser.add_argument("--vllm", default=None, help="the `vllm` of the client venv")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--num-prompts", type=int, default=None, help="image/text requests")
+    parser.add_argument("--concurrency", type=int, default=None, help="image/text in flight")
+    parser.add_argument("--output-len", type=int, default=None, help="tokens asked back")
+    parser.add_argument("--decode", default="4096x1,4096x8,8192x1,8192x8",
+                        help="the decode workload's CONTEXTxBATCH points")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--name", default=None, help="of the result file")
 
-    import torch
-    import transformers
-    from transformers import AutoTokenizer
 
-    # With the built-in client, --vllm only says where the client venv (and peer-site) is.
-    args.vllm_path = (
-        find_vllm(args.vllm) if args.client == "vllm" else args.vllm and Path(args.vllm)
-    )
-    plan_ = plan(args.size, args.quick, args.num_prompts, args.concurrency)
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser, "image,text")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="another iris serve, with FLAGS added (repeatable)")  # fmt: skip
+    parser.add_argument("--before-tree", type=Path, default=None,
+                        help="also iris serve from this checkout of another commit")  # fmt: skip
+    parser.add_argument("--flags", default="", help="more flags for every Iris server")
+    parser.add_argument("--rounds", type=int, default=1, help="of every workload")
+    parser.add_argument("--interleave", action="store_true", help="servers up at once")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS and --scheduler-threads for every server")  # fmt: skip
+    parser.add_argument("--no-bound", action="store_true", help="skip the compute bound")
+    return parser.parse_args(argv)
+
+
+def run(
+    args: argparse.Namespace, make_servers: Callable[[Path, Path], list[Server]], name: str,
+    bound: bool, interleave: bool = False,
+) -> list[Run]:  # fmt: skip
+    """The servers `make_servers(model_dir, log folder)` measured on `args.workloads`, the
+    compute bound if `bound`, and the result file `name`; returns the runs."""
+    args.vllm_path = find_vllm(args.vllm) if args.client == "vllm" else None
+    plan = make_plan(args)
     checkpoint = Checkpoint.of(args)
-    model_dir = checkpoint.model_dir
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    proxy = args.client == "vllm"
-    threads_env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-    threads = ["--scheduler-threads", str(args.threads)] if args.threads else []
     load_before = os.getloadavg()[0]
-    runs: list[Run] = []
-    peer_note = "Not measured (`--no-peer`)."
-    with tempfile.TemporaryDirectory(prefix="serve_load-") as tmp:
-        scratch = Path(tmp)
-        common = ["--served-model-name", "iris", "--device", args.device, *plan_.iris_flags]
-        for label, flags, tree in iris_variants(args):
-            server = IrisServer(
-                model_dir,
-                [*common, *threads, *flags],
-                log_path=scratch / f"{label.replace(' ', '-')}.log",
-                env=threads_env,
-                source_tree=tree,
-            )
-            # `iris direct`: the proxy's cost, and vLLM's own settings
-            direct = label == "iris" and proxy and not args.quick
-            with serving(server, "iris", label, proxy) as target:
-                runs += measure_server(
-                    target, plan_.workloads, args, model_dir, tokenizer, scratch, direct
-                )
-        if not args.no_peer:
-            flags = peer_flags(args.device)
-            peer_note = PEER_NOTE.format(version=transformers.__version__, flags=shlex.join(flags))
-            try:
-                site = peer_site(args.vllm_path)
-                env = {**threads_env, **({"PYTHONPATH": site} if site else {})}
-                peer = PeerServer(model_dir, flags, log_path=scratch / "peer.log", env=env)
-                with serving(peer, str(model_dir), PEER, proxy) as target:
-                    runs += measure_server(
-                        target, plan_.workloads, args, model_dir, tokenizer, scratch
-                    )
-            except (RuntimeError, TimeoutError) as error:
-                message = f"{PEER} could not be measured: {error}"
-                log(message)
-                peer_note += f"\n\n**{message}**"
-                runs += [Run(PEER, w.name, args.seed + i, error=str(error)[-2000:])
-                         for i, w in enumerate(plan_.workloads)]  # fmt: skip
-
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    bounds = []
-    served = {r.workload: r.metrics for r in runs if r.server == "iris" and r.metrics}
-    for i, w in enumerate(plan_.workloads):
-        if w.name not in served:
-            continue
-        lens = served[w.name].get("output_lens") or [w.output_len] * w.num_prompts
-        source = "vllm" if args.client == "vllm" else "bench.images"
-        log(f"compute bound / {w.name}")
-        bounds.append(compute_bound(model_dir, w, lens, args.seed + 500 + i, source))
-    name = f"serve_load_{checkpoint.label}" + ("_builtin" if args.client == "builtin" else "")
-    name += f"_threads{args.threads}" if args.threads else ""
-    name += "_vs_before" if args.before_tree else ""
-    name += "_quick" if args.quick else ""
+    with tempfile.TemporaryDirectory(prefix="serve_load-logs-") as logs:
+        servers = make_servers(checkpoint.model_dir, Path(logs))
+        runs = measure_all(servers, plan, args, checkpoint.model_dir, interleave)
     load = (load_before, os.getloadavg()[0])
-    report(args, checkpoint, name, plan_, runs, bounds, peer_note, load)
-    if not served:
-        raise SystemExit("Iris served no workload; see the failures above")
+    bounds = []
+    first = {r.workload: r.metrics for r in runs if r.server == servers[0].name and r.metrics}
+    for i, w in enumerate(plan.workloads):
+        if bound and w.name in ("image", "text") and w.name in first:
+            import torch
+
+            torch.set_num_threads(getattr(args, "threads", None) or os.cpu_count() or 1)
+            lens = first[w.name].get("output_lens") or [w.output_len] * w.num_prompts
+            log(f"compute bound / {w.name}")
+            source = "vllm" if args.client == "vllm" else "bench.images"
+            bounds.append(compute_bound(checkpoint.model_dir, w, lens, args.seed + 500 + i, source))
+    name = args.name or name + ("_quick" if args.quick else "")
+    report(args, checkpoint, name, plan, servers, runs, bounds, load)
+    return runs
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_arguments(argv)
+    name = f"serve_load_{Checkpoint.of(args).label}" + ("_vs_before" if args.before_tree else "")
+    runs = run(args, lambda model_dir, logs: iris_servers(args, model_dir, logs), name,
+               bound=not args.no_bound, interleave=args.interleave)  # fmt: skip
+    if not any(r.metrics for r in runs if r.server == "iris"):
+        raise SystemExit("iris served no workload; see the failures above")
 
 
 if __name__ == "__main__":

@@ -1,347 +1,236 @@
-"""Tables, plot and result file of `bench.serve_load`."""
+"""Tables and result file of `bench.serve_load` (and `bench.peers`): the means over rounds
+with the first server's lead over each other one, every run, the agent workloads'
+requests, the compute bound, and how each server was started."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import re
-import shlex
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from bench.compute_bound import Bound
-from bench.load_client import Workload
-from bench.results_io import (
-    RESULTS_DIR,
-    Checkpoint,
-    checkout_commit,
-    markdown_table,
-    write_result,
-)
+from bench.results_io import RESULTS_DIR, Checkpoint, markdown_table, write_result
 
-PEER = "transformers serve"
-INLINE = "iris inline"  # `--inline-baseline`: the encoder inside the steps
-BEFORE = "iris before"  # `--before-tree`: another checkout's `iris serve`
+if TYPE_CHECKING:
+    from bench.serve_load import Plan, Server
 
-
-@dataclass(frozen=True)
-class Plan:
-    """What one invocation sends, and the flags Iris gets."""
-
-    workloads: list[Workload]
-    iris_flags: list[str]
+HIGHER, LOWER = "higher", "lower"  # which way is better
+MISSING = "–"
+RANDOM = [
+    ("req/s", "request_throughput", HIGHER),
+    ("out tok/s", "output_throughput", HIGHER),
+    ("mean TTFT ms", "mean_ttft_ms", LOWER),
+    ("mean TPOT ms", "mean_tpot_ms", LOWER),
+    ("p99 ITL ms", "p99_itl_ms", LOWER),
+]
+AGENT = [
+    ("mean TTFT ms", "mean_ttft_ms", LOWER),
+    ("mean E2E ms", "mean_e2e_ms", LOWER),
+    ("mean TPOT ms", "mean_tpot_ms", LOWER),
+]
+DECODE = [
+    ("median ITL ms", "median_itl_ms", LOWER),
+    ("mean TPOT ms", "mean_tpot_ms", LOWER),
+    ("mean TTFT ms", "mean_ttft_ms", LOWER),
+]
+RUN_COLUMNS = [  # (header, metrics key) of the every-run table
+    ("req/s", "request_throughput"), ("out tok/s", "output_throughput"),
+    ("mean TTFT ms", "mean_ttft_ms"), ("p99 TTFT ms", "p99_ttft_ms"),
+    ("mean TPOT ms", "mean_tpot_ms"), ("median ITL ms", "median_itl_ms"),
+    ("p99 ITL ms", "p99_itl_ms"), ("mean E2E ms", "mean_e2e_ms"),
+    ("images encoded / req", "images_encoded"),
+]  # fmt: skip
+DETAIL = [  # (row key, header) of an agent workload's requests; Iris's /metrics last
+    ("prompt_tokens", "prompt tok"), ("cached_tokens", "cached tok"),
+    ("completion_tokens", "out tok"), ("ttft_ms", "TTFT ms"), ("e2e_ms", "E2E ms"),
+    ("encoded", "Iris: images encoded"), ("vit_ms", "Iris: ViT ms"),
+    ("server_ttft_ms", "Iris: server TTFT ms"),
+]  # fmt: skip
 
 
 @dataclass
 class Run:
-    """One workload sent to one server: `vllm bench serve`'s metrics, or the error."""
+    """One workload sent to one server once: its summary metrics, or the error."""
 
     server: str
     workload: str
+    round: int
     seed: int
     metrics: dict[str, Any] | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)  # an agent workload's requests
     command: str = ""
     error: str = ""
     load: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-min, at the start
 
 
-LATENCIES = [(f"{stat} {metric}", f"{stat}_{metric.lower()}_ms")
-             for metric in ("TTFT", "TPOT", "ITL") for stat in ("mean", "median", "p99")]  # fmt: skip
+def metrics_of(workload: str) -> list[tuple[str, str, str]]:
+    if workload in ("append", "window"):
+        return AGENT
+    return DECODE if workload.startswith("decode") else RANDOM
 
 
-def results_table(runs: Sequence[Run], workloads: Sequence[Workload]) -> str:
-    header = ["workload", "server", "load", "ok", "req/s", "out tok/s", "out tok/req"]
-    header += ["in tok/req", "server CPU s/req"]
-    header += [f"{name} ms" for name, _ in LATENCIES] + ["p99 / median ITL"]
+def means(runs: Sequence[Run], server: str, workload: str) -> dict[str, float]:
+    """Each metric's mean over the rounds `server` completed of `workload`."""
+    done = [r.metrics for r in runs if (r.server, r.workload) == (server, workload) and r.metrics]
+    keys = {k for m in done for k, v in m.items() if isinstance(v, int | float)}
+    return {k: statistics.fmean(m[k] for m in done if k in m) for k in keys}
+
+
+def ahead(first: float | None, other: float | None, better: str) -> float | str:
+    """How many times better `first` is than `other` (above 1: `first` ahead)."""
+    if not first or not other:
+        return MISSING
+    return first / other if better == HIGHER else other / first
+
+
+def summary_table(servers: Sequence[str], runs: Sequence[Run]) -> str:
+    base, others = servers[0], servers[1:]
+    header = ["workload", "metric", *servers, *(f"{base} ahead of {o}" for o in others)]
+    rows = []
+    for workload in dict.fromkeys(r.workload for r in runs):
+        figures = {s: means(runs, s, workload) for s in servers}
+        for label, key, better in metrics_of(workload):
+            values = [figures[s].get(key) for s in servers]
+            row: list[object] = [workload, label, *(MISSING if v is None else v for v in values)]
+            row += [ahead(values[0], figures[o].get(key), better) for o in others]
+            rows.append(row)
+    return markdown_table(header, rows)
+
+
+def runs_table(runs: Sequence[Run], plan: Plan) -> str:
+    sizes = {w.name: getattr(w, "num_prompts", None) or w.turns for w in plan.workloads}
+    header = ["workload", "server", "round", "load", "ok", *(h for h, _ in RUN_COLUMNS)]
+    header += ["out tok/req", "in tok/req", "server CPU s/req"]
     rows = []
     for run in runs:
-        n = next(w.num_prompts for w in workloads if w.name == run.workload)
+        n = sizes.get(run.workload, "?")
         if run.metrics is None:
-            rows.append([run.workload, run.server, run.load, f"0/{n}", "failed"])
+            rows.append([run.workload, run.server, run.round, run.load, f"0/{n}", "failed"])
             rows[-1] += [""] * (len(header) - len(rows[-1]))
             continue
         m = run.metrics
         done = max(m["completed"], 1)
         rows.append([
-            run.workload, run.server, run.load, f"{m['completed']}/{n}", m["request_throughput"],
-            m["output_throughput"], m["total_output_tokens"] / done,
+            run.workload, run.server, run.round, run.load, f"{m['completed']}/{n}",
+            *(m.get(key, MISSING) for _, key in RUN_COLUMNS), m["total_output_tokens"] / done,
             m["total_input_tokens"] / done, m["server_cpu_s"] / done,
-            *[m[key] for _, key in LATENCIES], _ratio(m["p99_itl_ms"], m["median_itl_ms"]),
         ])  # fmt: skip
     return markdown_table(header, rows)
 
 
-def ratio_table(runs: Sequence[Run], base: str = PEER) -> str | None:
-    """Iris's figures over those of the `base` server, per workload."""
-    by = {(r.server, r.workload): r.metrics for r in runs if r.metrics}
-    keys = [("req/s", "request_throughput"), ("out tok/s", "output_throughput")]
-    keys += [(name, key) for name, key in LATENCIES if not name.startswith("median")]
-    rows = []
-    for workload in dict.fromkeys(r.workload for r in runs):
-        iris, peer = by.get(("iris", workload)), by.get((base, workload))
-        if iris and peer:
-            same = sum(
-                _comparable(a) == _comparable(b) and not error
-                for a, b, error in zip(
-                    iris["generated_texts"], peer["generated_texts"], iris["errors"], strict=True
-                )
-            )
-            ratios = [_ratio(iris[key], peer[key]) for _, key in keys]
-            rows.append([workload, *ratios, f"{same}/{len(iris['generated_texts'])}"])
-    if not rows:
-        return None
-    return markdown_table(["workload", *[name for name, _ in keys], "same answers"], rows)
+def detail_table(runs: Sequence[Run], workload: str) -> str:
+    chosen = sorted((r for r in runs if r.workload == workload), key=lambda r: r.round)
+    rows = sorted(
+        ([row["turn"], run.server, run.round, *(row.get(k, MISSING) for k, _ in DETAIL)]
+         for run in chosen for row in run.rows),
+        key=lambda row: (row[2], row[0]),
+    )  # fmt: skip
+    turn = "round" if workload == "append" else "step"
+    return markdown_table([turn, "server", "run", *(h for _, h in DETAIL)], rows)
 
 
-def _comparable(text: str) -> str:
-    """The answer without what the two detokenizers print differently: special tokens
-    (`transformers serve` keeps e.g. `<|quad_end|>`) and U+FFFD for an incomplete
-    UTF-8 sequence at the end (Iris flushes it, the peer holds it back)."""
-    return re.sub(r"<\|[a-z_]+\|>", "", text).replace("\ufffd", "")
-
-
-def _ratio(a: float, b: float) -> float | str:
-    return a / b if b else "n/a"
-
-
-def bound_table(bounds: Sequence[Bound], runs: Sequence[Run]) -> str:
-    iris = {r.workload: r.metrics for r in runs if r.server == "iris" and r.metrics}
+def bound_table(bounds: Sequence[Bound], runs: Sequence[Run], base: str) -> str:
     header = [
         "workload", "requests", "prompt tok/req", "out tok/req", "preprocess ms/req",
-        "engine ms/req", "bound req/s", "bound out tok/s", "Iris req/s", "Iris / bound",
+        "engine ms/req", "bound req/s", "bound out tok/s", f"{base} req/s", f"{base} / bound",
     ]  # fmt: skip
     rows = []
     for b in bounds:
-        served = iris.get(b.workload, {}).get("request_throughput")
+        served = means(runs, base, b.workload).get("request_throughput")
         rows.append([
             b.workload, b.requests, b.prompt_tokens, b.output_tokens,
             1000 * b.preprocess_s / b.requests, 1000 * b.engine_s / b.requests,
             b.request_throughput, b.output_throughput,
-            served if served is not None else "failed",
-            served / b.request_throughput if served is not None else "n/a",
+            MISSING if served is None else served,
+            MISSING if served is None else served / b.request_throughput,
         ])  # fmt: skip
     return markdown_table(header, rows)
 
 
-def plot(runs: Sequence[Run], bounds: Sequence[Bound], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = list(dict.fromkeys(r.workload for r in runs))
-    servers = list(dict.fromkeys(r.server for r in runs))
-    by = {(r.server, r.workload): r.metrics for r in runs if r.metrics}
-    bound = {b.workload: b for b in bounds}
-    shown = [(n, k) for n, k in LATENCIES if not n.startswith("median")]
-    fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4 * len(workloads)), squeeze=False)
-    colors = {
-        "iris": "tab:blue",
-        "iris direct": "tab:cyan",
-        INLINE: "tab:purple",
-        BEFORE: "tab:gray",
-        PEER: "tab:orange",
-        "compute bound": "tab:green",
-    }
-    for row, workload in enumerate(workloads):
-        lat, thr = axes[row]
-        width = 0.8 / max(len(servers), 1)
-        for j, server in enumerate(servers):
-            m = by.get((server, workload))
-            values = [m[k] if m else 0.0 for _, k in shown]
-            xs = [i + (j - (len(servers) - 1) / 2) * width for i in range(len(shown))]
-            lat.bar(xs, values, width, label=server, color=colors.get(server))
-        lat.set_xticks(range(len(shown)), [n for n, _ in shown], rotation=30)
-        lat.set_yscale("log")
-        lat.set_ylabel("ms (log)")
-        lat.set_title(f"{workload}: latency (lower is better)")
-        lat.legend()
-        names, req, tok = [], [], []
-        for server in servers:
-            m = by.get((server, workload))
-            names.append(server)
-            req.append(m["request_throughput"] if m else 0.0)
-            tok.append(m["output_throughput"] if m else 0.0)
-        if workload in bound:
-            names.append("compute bound")
-            req.append(bound[workload].request_throughput)
-            tok.append(bound[workload].output_throughput)
-        xs = np.arange(len(names))
-        thr.bar(xs - 0.2, req, 0.4, label="requests/s", color=[colors.get(n) for n in names])
-        twin = thr.twinx()
-        twin.bar(xs + 0.2, tok, 0.4, label="output tokens/s", color="lightgray", hatch="//")
-        thr.set_xticks(xs, names)
-        thr.set_ylabel("requests/s (coloured)")
-        twin.set_ylabel("output tokens/s (grey)")
-        thr.set_title(f"{workload}: throughput (higher is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def setup_text(
-    args, checkpoint: Checkpoint, plan_: Plan, runs: Sequence[Run], load: tuple[float, float]
+    args: argparse.Namespace, checkpoint: Checkpoint, plan: Plan, load: tuple[float, float]
 ) -> str:
-    """One paragraph: client, workloads, seeds, proxy, Iris flags, machine load."""
-    w = plan_.workloads[0]
-    if args.client == "vllm":
-        client = "`vllm bench serve` (vllm 0.33.0, CPU-only venv of `bench/install_vllm_client.sh`)"
-        eos = (
-            "Each server behind its own `bench.drop_fields_proxy`, which drops `ignore_eos`, "
-            "so answers may stop at EOS."
-        )
-    else:
-        client = "the built-in httpx client (`--client builtin`)"
-        eos = "No `ignore_eos` is sent, so answers may stop at EOS."
-    image = next((x.image for x in plan_.workloads if x.image), None)
-    parts = [
-        checkpoint.sentence,
-        f"Client: {client}. {w.num_prompts} requests per run, at most {w.concurrency} in "
-        f"flight, greedy, `max_completion_tokens` {w.output_len}, {w.input_len} random text "
-        "tokens"
-        + (f" (+ one {image[0]}×{image[1]} JPEG in the image workload)." if image else "."),
-        "Seeds: "
-        + ", ".join(f"{r.workload} {r.seed}" for r in runs if r.server == "iris")
-        + f" (the same for both servers, so they get the same requests). {eos}",
-    ]
-    if any(r.server == "iris direct" for r in runs):
-        parts.append(
-            "`iris direct`: the same workloads (seeds + 100) straight to Iris, `ignore_eos` "
-            "honoured, as `vllm bench serve` is usually run (and without the proxy's hop)."
-        )
-    parts.append(f"Iris flags: `{shlex.join(plan_.iris_flags) or '(defaults)'}`.")
-    if getattr(args, "iris_flags", ""):
-        parts.append(f"`iris` alone also: `{args.iris_flags}` (`--iris-flags`).")
-    if args.threads:
-        parts.append(
-            f"`OMP_NUM_THREADS={args.threads}` for both servers (and Iris's "
-            f"`--scheduler-threads {args.threads}`) and the bound."
-        )
-    parts.append(
-        "`server CPU s/req`: user + system CPU time of the server's processes during the "
-        "run (not the proxy's, not the client's) per completed request: less sensitive than "
-        "wall-clock figures to other work on the machine (OpenMP threads that spin while "
-        "descheduled still inflate it)."
+    client = (
+        f"`vllm bench serve` (`{args.vllm_path}`; it sends `ignore_eos`)"
+        if args.client == "vllm"
+        else "the built-in httpx client (no `ignore_eos`: answers may stop at EOS)"
     )
+    parts = [checkpoint.sentence]
+    for w in plan.workloads:
+        if getattr(w, "turns", None):
+            parts.append(f"`{w.name}`: {w.turns} requests one at a time, "
+                         f"{w.size[0]}×{w.size[1]} screenshots, {w.max_tokens} tokens back "
+                         f"(`ignore_eos`), summary over turns {w.summary_from} on.")  # fmt: skip
+        elif w.name.startswith("decode"):
+            parts.append(f"`{w.name}`: {w.num_prompts} distinct prompts of {w.input_len} "
+                         f"random tokens at once, {w.output_len} tokens each (`ignore_eos`), "
+                         "built-in client.")  # fmt: skip
+        else:
+            image = f" + one new {w.image[0]}×{w.image[1]} JPEG" if w.image else ""
+            parts.append(f"`{w.name}`: {w.num_prompts} requests of {w.input_len} random "
+                         f"tokens{image}, at most {w.concurrency} in flight, {w.output_len} "
+                         f"tokens back, {client}.")  # fmt: skip
+    order = "all up at once, measured in turns" if getattr(args, "interleave", False) else (
+        "one after another, each stopped before the next starts")  # fmt: skip
     parts.append(
-        f"`load`: the machine's 1-minute load average as the run started ({os.cpu_count()} "
-        f"cores; other work shares them); {load[0]:.2f} at the start, {load[1]:.2f} at the end."
+        f"Greedy; servers warmed up, {order}; {plan.rounds} round(s), new requests each, "
+        "the same for every server. `server CPU s/req`: user + system CPU seconds of the "
+        "server's processes per completed request. `load`: the 1-minute load average as a "
+        f"run started ({os.cpu_count()} cores), {load[0]:.2f} before, {load[1]:.2f} after."
     )
     return " ".join(parts)
 
 
 def report(
-    args, checkpoint: Checkpoint, name: str, plan_: Plan, runs: list[Run], bounds: list[Bound], peer_note: str,
-    load: tuple[float, float],
+    args: argparse.Namespace, checkpoint: Checkpoint, name: str, plan: Plan,
+    servers: Sequence[Server], runs: list[Run], bounds: list[Bound], load: tuple[float, float],
 ) -> Path:  # fmt: skip
     out = args.out or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
-    plot(runs, bounds, out / f"{name}.png")
-    lines = [setup_text(args, checkpoint, plan_, runs, load), "", "## Served", ""]
-    lines.append(results_table(runs, plan_.workloads))
-    ratios = ratio_table(runs)
-    if ratios:
+    names = [s.name for s in servers]
+    lines = [
+        setup_text(args, checkpoint, plan, load), "",
+        "## Summary (means over rounds)", "",
+        f"`{names[0]} ahead of X`: X's latency ÷ {names[0]}'s, {names[0]}'s throughput ÷ "
+        f"X's: above 1, {names[0]} is better. Agent rows: means over the turns named above; "
+        "TPOT = (E2E - TTFT) / (output tokens - 1).", "",
+        summary_table(names, runs), "",
+        "## Servers", "",
+        markdown_table(["server", "started as"], [[s.name, s.how] for s in servers]), "",
+        "## Every run", "", runs_table(runs, plan),
+    ]  # fmt: skip
+    for workload in ("append", "window"):
+        if any(r.rows for r in runs if r.workload == workload):
+            lines += ["", f"## `{workload}`, each request", "", detail_table(runs, workload)]
+    if bounds:
         lines += [
-            "",
-            f"## Iris / {PEER}",
-            "",
-            "Throughput: above 1 is Iris faster. Latencies: below 1 is Iris faster. "
-            "Same answers: requests whose answers are equal on both servers (compared "
-            "without special-token markers and U+FFFD, which the two detokenizers print "
-            "differently).",
-            "",
-            ratios,
-        ]
-    inline = ratio_table(runs, INLINE)
-    if inline:
-        lines += [
-            "",
-            f"## Iris / {INLINE} (`--mm-encoder-inline --max-itl-stretch 0`)",
-            "",
-            "The default (the vision encoder beside the steps, prefill beside decodes paced "
-            "by `--max-itl-stretch`) over the placement before issue 12 (the encoder inside "
-            "the steps, prefill chunks as large as the token budget), same run. "
-            "Throughput: above 1 is the default faster. Latencies: below 1 is the default "
-            "faster.",
-            "",
-            inline,
-        ]
-    before = ratio_table(runs, BEFORE)
-    if before:
-        lines += [
-            "",
-            f"## Iris / {BEFORE} (`--before-tree`: commit {checkout_commit(args.before_tree)})",
-            "",
-            "This tree's defaults over those of the other checkout, same run, same venv. "
-            "Throughput: above 1 is this tree faster. Latencies: below 1 is this tree "
-            "faster.",
-            "",
-            before,
-        ]
-    lines += [
-        "",
-        "## Compute bound (in-process engine, same cores, no HTTP / IPC)",
-        "",
-        "Same request count, image size, prompt and answer lengths (each answer as long as "
-        "Iris's, EOS ignored) and concurrency; time = JPEG decode + `PromptBuilder` for every "
-        "request, then the engine (ViT, prefill, decode). `Iris / bound` is the served "
-        "fraction of it.",
-        "",
-        bound_table(bounds, runs) if bounds else "(not measured: Iris failed)",
-        "",
-        f"## The peer: {PEER}",
-        "",
-        peer_note,
-        "",
-        f"![latency and throughput]({name}.png)",
-    ]
-    failures = [r for r in runs if r.error]
+            "", "## Compute bound (in-process engine, same cores, no HTTP / IPC)", "",
+            "Same request count, image size, prompt and answer lengths and concurrency; time "
+            "= JPEG decode + `PromptBuilder` for every request, then the engine.", "",
+            bound_table(bounds, runs, names[0]),
+        ]  # fmt: skip
+    failures = [f"- {r.server} / {r.workload}: `{r.error[-800:]}`" for r in runs if r.error]
     if failures:
-        lines += ["", "## Failures", ""]
-        lines += [f"- {r.server} / {r.workload}: `{r.error[-800:]}`" for r in failures]
-    commands = [f"- {r.server} / {r.workload}: `{r.command}`" for r in runs if r.command]
-    lines += ["", "## Client commands", "", *commands]
+        lines += ["", "## Failures", "", *failures]
+    commands = {r.command for r in runs if r.command.startswith("vllm") or "/vllm " in r.command}
+    if commands:
+        lines += ["", "## Client commands", "", *(f"- `{c}`" for c in sorted(commands))]
     raw = {
-        "runs": [
-            {k: v for k, v in vars(r).items() if k != "metrics"}
-            | {"metrics": _summary_only(r.metrics)}
-            for r in runs
-        ],
+        "runs": [vars(r) | {"metrics": _summary_only(r.metrics)} for r in runs],
         "bounds": [vars(b) | {"request_throughput": b.request_throughput} for b in bounds],
     }
     (out / f"{name}.json").write_text(json.dumps(raw, indent=1))
-    return write_result(
-        name,
-        f"Served load: Iris vs {PEER}, and the compute bound "
-        f"({checkpoint.title})",
-        "\n".join(lines), out,
-    )  # fmt: skip
+    title = f"Served load: {', '.join(names)} ({checkpoint.title})"
+    return write_result(name, title, "\n".join(lines), out)
 
 
 def _summary_only(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
     if metrics is None:
         return None
-    keep = ("input_lens", "output_lens", "errors", "generated_texts")
+    keep = ("input_lens", "output_lens", "errors")
     return {k: v for k, v in metrics.items() if not isinstance(v, list) or k in keep}
-
-
-PEER_NOTE = (
-    "Hugging Face transformers {version}, `transformers serve` (module "
-    "`transformers/cli/serve.py`, handlers in `transformers/cli/serving/`), started as "
-    "`python -m bench.transformers_serve_launcher MODEL_DIR --host 127.0.0.1 --port PORT "
-    "{flags}`: the stock CLI with the model folder preloaded (`force_model`; requests name "
-    "that folder as `model`), offline (`HF_HUB_OFFLINE=1`, a local folder loads without the "
-    "hub). One swap: its `AutoProcessor` would also build the model's video processor, "
-    "which needs torchvision, absent with the CPU torch; the launcher hands it transformers' "
-    "own processor of the folder's architecture, built from its tokenizer and PIL image "
-    "processor (`scheduler.tiny_checkpoint.reference_processor`). It needs `accelerate` (its "
-    "`[serving]` extra; `device_map` requires it), put by `bench/install_vllm_client.sh` in "
-    "`<client venv>/peer-site` and added to its PYTHONPATH only. It generates one request "
-    "at a time with `model.generate` (its `--continuous-batching` is for text-only models; "
-    "VLMs fall back to sequential), and builds each prompt (image decode, resize, chat "
-    "template) on its event loop: requests queue, which is how its users meet it."
-)

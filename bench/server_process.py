@@ -90,7 +90,8 @@ def without_label(key: str, drop: str) -> str | None:
     return f"{name}{{{','.join(rest)}}}" if rest else name
 
 
-PACKAGES = ("ipc", "server", "tokenizer_worker", "scheduler")  # pyproject's package-dir
+PACKAGES = ("ipc", "server", "tokenizer_worker", "scheduler")  # in every Iris tree
+LATER_PACKAGES = ("common", "launch", "tiny_checkpoint")  # since the composition root
 
 
 def namespace_shim(tree: Path) -> tempfile.TemporaryDirectory:
@@ -103,9 +104,18 @@ def namespace_shim(tree: Path) -> tempfile.TemporaryDirectory:
     shim = tempfile.TemporaryDirectory(prefix="iris-tree-")
     package = Path(shim.name) / "iris_serve"
     package.mkdir()
-    for name in PACKAGES:
-        (package / name).symlink_to(tree.resolve() / name, target_is_directory=True)
+    for name in (*PACKAGES, *LATER_PACKAGES):
+        if (tree / name / "__init__.py").is_file():
+            (package / name).symlink_to(tree.resolve() / name, target_is_directory=True)
     return shim
+
+
+def cli_module(tree: Path | None) -> str:
+    """The `iris` command's module in `tree` (this checkout's when None): trees from
+    before the composition root keep it in the server package."""
+    if tree is not None and not (tree / "launch" / "cli.py").is_file():
+        return "iris_serve.server.cli"
+    return "iris_serve.launch.cli"
 
 
 def group_processes(group: int) -> list[tuple[int, list[str]]]:
@@ -174,6 +184,7 @@ class IrisServer:
         self.log_path = Path(log_path)
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self._shim: tempfile.TemporaryDirectory | None = None
+        self._cli = cli_module(None if source_tree is None else Path(source_tree))
         if source_tree is not None:
             self._shim = namespace_shim(Path(source_tree))
             self.env["PYTHONPATH"] = os.pathsep.join(
@@ -184,7 +195,7 @@ class IrisServer:
     @property
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "iris_serve.server.cli", "serve", str(self.model_dir),
+            sys.executable, "-m", self._cli, "serve", str(self.model_dir),
             "--port", str(self.port), *self.flags,
         ]  # fmt: skip
 
@@ -376,20 +387,6 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict[str, Any]) -> St
     )
 
 
-def run_each(
-    model_dir: str | Path,
-    variants: Sequence[tuple[str, Sequence[str]]],
-    measure: Callable[[str, IrisServer], Any],
-    *,
-    common_flags: Sequence[str] = (),
-    overlap_start: bool = False,
-) -> dict[str, Any]:
-    """`measure(name, server)` for each `(name, flags)` variant of `iris serve`, one
-    server at a time (`measure_each`); returns the results by name."""
-    servers = [(name, IrisServer(model_dir, [*common_flags, *flags])) for name, flags in variants]
-    return measure_each(servers, measure, overlap_start=overlap_start)
-
-
 def measure_each(
     servers: Sequence[tuple[str, IrisServer]],
     measure: Callable[[str, IrisServer], Any],
@@ -439,22 +436,19 @@ def measure_each(
 
 
 def run_interleaved(
-    model_dir: str | Path,
-    variants: Sequence[tuple[str, Sequence[str]]],
+    servers: Sequence[tuple[str, IrisServer]],
     steps: Callable[[str, IrisServer], Iterator[Any]],
-    *,
-    common_flags: Sequence[str] = (),
 ) -> dict[str, list[Any]]:
-    """All variants' servers up at once, their measurements taken in turns: one item of
-    `steps(name, server)` from each variant, then the next round, until every iterator
-    is exhausted; returns each variant's items in order.
+    """All the named servers (not started yet) up at once, their measurements taken in
+    turns: one item of `steps(name, server)` from each, then the next round, until every
+    iterator is exhausted; returns each server's items in order.
 
     Requests never overlap (one at a time, the other servers idle), and a burst of load
-    from outside hits every variant alike instead of whichever one ran during it: on a
-    shared machine, interleaving keeps the comparison fair where `run_each` cannot.
+    from outside hits every server alike instead of whichever one ran during it: on a
+    shared machine, interleaving keeps the comparison fair where `measure_each` cannot.
     """
-    servers = [IrisServer(model_dir, [*common_flags, *flags]) for _, flags in variants]
-    names = [name for name, _ in variants]
+    names = [name for name, _ in servers]
+    servers = [server for _, server in servers]
     results: dict[str, list[Any]] = {name: [] for name in names}
     try:
         started = time.monotonic()
@@ -462,7 +456,7 @@ def run_interleaved(
             server.launch()
         for server in servers:
             server.wait_ready()
-        _progress(f"{len(servers)} iris serve ready in {time.monotonic() - started:.1f} s")
+        _progress(f"{len(servers)} servers ready in {time.monotonic() - started:.1f} s")
         started = time.monotonic()
         pending = {name: steps(name, server) for name, server in zip(names, servers, strict=True)}
         while pending:
@@ -476,7 +470,7 @@ def run_interleaved(
         for name, server in zip(names, servers, strict=True):
             status = server.stop()
             if status not in (0, None):
-                _progress(f"{name}: iris serve exited with {status}, log {server.log_path}")
+                _progress(f"{name}: {server.label} exited with {status}, log {server.log_path}")
     return results
 
 

@@ -46,7 +46,7 @@ from bench.results_io import (
 )
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.ranks import StepBroadcaster
+from iris_serve.scheduler import StepBroadcaster
 
 RESULT_TIMEOUT_SECONDS = 900.0  # one TP size's whole run
 JOIN_SECONDS = 30.0
@@ -137,14 +137,19 @@ def _rank_main(
 ) -> None:  # fmt: skip
     """One spawned rank: a follower (never returns), or rank 0, which runs the workloads
     and sends `("result", {name: Measured})` or `("error", text)` back."""
-    from iris_serve.scheduler.config import EngineConfig
-    from iris_serve.scheduler.engine import Engine
-    from iris_serve.scheduler.ranks import join_group, run_follower
+    from iris_serve.scheduler import (
+        Engine,
+        EngineConfig,
+        SchedulerProcessConfig,
+        join_group,
+        run_follower,
+    )
 
     torch.set_num_threads(threads)
     config = EngineConfig(tensor_parallel_size=size, **engine_kwargs)
-    if rank > 0:
-        run_follower(config, run_dir, rank, threads, _Ready(connection))  # exits the process
+    if rank > 0:  # as the launcher starts it; exits the process
+        process = SchedulerProcessConfig(config, run_dir, num_workers=0, torch_threads=threads)
+        run_follower(process, rank, _Ready(connection))
     broadcaster = None
     status = 1
     try:
@@ -228,7 +233,7 @@ def image_prompt(builder: Any, size: tuple[int, int], seed: int) -> PromptInput:
 
 
 def workloads(model_dir: Path, quick: bool) -> list[Workload]:
-    from iris_serve.tokenizer_worker.prompt import PromptBuilder
+    from iris_serve.tokenizer_worker import PromptBuilder
 
     builder = PromptBuilder(model_dir)
     decode_len, new_tokens, prefill_len, rounds = (64, 4, 128, 1) if quick else (256, 32, 512, 3)
@@ -335,7 +340,7 @@ def main() -> None:
     parser.set_defaults(size="small")
     args = parser.parse_args()
     size = "tiny" if args.quick else args.size
-    from iris_serve.scheduler.tiny_checkpoint import builtin_checkpoint
+    from iris_serve.tiny_checkpoint import builtin_checkpoint
 
     model_dir = builtin_checkpoint(arch=args.arch, size=size)
     loads = workloads(model_dir, args.quick)

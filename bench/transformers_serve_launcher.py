@@ -10,7 +10,7 @@ with the CPU torch wheel there is none, so the stock CLI fails at start-up with
 "Qwen2VLVideoProcessor requires the Torchvision library". This launcher replaces only
 `ModelManager._load_processor`, and only for a local folder of an architecture
 `reference_processor` knows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), by
-`scheduler.tiny_checkpoint.reference_processor`: transformers' own processor class,
+`tiny_checkpoint.reference_processor`: transformers' own processor class,
 built from the folder's tokenizer and its (PIL) image processor, with no video processor.
 Chat template, image loading, resizing, normalisation, the model, `generate`, batching
 (none for images: one VLM request at a time) and the HTTP layer are all stock.
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from transformers.cli.serving.model_manager import ModelManager
 
-from iris_serve.scheduler.tiny_checkpoint import reference_processor
-from iris_serve.scheduler.tiny_checkpoint.processor import PROCESSOR_CLASSES
+from iris_serve.tiny_checkpoint import reference_processor
+from iris_serve.tiny_checkpoint.processor import PROCESSOR_CLASSES
 
 _stock_load_processor = ModelManager._load_processor
 

@@ -6,7 +6,10 @@ may import from it (`tests/test_import_boundaries.py` holds that):
 - `EngineConfig`: the engine's settings; `iris serve` derives its flags from the fields;
 - `SchedulerProcessConfig`, `run_scheduler`: the scheduler process, started by the
   launcher; `run_follower`: a tensor-parallel rank past the first, started beside it;
-- `Engine`: the in-process engine (`iris generate`, the benchmarks' compute bound).
+- `Engine`: the in-process engine (`iris generate`; the benchmarks that measure it
+  without the server: `bench.compute_bound`, `bench.gpu_roofline`, `bench.tensor_parallel`);
+- `StepBroadcaster`, `join_group`: a tensor-parallel first rank's side, which
+  `bench.tensor_parallel` composes in process as `run_scheduler` does.
 
 The names resolve on first use (PEP 562), so importing the package loads nothing: the
 server process reads `EngineConfig` without importing torch or the model code.
@@ -22,11 +25,22 @@ if TYPE_CHECKING:
     from iris_serve.scheduler.config import EngineConfig
     from iris_serve.scheduler.engine import Engine
     from iris_serve.scheduler.entry import SchedulerProcessConfig, run_follower, run_scheduler
+    from iris_serve.scheduler.ranks import StepBroadcaster, join_group
 
-__all__ = ["Engine", "EngineConfig", "SchedulerProcessConfig", "run_follower", "run_scheduler"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "SchedulerProcessConfig",
+    "StepBroadcaster",
+    "join_group",
+    "run_follower",
+    "run_scheduler",
+]
 _HOMES = {
     "Engine": "engine",
     "EngineConfig": "config",
+    "StepBroadcaster": "ranks",
+    "join_group": "ranks",
     "SchedulerProcessConfig": "entry",
     "run_scheduler": "entry",
     "run_follower": "entry",

@@ -29,7 +29,7 @@ _DTYPES = {
     "half": "float16",
 }
 _CACHES = "caches"  # the help section of the cache flags (`launch.args`)
-# `--max-itl-stretch` on a CPU, chosen by bench/itl_stretch.py (results/itl_stretch_small*.md):
+# `--max-itl-stretch` on a CPU, chosen by measurement (bench/results/itl_stretch_small*.md):
 # with the encoder held for prefill, served images on `small` keep p99 ITL 3-3.35x the
 # median at 2 to 4 with four servers up at once (2.3-2.7x with Iris alone, serve_load),
 # 73x with the old engine, at 0.87-0.95x its req/s whatever the setting; text loses more

@@ -33,7 +33,7 @@ call at the encoder budget, as inline.
 
 On CUDA the thread lives as long as the encoder: torch keeps cuDNN's attention graphs
 per thread, and building them for a ViT's ~90 attention calls took ~250 ms of a ~45 ms
-call on an H100 (`bench/gpu/tower_thread_probe.py`: a new thread per call 230-360 ms, one
+call on an H100 (`bench/results/encoder_thread_h100.md`: a new thread per call 230-360 ms, one
 thread kept alive 43 ms from its third call, the caller's thread 42-50 ms).
 
 On a CPU the thread exits as soon as no call is queued, and the next call starts a new

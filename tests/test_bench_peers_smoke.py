@@ -1,8 +1,9 @@
 """The peer comparison's plumbing, without vLLM or transformers installed (CI has
 neither): the run refuses a vLLM peer whose venv is missing, `VllmServer` stops every
 process of its group, the install script keeps its pins and fixes, and `bench.peers`
-measures a second server the way it measures every peer -- only what a client sees,
-through the proxy that drops `ignore_eos` -- with Iris itself playing that peer."""
+measures a second server the way it measures `transformers serve` -- only what a client
+sees, through the proxy that says `ignore_eos` the transformers way -- with Iris itself
+playing that peer, on every workload."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import peers
+from bench import peers, serve_load
 from bench.drop_fields_proxy import drop_fields
+from bench.peers import TransformersServer
+from bench.scenario import QUICK_FLAGS
+from bench.serve_load import Server
 from bench.server_process import IrisServer
 from bench.vllm_peer import INSTALL_SCRIPT, STAMP, VllmServer
 from tests.bench_smoke import REPO, bench_process, check_provenance, markdown_tables
-
-TIMEOUT_SECONDS = 420  # two Iris servers start side by side; see the other bench smoke tests
 
 
 @pytest.mark.parametrize("stamped", [False, True])
@@ -132,46 +134,53 @@ def test_the_proxy_says_ignore_eos_the_transformers_way():
     }
 
 
-class IrisAsAPeer(IrisServer):
-    """Iris measured the way the peers are: no /metrics counters read."""
+class IrisAsAPeer(TransformersServer):
+    """`iris serve` measured the way `transformers serve` is: behind the proxy that turns
+    `ignore_eos` into `min_new_tokens`, no /metrics counters read."""
 
     label = "iris serve as a peer"
-    iris_metrics = False
+
+    @property
+    def command(self) -> list[str]:
+        return IrisServer.command.fget(self)  # type: ignore[attr-defined]
 
 
 def test_peers_quick_measures_another_server_as_a_client_sees_it(
     tmp_path: Path, qwen2_5_vl_tiny: Path
 ):
-    args = peers.parse_arguments(["--quick", "--client", "builtin", "--out", str(tmp_path)])
-    args.vllm_path = None
-    plan = peers.make_plan(args.size, args.quick)
-    other = peers.Peer(
-        "other",
-        "Other",
-        "0",
-        lambda _: "`iris serve` behind the proxy",
-        lambda model_dir, logs: IrisAsAPeer(model_dir, plan.iris_flags),
-        drops_ignore_eos=True,  # the transformers serve path: every request via the proxy
+    args = peers.parse_arguments(
+        ["--quick", "--model", str(qwen2_5_vl_tiny), "--out", str(tmp_path)]
     )
-    results = peers.run(args, plan, [peers.iris_peer(plan.iris_flags), other], qwen2_5_vl_tiny)
-    assert {label: r.errors for label, r in results.items()} == {"Iris": [], "Other": []}
 
-    text = (tmp_path / "peers_tiny_quick.md").read_text()
+    def servers(model_dir: Path, logs: Path) -> list[Server]:
+        [iris] = peers.make_servers(args, ["iris"], model_dir, logs)
+        other = IrisAsAPeer(model_dir, QUICK_FLAGS, log_path=logs / "other.log")
+        return [iris, Server("Other", other, "`iris serve` behind the proxy")]
+
+    runs = serve_load.run(args, servers, "peers", bound=False)
+    assert [(r.server, r.workload) for r in runs if r.error] == []
+
+    text = (tmp_path / "peers_quick.md").read_text()
     check_provenance(text)
-    (summary_header, summary), *_ = markdown_tables(text)
-    assert summary_header[-1] == "Iris ahead of Other"
-    assert len(summary) == 4 + 3 + 3  # cold: 4 metrics; each agent workload: 3
+    (header, summary), *_ = markdown_tables(text)
+    assert header == ["workload", "metric", "Iris", "Other", "Iris ahead of Other"]
+    assert [row[0] for row in summary] == ["image"] * 5 + ["append"] * 3 + ["window"] * 3 + [
+        "decode 128x2"
+    ] * 3
     assert all(float(row[-1]) > 0 for row in summary), summary
 
-    tables = {header[0]: rows for header, rows in markdown_tables(text)}
-    header = next(h for h, _ in markdown_tables(text) if h[0] == "step")
+    tables = {h[0]: (h, rows) for h, rows in markdown_tables(text)}
+    header, window = tables["step"]
     column = {name: header.index(name) for name in header}
-    window = {(row[0], row[1]): row for row in tables["step"]}
-    assert set(window) == {(s, p) for s in ("0", "1") for p in ("Iris", "Other")}
+    by = {(row[0], row[1]): row for row in window}
+    assert set(by) == {(s, p) for s in ("0", "1") for p in ("Iris", "Other")}
     for step in ("0", "1"):
-        iris, other_row = window[step, "Iris"], window[step, "Other"]
-        assert iris[column["prompt tok"]] == other_row[column["prompt tok"]]  # same requests
-        assert other_row[column["Iris: images encoded"]] == "–"  # no counters read
-    assert window["1", "Iris"][column["Iris: images encoded"]] == "1"  # 9 of 10 cached
-    cold = {row[1]: row for row in tables["workload"]}
-    assert cold["Iris"][3] == cold["Other"][3] == "4/4"
+        iris, other = by[step, "Iris"], by[step, "Other"]
+        assert iris[column["prompt tok"]] == other[column["prompt tok"]]  # same requests
+        assert iris[column["out tok"]] == other[column["out tok"]] == "8"  # ignore_eos, both
+        assert other[column["Iris: images encoded"]] == "–"  # no counters read
+    assert by["1", "Iris"][column["Iris: images encoded"]] == "1"  # 9 of 10 cached
+    header, rows = tables["workload"]
+    ok = {(row[0], row[1]): row[header.index("ok")] for row in rows}
+    assert ok["image", "Iris"] == ok["image", "Other"] == "4/4"
+    assert ok["decode 128x2", "Other"] == "2/2"

@@ -1,5 +1,6 @@
-"""The served-load benchmark runs end to end (built-in client, no peer), and the vLLM
-client's install script parses and pins what it installs."""
+"""The served-load benchmark runs end to end (built-in client, a named variant beside
+`iris`, the compute bound), its summary says who is ahead, and the vLLM client's install
+script parses and pins what it installs."""
 
 from __future__ import annotations
 
@@ -11,41 +12,70 @@ import pytest
 
 from bench.drop_fields_proxy import drop_fields
 from bench.load_client import RequestResult, summarize
-from tests.bench_smoke import REPO, check_provenance, run_bench
+from bench.serve_load import parse_variant
+from bench.serve_load_report import Run, summary_table
+from tests.bench_smoke import REPO, check_provenance, markdown_tables, run_bench
 
 INSTALL_SCRIPT = REPO / "bench" / "install_vllm_client.sh"
 
 
-def test_serve_load_quick_builtin_writes_its_results(tmp_path):
+def test_serve_load_quick_compares_a_named_variant_with_iris(tmp_path):
     out = tmp_path / "results"
     run_bench(
-        "bench.serve_load", "--quick", "--client", "builtin", "--no-peer", "--threads", "1",
-        "--out", str(out), cache_dir=tmp_path, timeout=300,
+        "bench.serve_load", "--quick", "--threads", "1", "--variant",
+        "paced=OMP_WAIT_POLICY=PASSIVE --max-itl-stretch 3", "--out", str(out),
+        cache_dir=tmp_path, timeout=420,
     )  # fmt: skip
-
-    table = (out / "serve_load_tiny_builtin_threads1_quick.md").read_text()
-    check_provenance(table)
-    for header in ("## Served", "## Compute bound"):
-        assert header in table
-    for workload in ("image", "text"):
-        assert re.search(rf"\| {workload} \| iris \| [\d.]+ \| 4/4 \|", table), table
-    assert (out / "serve_load_tiny_builtin_threads1_quick.png").stat().st_size > 10_000
-
-    raw = json.loads((out / "serve_load_tiny_builtin_threads1_quick.json").read_text())
-    runs = {run["workload"]: run for run in raw["runs"]}
-    assert set(runs) == {"image", "text"}
-    for run in runs.values():
-        metrics = run["metrics"]
-        assert metrics["completed"] == 4 and metrics["failed"] == 0
-        assert metrics["request_throughput"] > 0 and metrics["mean_ttft_ms"] > 0
-        assert all(1 <= n <= 8 for n in metrics["output_lens"])
+    text = (out / "serve_load_tiny_quick.md").read_text()
+    check_provenance(text)
+    (header, summary), (_, servers), (runs_header, runs), (bound_header, bounds) = markdown_tables(
+        text
+    )
+    assert header == ["workload", "metric", "iris", "paced", "iris ahead of paced"]
+    assert {row[0] for row in summary} == {"image", "text"}
+    assert all(float(row[-1]) > 0 for row in summary), summary
+    assert "OMP_WAIT_POLICY=PASSIVE iris serve MODEL_DIR" in servers[1][1]
+    assert (
+        servers[1][1].endswith("--max-itl-stretch 3`") and "--scheduler-threads 1" in servers[1][1]
+    )
+    ok = runs_header.index("ok")
+    assert [(r[0], r[1], r[ok]) for r in runs] == [
+        (w, s, "4/4") for s in ("iris", "paced") for w in ("image", "text")
+    ]
     # The image workload's prompts hold the image's tokens (448x252: 16 x 9 merged patches).
-    image_prompt = sum(runs["image"]["metrics"]["input_lens"]) / 4
-    text_prompt = sum(runs["text"]["metrics"]["input_lens"]) / 4
-    assert image_prompt - text_prompt == pytest.approx(144, abs=8)
-    bounds = {bound["workload"]: bound for bound in raw["bounds"]}
-    assert set(bounds) == {"image", "text"}
-    assert all(bound["request_throughput"] > 0 for bound in bounds.values())
+    prompt = {r[0]: float(r[runs_header.index("in tok/req")]) for r in runs if r[1] == "iris"}
+    assert prompt["image"] - prompt["text"] == pytest.approx(144, abs=8)
+    assert [row[0] for row in bounds] == ["image", "text"]
+    assert all(float(row[bound_header.index("bound req/s")]) > 0 for row in bounds)
+    raw = json.loads((out / "serve_load_tiny_quick.json").read_text())
+    assert {(r["server"], r["workload"]) for r in raw["runs"]} == {
+        (s, w) for s in ("iris", "paced") for w in ("image", "text")
+    }
+
+
+def test_a_variant_names_its_flags_and_its_environment():
+    assert parse_variant("paced=OMP_WAIT_POLICY=PASSIVE A_B=1 --max-itl-stretch 3") == (
+        "paced", ["--max-itl-stretch", "3"], {"OMP_WAIT_POLICY": "PASSIVE", "A_B": "1"}
+    )  # fmt: skip
+    assert parse_variant("inline=--mm-encoder-inline") == ("inline", ["--mm-encoder-inline"], {})
+    for bad in ("no-equals", "iris=--x", "before=--x", "a b=--x"):
+        with pytest.raises(SystemExit):
+            parse_variant(bad)
+
+
+def test_the_summary_says_how_far_the_first_server_is_ahead():
+    runs = [
+        Run("iris", "image", 0, 1, {"request_throughput": 2.0, "mean_ttft_ms": 100.0}),
+        Run("iris", "image", 1, 2, {"request_throughput": 4.0, "mean_ttft_ms": 300.0}),
+        Run("other", "image", 0, 1, {"request_throughput": 1.5, "mean_ttft_ms": 400.0}),
+        Run("other", "image", 1, 2, error="failed"),
+    ]
+    [(header, rows)] = markdown_tables(summary_table(["iris", "other"], runs))
+    assert header[-1] == "iris ahead of other"
+    cells = {row[1]: row for row in rows}
+    assert cells["req/s"][2:] == ["3", "1.5", "2"]  # means over the rounds each completed
+    assert cells["mean TTFT ms"][2:] == ["200", "400", "2"]  # a latency: theirs / ours
+    assert cells["mean TPOT ms"][2:] == ["–", "–", "–"]
 
 
 def test_summarize_follows_vllm_definitions():

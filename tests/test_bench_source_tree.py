@@ -67,3 +67,20 @@ def test_a_result_names_the_other_trees_commit_and_says_when_it_was_changed(tmp_
     assert checkout_commit(tree) == head
     (tree / "ipc" / "__init__.py").write_text("changed = True\n")
     assert checkout_commit(tree) == f"{head} + uncommitted changes"
+
+
+def test_a_tree_before_the_composition_root_is_started_through_its_server_cli(tmp_path):
+    old = IrisServer(tmp_path / "model", source_tree=fake_tree(tmp_path / "old"))
+    new_tree = fake_tree(tmp_path / "new")
+    (new_tree / "launch").mkdir()
+    (new_tree / "launch" / "__init__.py").write_text("")
+    (new_tree / "launch" / "cli.py").write_text("")
+    new = IrisServer(tmp_path / "model", source_tree=new_tree)
+    try:
+        assert old.command[1:3] == ["-m", "iris_serve.server.cli"]
+        assert new.command[1:3] == ["-m", "iris_serve.launch.cli"]
+        shim = Path(new.env["PYTHONPATH"].split(os.pathsep)[0])
+        assert (shim / "iris_serve" / "launch").resolve() == (new_tree / "launch").resolve()
+    finally:
+        old.stop()
+        new.stop()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -93,3 +94,24 @@ def test_the_campaign_refuses_wheels_built_from_other_sources(tree: Path):
     shutil.rmtree(wheels)
     result = _campaign(tree, "env")
     assert result.returncode == 2 and "python -m bench.gpu.prepare" in result.stdout
+
+
+def test_every_stage_runs_a_benchmark_that_exists_with_flags_it_takes():
+    """A stage that calls a removed script, or a flag its script no longer has, would
+    only fail on the GPU machine, minutes into a lease."""
+    text = (REPO / SCRIPT).read_text()
+    stages = re.search(r'case "\$name" in ([\w|]+)\)', text).group(1).split("|")
+    usage = text[: text.index("set -euo")]
+    assert all(f"#   {stage} " in usage for stage in stages), stages
+    calls = re.findall(r'"\$PY" -m (bench[\w.]+) ((?:[^;\n]|\\\n)*)', text)
+    assert {module for module, _ in calls} >= {"bench.serve_load", "bench.peers"}
+    for module, rest in calls:
+        assert (REPO / (module.replace(".", "/") + ".py")).is_file(), module
+        done = subprocess.run(
+            [sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True,
+            text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+            if flag not in ("--mm-encoder-beside",):  # an `iris serve` flag inside --variant
+                assert flag in done.stdout, f"{module} has no {flag}"

@@ -7,7 +7,9 @@ may import from it (`tests/test_import_boundaries.py` holds that):
 - `WorkerConfig`: one worker's settings; `iris serve` derives its flags from the fields;
 - `run_worker`: the worker process, started by the launcher;
 - `PromptBuilder`: the in-process prompt path (chat template, image processor, image
-  placeholders expanded), which `iris generate` composes with the scheduler's engine.
+  placeholders expanded), which `iris generate` composes with the scheduler's engine;
+- `load_image`: image bytes to the RGB picture the prompt path takes, as the worker
+  decodes them (`bench.compute_bound` times it).
 
 The names resolve on first use (PEP 562), so importing the package loads nothing.
 """
@@ -21,9 +23,14 @@ from iris_serve.common.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from iris_serve.tokenizer_worker.config import WorkerConfig
     from iris_serve.tokenizer_worker.entry import run_worker
-    from iris_serve.tokenizer_worker.prompt import PromptBuilder
+    from iris_serve.tokenizer_worker.prompt import PromptBuilder, load_image
 
-__all__ = ["PromptBuilder", "WorkerConfig", "run_worker"]
-_HOMES = {"PromptBuilder": "prompt", "WorkerConfig": "config", "run_worker": "entry"}
+__all__ = ["PromptBuilder", "WorkerConfig", "load_image", "run_worker"]
+_HOMES = {
+    "PromptBuilder": "prompt",
+    "WorkerConfig": "config",
+    "load_image": "prompt",
+    "run_worker": "entry",
+}
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU campaign (issue 15), on the device tool's GPU machine: one call per stage or two.
+# The GPU campaign, on the device tool's GPU machine: one call per stage or two.
 #
 #   here:   python -m bench.gpu.prepare                  # wheels the device lacks -> .whl/
 #   there:  bash bench/gpu/campaign.sh STAGE...          # a `run` with carry [".whl"]
@@ -12,16 +12,15 @@
 #              GPU in fp32 and bf16 per attention backend, every backend
 #              against sdpa                                            50-65 s
 #   roofline   bench.gpu_roofline on the real-size checkpoint             ~3 min
-#   serve      bench.serve_load: Iris --mm-encoder-beside, Iris --mm-encoder-inline
-#              (the CUDA default) and transformers serve, random-mm (SERVE_ARGS: more
-#              bench.serve_load flags; "--concurrency 4 --no-peer": 124 s) ~6 min
-#   overlap    bench.encoder_overlap: the encoder beside the steps vs inline,
-#              in process, with where the time goes                       48 s
-#   (the first stage that needs the checkpoint generates it: 28 s more)
-#   scenarios  bench.multiturn_image and bench.agent_repeat               ~6 min
+#   serve      bench.serve_load: Iris (the encoder inside the steps, the CUDA
+#              default) and the variant `beside` (--mm-encoder-beside), random-mm
+#              and text (SERVE_ARGS: more bench.serve_load flags)     ~4 min
+#   scenarios  bench.serve_load's agent workloads (append, window), the same
+#              two servers                                                ~6 min
 #   images     bench.image_probe: 1..64 1280x720 images in one request    ~5 min
-#   peers      bench.peers: Iris vs transformers serve on the cold, growing-
-#              history and sliding-window workloads                       ~8 min
+#   peers      bench.peers: Iris vs transformers serve on the cold, append and
+#              window workloads                                           ~8 min
+#   (the first stage that needs the checkpoint generates it: 28 s more)
 #
 # The first call on a machine installs the wheels into its Python (the machine is bare
 # each lease) and generates the checkpoint (MODEL_LIKE, default Qwen2.5-VL-7B-Instruct:
@@ -38,7 +37,7 @@ MODEL=/tmp/iris-models/${LIKE}-random-bf16
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -gt 0 ] || usage
 
 install() {
@@ -79,23 +78,19 @@ stage() {
             "$PY" -m bench.gpu_roofline --model "$MODEL" --device cuda --dtype bfloat16 --out "$OUT" ;;
         serve)
             checkpoint
-            "$PY" -m bench.serve_load --model "$MODEL" --device cuda --client builtin \
-                --num-prompts 32 --concurrency 8 --inline-baseline --iris-flags=--mm-encoder-beside \
-                --out "$OUT" ${SERVE_ARGS:-} ;;
-        overlap)
-            checkpoint
-            "$PY" -m bench.encoder_overlap --model "$MODEL" --device cuda --out "$OUT" ;;
+            "$PY" -m bench.serve_load --model "$MODEL" --device cuda --num-prompts 32 \
+                --concurrency 8 --variant beside=--mm-encoder-beside --out "$OUT" ${SERVE_ARGS:-} ;;
         scenarios)
             checkpoint
-            "$PY" -m bench.multiturn_image --model "$MODEL" --out "$OUT"
-            "$PY" -m bench.agent_repeat --model "$MODEL" --out "$OUT" ;;
+            "$PY" -m bench.serve_load --model "$MODEL" --device cuda --workloads append,window \
+                --variant beside=--mm-encoder-beside --name "serve_load_${LIKE}_agent" --out "$OUT" ;;
         images)
             checkpoint
             "$PY" -m bench.image_probe --model "$MODEL" --out "$OUT" ;;
         peers)
             checkpoint
-            "$PY" -m bench.peers --model "$MODEL" --peers iris,transformers --client builtin \
-                --device cuda --out "$OUT" ;;
+            "$PY" -m bench.peers --model "$MODEL" --peers iris,transformers \
+                --workloads image,append,window --device cuda --out "$OUT" ;;
         *)
             echo "unknown stage: $1"; usage ;;
     esac
@@ -103,7 +98,7 @@ stage() {
 }
 
 for name in "$@"; do
-    case "$name" in env|tests|roofline|serve|overlap|scenarios|images|peers) ;; *) echo "unknown stage: $name"; usage ;; esac
+    case "$name" in env|tests|roofline|serve|scenarios|images|peers) ;; *) echo "unknown stage: $name"; usage ;; esac
 done
 install
 for name in "$@"; do
