@@ -26,10 +26,11 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from bench.gpu.prepare import SOURCE_DIRS
 from tests.dockerfile import base_image
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "ipc", "launch", "server", "tokenizer_worker", "scheduler", "tiny_checkpoint")
+PACKAGES = SOURCE_DIRS  # the folders that install as iris_serve.<folder>
 SOURCES = ("pyproject.toml", "README.md", *PACKAGES)
 PACKAGE_DATA = ("chat_template.jinja", "corpus.txt")
 
@@ -66,6 +67,18 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     [built] = out.glob("iris_serve-*.whl")
     return built
+
+
+def test_every_list_of_the_packages_names_the_same_folders():
+    """pyproject's package-dir, the Dockerfile's copies and the lists the tests, the GPU
+    campaign and the boundary test read must agree when a package is added."""
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    section = pyproject.split("[tool.setuptools.package-dir]", 1)[1].split("\n[", 1)[0]
+    mapped = dict(re.findall(r'^"iris_serve\.(\w+)" = "(\w+)"$', section, re.M))
+    assert all(name == folder for name, folder in mapped.items())
+    assert set(mapped) == set(PACKAGES)
+    dockerfile = (REPO / "Dockerfile").read_text(encoding="utf-8")
+    assert set(re.findall(r"^COPY (\w+) \./\1$", dockerfile, re.M)) == set(PACKAGES)
 
 
 def test_the_wheel_holds_only_the_iris_serve_namespace(wheel: Path):

@@ -39,7 +39,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 WHEELS = REPO / ".whl"
-SOURCE_DIRS = ("server", "tokenizer_worker", "scheduler", "ipc")
+# The installed packages' folders (pyproject's package-dir; tests/test_wheel.py holds it)
+SOURCE_DIRS = (
+    "common",
+    "ipc",
+    "launch",
+    "server",
+    "tokenizer_worker",
+    "scheduler",
+    "tiny_checkpoint",
+)
 LIMIT_BYTES = 48 << 20  # of the 64 MiB a `run` may carry, with room for the tree
 # Beyond Iris's own: `transformers serve` (the peer) needs openai.
 EXTRA_ROOTS = ("openai",)
