@@ -20,10 +20,16 @@ def main(argv: list[str] | None = None) -> int:
         "generate": "run the in-process engine on one prompt (no server)",
         "serve": "start the OpenAI-compatible server (tokenizer workers + scheduler)",
     }
+    if argv[:1] in (["--version"], ["-V"]):
+        from iris_serve.common.version import iris_version
+
+        print(f"iris {iris_version()}")
+        return 0
     if not argv or argv[0] not in commands:
         parser = argparse.ArgumentParser(
             prog="iris", description="Iris VLM inference server", allow_abbrev=False
         )
+        parser.add_argument("--version", "-V", action="store_true", help="print the version")
         sub = parser.add_subparsers(dest="command", required=True)
         for name, help_text in commands.items():
             sub.add_parser(name, help=help_text, add_help=False)

@@ -27,6 +27,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from iris_serve.common.logs import configure_logging
 from iris_serve.ipc.shm_names import SHM_DIR, instance_prefix, new_instance_id, sweep, sweep_orphans
 from iris_serve.ipc.sockets import new_run_dir
 from iris_serve.launch.args import ServeArgs
@@ -45,9 +46,7 @@ STOP_GRACE_SECONDS = 5.0
 
 
 def serve(args: ServeArgs) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, process_name="server")
     try:
         model_path = resolve_model_path(args.model, args.revision)
     except FileNotFoundError as error:
@@ -84,6 +83,7 @@ def serve(args: ServeArgs) -> int:
         info = _wait_until_ready(children, ready, args.startup_timeout)
         if info is None:
             return 1
+        _LIFECYCLE.http_serving = True
         return asyncio.run(_serve_http(args, model_path, run_dir, info, children, defaults))
     finally:
         _stop(children)
@@ -154,7 +154,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     if model is None:
         from iris_serve.tiny_checkpoint import builtin_checkpoint
 
-        return builtin_checkpoint()
+        return builtin_checkpoint(progress=logger.info)
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -193,7 +193,13 @@ def _children(
     for replica in range(replicas):
         name = scheduler_name(replica, replicas)
         config = SchedulerProcessConfig(
-            engine, str(run_dir), num_workers, threads, replica=replica, name=name
+            engine,
+            str(run_dir),
+            num_workers,
+            threads,
+            replica=replica,
+            name=name,
+            log_level=args.log_level,
         )
         schedulers.append(context.Process(target=run_scheduler, name=name, args=(config, ready)))
         schedulers += [
@@ -363,10 +369,19 @@ def _stop(children: list[BaseProcess]) -> None:
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
-    """SIGINT/SIGTERM outside uvicorn (or re-raised by it after its graceful shutdown):
-    leave through `serve`'s cleanup with status 0; further signals are ignored so that
-    the cleanup itself is not interrupted."""
+    """SIGINT/SIGTERM outside uvicorn (or re-raised by it after its graceful shutdown,
+    which said so first): leave through `serve`'s cleanup with status 0; further signals
+    are ignored so that the cleanup itself is not interrupted."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logger.info("received %s, shutting down", signal.Signals(signum).name)
+    if not _LIFECYCLE.http_serving:
+        logger.info("received %s, shutting down", signal.Signals(signum).name)
     raise SystemExit(0)
+
+
+@dataclasses.dataclass
+class _Lifecycle:
+    http_serving: bool = False  # the HTTP server runs, and announces a shutdown itself
+
+
+_LIFECYCLE = _Lifecycle()

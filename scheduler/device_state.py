@@ -5,6 +5,7 @@ build theirs here, so the ranks cannot disagree on how."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,13 +47,25 @@ class DeviceState:
         every rank in the same order (their collectives are recorded too)."""
         device = rank_device(config.resolved_device(), replica * tp.size + tp.rank)
         dtype = config.resolved_dtype(device)
+        say = logger.info if tp.rank == 0 else logger.debug  # once per replica
+        started = time.monotonic()
+        say("loading %s on %s (%s)", config.model, device, str(dtype).removeprefix("torch."))
         model = load_model(config.model, dtype=dtype, device=device, tp=tp)
+        say("model loaded in %.1f s", time.monotonic() - started)
         layout = KVLayout.of(model.config, config.page_size, dtype)
         num_pages = config.num_kv_pages or layout.pages_for_budget(
             _kv_budget_bytes(config, device, model, layout, tp)
         )
         num_pages = agree_on_minimum(num_pages, tp, device)
         kv_cache = KVCache(layout, num_pages, device)
+        say(
+            "KV cache: %d pages of %d tokens (%d tokens, %.2f GiB per rank, %s)",
+            num_pages,
+            config.page_size,
+            num_pages * config.page_size,
+            num_pages * layout.bytes_per_page / 2**30,
+            "set by num_kv_pages" if config.num_kv_pages else _kv_sizing(device),
+        )
         attention = create_backend(config.attention_backend, kv_cache, device)
         max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings,
@@ -102,6 +115,13 @@ def _capture_decode_graphs(
             (torch.cuda.memory_reserved(device) - reserved) / 2**30,
         )
     return graphs
+
+
+def _kv_sizing(device: torch.device) -> str:
+    """How the KV cache's size was chosen, for the start-up log."""
+    if device.type == "cuda":
+        return "sized from --gpu-memory-utilization after a memory profile"
+    return "sized by --kv-cache-memory"
 
 
 def rank_device(device: torch.device, index: int) -> torch.device:

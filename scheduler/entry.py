@@ -27,6 +27,7 @@ class SchedulerProcessConfig:
     torch_threads: int = 1
     replica: int = 0  # the data-parallel replica this scheduler drives
     name: str = "scheduler"  # its process name
+    log_level: str = "info"
 
     def follower_name(self, rank: int) -> str:
         """The process name of this replica's tensor-parallel rank `rank` (> 0)."""
@@ -44,7 +45,9 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
 def run_follower(config: SchedulerProcessConfig, rank: int, ready: Any) -> None:
     """A spawned tensor-parallel rank past the first of `config`'s replica
     (`ranks.run_follower`); reports `(its name, ok, info)` on `ready`."""
+    from iris_serve.common.logs import configure_logging
     from iris_serve.scheduler.ranks import run_follower as run
 
     name = config.follower_name(rank)
+    configure_logging(config.log_level)
     run(config.engine, config.run_dir, rank, config.torch_threads, ready, config.replica, name)

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import torch
 
+from iris_serve.common.logs import configure_logging
 from iris_serve.common.process_heap import freeze_startup_heap
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import (
@@ -229,7 +230,7 @@ def device_memory(device: torch.device) -> dict[str, int]:
 def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
     """Entry point of the spawned scheduler process; reports `(name, ok, info)` on `ready`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging(config.log_level)
     torch.set_num_threads(config.torch_threads)
     run_dir = Path(config.run_dir)
     followers: StepBroadcaster | None = None
@@ -263,6 +264,8 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "kv_pages": engine.kv_cache.num_pages,
                 "page_size": engine.kv_cache.page_size,
+                "max_num_seqs": engine.config.max_num_seqs,
+                "max_num_batched_tokens": engine.config.max_num_batched_tokens,
             },
         )
     )

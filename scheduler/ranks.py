@@ -230,7 +230,6 @@ def run_follower(
     `(name, ok, info)` on `ready`."""
     name = name or f"scheduler-rank{rank}"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(threads)
     try:
         tp = join_group(Path(run_dir), rank, engine.tensor_parallel_size, engine, replica)

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import AutoTokenizer
 
+from iris_serve.common.version import iris_version
 from iris_serve.server.engine_client import EngineClient
 from iris_serve.server.errors import APIError, error_response, install_error_handlers
 from iris_serve.server.metrics import CONTENT_TYPE, MetricsBoard
@@ -46,7 +47,7 @@ class AppSettings:
     served_model_names: tuple[str, ...]
     max_model_len: int
     api_key: str | None = None
-    version: str = "0.1.0"
+    version: str = field(default_factory=iris_version)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config
     max_logprobs: int = 20
     chat_template: str | None = None  # replaces the tokenizer's (the workers get it too)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -76,10 +77,11 @@ async def serve_http(
         host=config.host,
         port=config.port,
         log_level=config.log_level.lower(),
+        log_config=None,  # uvicorn's loggers write through Iris's format (`common.logs`)
         # the drain below ends what is left first; this only bounds closing the sockets
         timeout_graceful_shutdown=config.shutdown_timeout + 5,
     )
-    server = _DrainingServer(uvicorn_config, app.state.serving.drain, config.shutdown_timeout)
+    server = _DrainingServer(uvicorn_config, app.state.serving, config.shutdown_timeout)
     failure: list[str] = []
     watchdog = asyncio.create_task(_watch(dead_child, server, failure))
     url = f"http://{config.host}:{config.port}"
@@ -102,17 +104,31 @@ async def serve_http(
 class _DrainingServer(uvicorn.Server):
     """uvicorn's graceful shutdown (stop accepting, let open requests finish), plus: at
     `timeout` seconds, whatever still runs is aborted in the engine, so every stream ends
-    with a finish reason and `[DONE]` rather than being cut."""
+    with a finish reason and `[DONE]` rather than being cut. The first line of a shutdown
+    is Iris's, saying what it waits for."""
 
-    def __init__(self, config: Any, drain: Any, timeout: float) -> None:
+    def __init__(self, config: Any, serving: Any, timeout: float) -> None:
         super().__init__(config)
-        self._drain, self._timeout = drain, timeout
+        self._serving, self._timeout = serving, timeout
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            in_flight = self._serving.num_in_flight
+            logger.info(
+                "received %s, shutting down%s",
+                signal.Signals(sig).name,
+                f": {in_flight} request(s) in flight get up to {self._timeout:.0f} s "
+                "(--shutdown-timeout)"
+                if in_flight
+                else "",
+            )
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: Any = None) -> None:
         async def drain_later() -> None:
             await asyncio.sleep(self._timeout)  # the grace period, not synchronisation
             logger.info("shutdown: ending the requests still running after %.0f s", self._timeout)
-            await self._drain()
+            await self._serving.drain()
 
         drainer = asyncio.create_task(drain_later())
         try:

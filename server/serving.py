@@ -102,6 +102,11 @@ class OpenAIServing:
         self._in_flight: set[str] = set()  # engine request ids with a client waiting
         self._draining = False  # shutting down: an abort now is the server's, not the client's
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests with a client waiting for them."""
+        return len(self._in_flight)
+
     async def drain(self) -> None:
         """Ends every request still running, as aborts: each open stream finishes with
         `finish_reason: "abort"` and `[DONE]`, each waiting response with what it has

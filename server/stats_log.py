@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from iris_serve.common.version import iris_version
 from iris_serve.ipc.messages import EngineStats
 
 LOG_INTERVAL_SECONDS = 10.0
@@ -14,15 +15,17 @@ LOG_INTERVAL_SECONDS = 10.0
 def banner(
     model: str, url: str, schedulers: Sequence[Mapping[str, Any]], workers: int, arena: int
 ) -> str:
-    """One line: what is served, where, on what, with how much cache."""
+    """One line: where, what is served on what, its limits and its caches."""
     first = schedulers[0]
     tokens = first["kv_pages"] * first["page_size"]
     return (
-        f"Iris serving {model} ({first['architecture']}, {first['dtype']} on "
-        f"{first['device']}) at {url}: KV cache {first['kv_pages']} pages x "
-        f"{first['page_size']} tokens = {tokens} tokens per rank, max_model_len "
-        f"{first['max_model_len']}; {len(schedulers)} scheduler replica(s); {workers} "
-        f"tokenizer worker(s) with {arena / 2**30:.2f} GiB arenas"
+        f"Iris {iris_version()} ready at {url}, serving {model!r} "
+        f"({first['architecture']}, {first['dtype']} on {first['device']}): max_model_len "
+        f"{first['max_model_len']}, up to {first['max_num_seqs']} sequences and "
+        f"{first['max_num_batched_tokens']} tokens per step; KV cache {first['kv_pages']} "
+        f"pages x {first['page_size']} tokens = {tokens} tokens per rank; "
+        f"{len(schedulers)} scheduler replica(s); {workers} tokenizer worker(s) with "
+        f"{arena / 2**30:.2f} GiB arenas"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import socket
 import subprocess
 import sys
@@ -109,6 +110,12 @@ def test_an_engine_setting_out_of_range_is_one_line_before_start_up(qwen2_vl_tin
     stderr = serve_fails_fast(str(qwen2_vl_tiny), "--max-itl-stretch", "0.5")
     assert "max_itl_stretch must be above 1, or 0 (off); got 0.5" in stderr
     assert "Traceback" not in stderr
+
+
+def test_iris_version_names_the_installed_release():
+    command = [sys.executable, "-m", "iris_serve.launch.cli", "--version"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout == f"iris {importlib.metadata.version('iris-serve')}\n"
 
 
 def serve_fails_fast(*argv: str) -> str:

@@ -209,10 +209,19 @@ def test_n_choices_share_the_prompts_pages_and_its_image(server, builder, qwen2_
     assert full_pages > 0 and grew("iris_prefix_cache_hit_tokens_total") >= 2 * full_pages
 
 
-def test_the_start_up_banner_says_what_is_served_and_where(server):
-    line = next(line for line in server.log.splitlines() if "Iris serving" in line)
-    assert "Iris serving tiny (Qwen2_5_VLForConditionalGeneration, float32 on cpu)" in line
-    assert server.base_url in line and "max_model_len 1024" in line
+def test_the_start_up_log_says_each_step_on_lines_of_one_format(server):
+    lines = server.log.splitlines()
+    line_format = re.compile(
+        r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \S+ \S+: "
+    )
+    assert [line for line in lines if not line_format.match(line)] == []
+    steps = ["started scheduler", "loading ", "model loaded in", "KV cache: ", " ready at "]
+    found = [next((i for i, line in enumerate(lines) if step in line), None) for step in steps]
+    assert None not in found and found == sorted(found), list(zip(steps, found, strict=True))
+    banner = lines[found[-1]]
+    assert f"ready at {server.base_url}, serving 'tiny'" in banner
+    assert "(Qwen2_5_VLForConditionalGeneration, float32 on cpu)" in banner
+    assert "max_model_len 1024" in banner
 
 
 def test_sixteen_concurrent_requests_all_finish_correctly(server, builder, qwen2_5_vl_tiny):
@@ -495,3 +504,5 @@ def test_sigterm_lets_running_streams_end_with_a_finish_reason_and_done(qwen2_vl
         assert finish == "abort"
         assert running.process.wait(timeout=30) == 0
         wait_until_gone(running)
+        shutdown = running.log[running.log.index("received SIGTERM") :].splitlines()
+        assert "1 request(s) in flight get up to 1 s" in shutdown[0]  # Iris's line first

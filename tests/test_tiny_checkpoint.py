@@ -285,12 +285,19 @@ def test_greedy_generation_is_varied(every_arch_dir: tuple[str, Path]) -> None:
 
 def test_builtin_checkpoint_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IRIS_CACHE_DIR", str(tmp_path))
-    path = builtin_checkpoint("qwen2_vl", "tiny")
+    said: list[str] = []
+    path = builtin_checkpoint("qwen2_vl", "tiny", progress=said.append)
     assert path == tmp_path / "models" / "qwen2_vl-tiny-seed0"
     assert (path / "model.safetensors").exists()
     assert [p.name for p in (tmp_path / "models").iterdir()] == [path.name]  # no temp left
+    assert (
+        len(said) == 2
+        and f"into {path} " in said[0]
+        and said[1].startswith(f"generated {path.name}")
+    )
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert builtin_checkpoint("qwen2_vl", "tiny") == path
+    assert builtin_checkpoint("qwen2_vl", "tiny", progress=said.append) == path
+    assert len(said) == 2  # a cached checkpoint is found silently
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rebuilt
     # A cache from another generator version is rebuilt in place.
     stamp = path / "iris_tiny_checkpoint.json"

@@ -28,6 +28,8 @@ import json
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -140,8 +142,11 @@ def cache_root() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "iris") / "models"
 
 
-def builtin_checkpoint(arch: str = "qwen2_5_vl", size: str = "tiny") -> Path:
-    """Path of the seed-0 fp32 checkpoint of `arch`/`size`, generated on first use.
+def builtin_checkpoint(
+    arch: str = "qwen2_5_vl", size: str = "tiny", progress: Callable[[str], None] | None = None
+) -> Path:
+    """Path of the seed-0 fp32 checkpoint of `arch`/`size`, generated on first use;
+    `progress` hears where and how long when it is generated (nothing when it is cached).
 
     Generation goes to a temporary folder next to the target and is renamed into place, so a
     crash never leaves a half-written checkpoint and concurrent callers (e.g. pytest-xdist
@@ -155,6 +160,9 @@ def builtin_checkpoint(arch: str = "qwen2_5_vl", size: str = "tiny") -> Path:
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    say = progress or (lambda line: None)
+    say(f"generating the built-in checkpoint into {target} (once; $IRIS_CACHE_DIR moves it)")
+    started = time.monotonic()
     try:
         generate_checkpoint(arch, tmp, size=size, seed=0)
         if target.exists() and not _stamp_matches(target, expected):
@@ -168,6 +176,7 @@ def builtin_checkpoint(arch: str = "qwen2_5_vl", size: str = "tiny") -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    say(f"generated {target.name} in {time.monotonic() - started:.1f} s")
     return target
 
 

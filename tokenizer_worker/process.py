@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import zmq
 
+from iris_serve.common.logs import configure_logging
 from iris_serve.common.process_heap import freeze_startup_heap
 from iris_serve.ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
@@ -57,10 +58,7 @@ STATS_INTERVAL_SECONDS = 0.2
 
 def run_worker(config: WorkerConfig, ready: Any) -> None:
     """Entry point of a spawned worker process; reports `(name, ok, info)` on `ready`."""
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s {config.name} %(name)s: %(message)s",
-    )
+    configure_logging(config.log_level)
     torch.set_num_threads(1)  # workers scale by process; a torch thread pool would only contend
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop.set)
