@@ -14,7 +14,7 @@ checkpoint, both resident, in alternating rounds with fresh images each round:
 Per variant: requests/s, TTFT and TPOT per request (from `add_request` to the step that
 returned the first token, and from there to the last), and where the loop spent its time:
 the steps' model calls (`ModelRunner.execute`: their count, share of the time, decodes per step),
-the vision tower inside the steps (`ImageEncoder.encode`; inline only), the waits of steps
+the vision tower inside the steps (`EncoderManager.encode`; inline only), the waits of steps
 with nothing to run while images encode, and the tower calls themselves (CUDA events on
 CUDA, so a call slowed by the steps beside it shows as longer).
 
@@ -51,8 +51,8 @@ from iris_serve.scheduler.engine import Engine
 from iris_serve.tokenizer_worker.prompt import PromptBuilder, load_image
 
 VARIANTS = {
-    "beside": {"mm_encoder_inline": False},
-    "inline": {"mm_encoder_inline": True, "max_itl_stretch": 0.0},
+    "beside": {"mm_encoder_placement": "thread"},
+    "inline": {"mm_encoder_placement": "inline", "max_itl_stretch": 0.0},
 }
 
 
@@ -77,7 +77,7 @@ def traced(engine: Engine) -> list[Trace]:
     """Wraps the engine's model calls, in-step encodes and idle waits; they add to the
     returned holder's trace (`closed_loop` puts a fresh one in it per round)."""
     trace = [Trace()]
-    runner, encoder = engine.runner, engine.image_encoder
+    runner, encoder = engine.runner, engine.encoder_manager
     execute, encode, wait = runner.execute, encoder.encode, encoder.wait
 
     def timed_execute(plan: Any, images: Any) -> Any:
@@ -110,7 +110,7 @@ def closed_loop(
     engine: Engine, holder: list[Trace], prompts: list[Any], params: Sampling, concurrency: int
 ) -> Trace:
     trace = holder[0] = Trace()
-    engine.image_encoder.drain_seconds()
+    engine.tower.drain_seconds()
     added: dict[str, float] = {}
     first: dict[str, float] = {}
     pending, in_flight = deque(enumerate(prompts)), 0
@@ -134,7 +134,7 @@ def closed_loop(
                 if tokens > 1:
                     trace.tpot_s.append((now - first[out.request_id]) / (tokens - 1))
     trace.wall_s = time.perf_counter() - started
-    trace.tower_calls_s = engine.image_encoder.drain_seconds()
+    trace.tower_calls_s = engine.tower.drain_seconds()
     return trace
 
 
@@ -143,7 +143,7 @@ def tower_alone_ms(engine: Engine, prompt: Any, reps: int) -> dict[str, float]:
     in this thread, and through the encoder thread (whose submit copies the pixels first;
     on a CPU it runs on its share of the cores). A call beside the steps that takes far
     longer than these is slowed by the steps, not by running in a thread."""
-    encoder, background = engine.image_encoder, engine.image_encoder.background
+    tower, executor = engine.tower, engine.encoder_executor
     pixels, grids = [prompt.pixels[0]], [prompt.prompt.images[0].grid_thw]
     device = engine.device
 
@@ -160,12 +160,10 @@ def tower_alone_ms(engine: Engine, prompt: Any, reps: int) -> dict[str, float]:
         return best * 1e3
 
     with torch.inference_mode():
-        found = {"in the caller's thread": timed(lambda: encoder.tower(pixels, grids))}
-    if background is not None:
-        found["through the encoder thread"] = timed(
-            lambda: background.submit(pixels, grids).result()
-        )
-    encoder.drain_seconds()  # not the closed loop's
+        found = {"in the caller's thread": timed(lambda: tower(pixels, grids))}
+    if executor.placement == "thread":
+        found["through the encoder thread"] = timed(lambda: executor.submit(pixels, grids).result())
+    tower.drain_seconds()  # not the closed loop's
     return found
 
 

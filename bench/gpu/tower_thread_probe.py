@@ -33,8 +33,10 @@ def main() -> None:
     args = parser.parse_args()
     builder = PromptBuilder(args.model)
     prompt = make_prompts(builder, 1, 7, (1280, 720), 32)[0]
-    engine = Engine(EngineConfig(model=args.model, device=args.device, mm_encoder_inline=False))
-    encoder = engine.image_encoder
+    engine = Engine(
+        EngineConfig(model=args.model, device=args.device, mm_encoder_placement="thread")
+    )
+    tower = engine.tower
     device = engine.device
     pixels = [prompt.pixels[0].to(device)]
     grids = [prompt.prompt.images[0].grid_thw]
@@ -48,10 +50,10 @@ def main() -> None:
     def call(stream: torch.cuda.Stream | None) -> None:
         with torch.inference_mode():
             if stream is None:
-                encoder.tower(pixels, grids)
+                tower(pixels, grids)
             else:
                 with torch.cuda.stream(stream):
-                    encoder.tower(pixels, grids)
+                    tower(pixels, grids)
         sync()
 
     def in_new_thread(work: Callable[[], None]) -> None:
@@ -85,9 +87,9 @@ def main() -> None:
     print(
         f"{'one thread kept alive, side stream':48s} " + " ".join(f"{t:7.1f}" for t in persistent)
     )
-    background = encoder.background
-    assert background is not None
-    timed("EncoderThread.submit", lambda: background.submit(pixels, grids).result())
+    executor = engine.encoder_executor
+    assert executor.placement == "thread"
+    timed("EncoderThread.submit", lambda: executor.submit(pixels, grids).result())
 
     def profiled() -> None:
         profile = cProfile.Profile()
