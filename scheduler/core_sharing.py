@@ -6,16 +6,16 @@ is nothing to split (the encoder works on a side stream). `StepPolicy` (step_pol
 drives it, once per step.
 
 Splitting suits decodes, not prefill. A decode step reads the weights once and barely
-gains from a second core, so the tower loses little by running beside it; a prefill
-token is compute, several times slower with one thread beside the tower (whose
+gains from a second core, so the tower loses little by running alongside it; a prefill
+token is compute, several times slower with one thread alongside the tower (whose
 activations evict the step's caches) than with every core alone. So when a step plans
-prefill beside a running tower call, the steps hold the encoder thread (`after_plan`): it
+prefill alongside a running tower call, the steps hold the encoder thread (`after_plan`): it
 parks before its next block part, a fraction of a second at most. Until it has, decodes
-go on alone (prefill beside them would cost them the slow prefill) and a step without
+go on alone (prefill alongside them would cost them the slow prefill) and a step without
 decodes takes a paced chunk (`lone_prefill_paced`); once it has, the steps run on every
 core and prefill at full speed, and the first step that plans no prefill gives the tower
 its core back. A hold lasts at most `MAX_HOLD_SECONDS`; the next one waits as long as it
-lasted, with prefill paced beside the tower meanwhile as without holds, so a stream of
+lasted, with prefill paced alongside the tower meanwhile as without holds, so a stream of
 prefill never takes more than half of the tower's time.
 """
 
@@ -77,7 +77,7 @@ class CoreSharing:
 
     def lone_prefill_paced(self, encoding: bool, now: float | None = None) -> bool:
         """Whether a step without decodes takes a paced chunk instead of all the prefill
-        it can: the tower runs beside it, and a hold could soon give the steps every
+        it can: the tower runs alongside it, and a hold could soon give the steps every
         core."""
         if not self.hold_for_prefill or not encoding:
             return False
@@ -87,7 +87,7 @@ class CoreSharing:
         return self.encoder.held or _now(now) >= self._no_hold_until
 
     def after_plan(self, encoding: bool, prefill_tokens: int, now: float | None = None) -> int:
-        """Holds the encoder thread when the planned step carries prefill beside a running
+        """Holds the encoder thread when the planned step carries prefill alongside a running
         tower call; releases a parked one when a step plans none. Returns the threads the
         step runs with (the encoder's share back, once released)."""
         encoder = self.encoder

@@ -68,7 +68,7 @@ class StepPolicy:
     def caps(self) -> PrefillCaps:
         """Ends a hold of the encoder thread that is over; the pacer's cap for a step with
         decodes (none while the steps wait for the encoder to park), and for one without
-        while the tower runs beside it and a hold could soon give the steps every core."""
+        while the tower runs alongside it and a hold could soon give the steps every core."""
         self._encoding = self.encoder.encoding
         threads = self.cores.begin_step(self._encoding)
         if self.pacer is None:
