@@ -14,7 +14,7 @@ The servers, on the same checkpoint (generated, `--arch`, Qwen2.5-VL by default,
   Iris server); it is the base every other server is compared with;
 - each `--variant NAME=FLAGS`: `iris serve` with FLAGS added; leading `VAR=value` words
   are its environment, e.g. `--variant 'passive=OMP_WAIT_POLICY=PASSIVE'`,
-  `--variant 'inline=--mm-encoder-inline --max-itl-stretch 0'`;
+  `--variant 'inline=--mm-encoder-placement inline --max-itl-stretch 0'`;
 - `--before-tree DIR`: `before`, `iris serve` from another checkout (`git worktree add
   DIR COMMIT`) with its own defaults, through this venv
   (`bench.server_process.namespace_shim`): an earlier commit measured in the same run.

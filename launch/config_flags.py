@@ -13,7 +13,8 @@ role's config module needs nothing from the server to declare it:
     group      the help section (a key of the `groups` given to `add_config_flags`)
     aliases    more flags (each a dict of these keys) that set the same field
     const      what a `bool` field's flag stores (default: the opposite of the field's
-               default; a field defaulting to None may have a flag for each value)
+               default; a field defaulting to None may have a flag for each value); on
+               a field of another type, a flag that takes no value and stores this one
 
 The rest follows the field's type: a `Literal` gives the choices; `bool` defaulting to
 True gives a flag that sets it False (`--disable-...`), defaulting to False (or None) one
@@ -152,6 +153,8 @@ def _kind_kwargs(spec: Mapping[str, Any], field: dataclasses.Field, kind: Any) -
     """argparse's action, type, choices and nargs for one flag of `field`."""
     if kind is bool:
         return {"action": "store_const", "const": spec.get("const", not field.default)}
+    if "const" in spec:
+        return {"action": "store_const", "const": spec["const"]}
     origin = typing.get_origin(kind)
     if origin is Literal:
         return {"choices": typing.get_args(kind)}
@@ -190,7 +193,9 @@ def _help(spec: Mapping[str, Any], field: dataclasses.Field, kind: Any) -> str:
     """The help text, with the field's default in the flag's unit unless it says one."""
     text = spec["help"]
     default = field.default
-    if kind is bool or default is None or default is dataclasses.MISSING or "default" in text:
+    if kind is bool or "const" in spec or default is None or default is dataclasses.MISSING:
+        return text
+    if "default" in text:
         return text
     if spec.get("parse") == "gib":
         shown = f"{default / GiB:g}"

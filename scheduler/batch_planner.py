@@ -14,15 +14,16 @@ With a prefix cache, a request being admitted (first time or after preemption) s
 from the longest chain of cached full pages over its tokens, shared by reference; the
 pages a request fills are registered as it computes them and when it leaves.
 
-A step that carries decodes carries at most `prefill_cap` prefill tokens (when set; the
-engine sets it from measured step times, see step_pacer.py), so a long prompt joining
-stretches the running streams' next token by a bounded factor instead of by its whole
-prefill (stall-free batching, as in Sarathi-Serve); one without decodes at most
-`lone_prefill_cap` (when set: while the steps wait for the cores the vision encoder
-holds, core_sharing.py).
+The prefill a step carries is capped by the planner's `PrefillPolicy`, asked once per
+step (`caps`) and told what was planned (`planned`). The engine's is `StepPolicy`
+(step_policy.py): with decodes in the step, a cap from measured step times, so a long
+prompt joining stretches the running streams' next token by a bounded factor instead of
+by its whole prefill (stall-free batching, as in Sarathi-Serve); without, a cap only
+while the steps wait for the cores the vision encoder holds. A `PrefillCaps` is the
+policy of fixed caps (`UNCAPPED`: none).
 
 A prefill chunk runs only as far as the request's image embeddings are ready
-(`ready_until`, from the image encoder when it encodes beside the steps): a request whose
+(`ready_until`, from the encoder manager under the `thread` placement): a request whose
 next tokens belong to an image still being encoded sits the step out, holding what it
 has, and the others go on; one waiting to be admitted lets those behind it in.
 
@@ -38,10 +39,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from iris_serve.scheduler.kv_cache import PagePool
 from iris_serve.scheduler.prefix_cache import PrefixCache
-from iris_serve.scheduler.request import Request, RequestStatus
+from iris_serve.scheduler.request import Request, RequestResources, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -75,12 +77,41 @@ class StepPlan:
 ReadyUntil = Callable[[Request, int], int]
 
 
+@dataclass(frozen=True)
+class PrefillCaps:
+    """Prefill tokens a step may carry (None: the whole token budget). Also the policy
+    of the same caps every step."""
+
+    with_decodes: int | None = None  # in a step that has decodes
+    alone: int | None = None  # in a step that has none
+
+    def caps(self) -> PrefillCaps:
+        return self
+
+    def planned(self, plan: StepPlan) -> None:
+        pass
+
+
+class PrefillPolicy(Protocol):
+    def caps(self) -> PrefillCaps:
+        """The caps of the step being planned (asked once, as planning starts)."""
+        ...
+
+    def planned(self, plan: StepPlan) -> None:
+        """The step as planned (the policy may set what it runs with)."""
+        ...
+
+
+UNCAPPED = PrefillCaps()
+
+
 def _anywhere(request: Request, start: int) -> int:
     return request.num_tokens
 
 
-class BatchPlanner:
-    """Owns the waiting queue, the running set and every request's page table."""
+class BatchPlanner(RequestResources):
+    """Owns the waiting queue, the running set and every request's page table (its KV
+    pages: `release` returns them; a preemption returns them as it happens)."""
 
     def __init__(
         self,
@@ -90,15 +121,15 @@ class BatchPlanner:
         max_num_seqs: int,
         prefix_cache: PrefixCache | None = None,
         ready_until: ReadyUntil = _anywhere,
+        policy: PrefillPolicy = UNCAPPED,
     ) -> None:
         self.pool = pool
         self.ready_until = ready_until
+        self.policy = policy
         self.prefix_cache = prefix_cache
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.prefill_cap: int | None = None  # prefill tokens of a step with decodes
-        self.lone_prefill_cap: int | None = None  # ... and of one without
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -117,9 +148,10 @@ class BatchPlanner:
             for request in self.running:  # pages the last step filled
                 self.prefix_cache.register(request)
 
-        cap = self.lone_prefill_cap
+        caps = self.policy.caps()
+        cap = caps.alone
         if any(_is_decoding(r) for r in self.running):
-            cap = self.prefill_cap
+            cap = caps.with_decodes
         prefill_budget = budget if cap is None else cap
         index = 0
         while index < len(self.running) and budget > 0:
@@ -159,6 +191,7 @@ class BatchPlanner:
             _plan_chunk(plan, request, first_chunk)
             budget -= first_chunk
             prefill_budget -= first_chunk
+        self.policy.planned(plan)
         return plan
 
     def cached_prefix_tokens(self, request: Request) -> int:
@@ -168,21 +201,20 @@ class BatchPlanner:
             return 0
         return len(self.prefix_cache.match(request)) * self.page_size
 
-    def finish(self, request: Request) -> None:
+    def release(self, request: Request) -> None:
         """Drop a request wherever it is and return its pages; safe to call twice."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._release(request)
+        self._free_pages(request)
         request.status = RequestStatus.FINISHED
 
-    def fail(self, request: Request, num_computed_tokens: int) -> None:
-        """Drops a request whose step raised: its progress goes back to what the steps
-        before computed (the failed one advanced it when planned), so releasing it
-        registers none of the pages whose KV that step was to write."""
+    def rewind(self, request: Request, num_computed_tokens: int) -> None:
+        """Sets back the progress of a request whose step raised to what the steps before
+        computed (the failed one advanced it when planned), so releasing it registers
+        none of the pages whose KV that step was to write."""
         request.page_table.rewind(num_computed_tokens)
-        self.finish(request)
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Gives a waiting request (it holds no pages) its cached prefix and the pages
@@ -225,7 +257,7 @@ class BatchPlanner:
         """Preempt newest-first until `request` fits; False if `request` itself went."""
         while True:
             victim = self.running.pop()
-            self._release(victim)  # its progress too: it is recomputed from the start
+            self._free_pages(victim)  # its progress too: it is recomputed from the start
             victim.status = RequestStatus.WAITING
             victim.num_preemptions += 1
             self.num_preemptions += 1
@@ -236,7 +268,7 @@ class BatchPlanner:
             if self._reserve_pages(request, num_tokens):
                 return True
 
-    def _release(self, request: Request) -> None:
+    def _free_pages(self, request: Request) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.register(request)  # what it computed outlives it
         self.pool.free(request.page_table.release())

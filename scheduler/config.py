@@ -29,11 +29,9 @@ _DTYPES = {
     "half": "float16",
 }
 _CACHES = "caches"  # the help section of the cache flags (`launch.args`)
-# `--max-itl-stretch` on a CPU, chosen by measurement (bench/results/itl_stretch_small*.md):
-# with the encoder held for prefill, served images on `small` keep p99 ITL 3-3.35x the
-# median at 2 to 4 with four servers up at once (2.3-2.7x with Iris alone, serve_load),
-# 73x with the old engine, at 0.87-0.95x its req/s whatever the setting; text loses more
-# at 2, and its ITL tail grows with the stretch (p99/median 4.6 at 2.5, 6.4 at 4).
+# `--max-itl-stretch` on a CPU: the inter-token tail of served images stays flat from 2
+# to 4, text loses throughput below 2.5 and grows its tail above (the measurements are in
+# bench/results/itl_stretch_small*.md).
 CPU_ITL_STRETCH = 2.5
 
 
@@ -187,22 +185,29 @@ class EngineConfig:
             group=_CACHES,
         ),
     )
-    mm_encoder_inline: bool | None = field(
-        default=None,
+    # Where the vision tower runs (encoder_executor.py); auto: `resolved_mm_encoder_placement`.
+    mm_encoder_placement: Literal["auto", "inline", "thread"] = field(
+        default="auto",
         metadata=_flag(
-            "--mm-encoder-inline",
-            "run the vision encoder inside the steps, for the images their chunks overlap "
-            "(every stream waits for it). Default: inside on CUDA, beside on a CPU (see "
-            "--mm-encoder-beside)",
+            "--mm-encoder-placement",
+            "where the vision encoder runs: inline (inside the steps, for the images their "
+            "chunks overlap; every stream waits for it) or thread (in a thread of its own, "
+            "with --encoder-threads of the cores on a CPU, on a CUDA stream of its own on a "
+            "GPU, so decodes go on while images encode); auto: thread on a CPU, inline on "
+            "CUDA. Without chunked encoding, always inline",
             group=_CACHES,
             aliases=(
                 {
+                    "flag": "--mm-encoder-inline",
+                    "help": "deprecated, to be removed in the next release: use "
+                    "--mm-encoder-placement inline",
+                    "const": "inline",
+                },
+                {
                     "flag": "--mm-encoder-beside",
-                    "help": "run the vision encoder beside the steps: in a thread of its own "
-                    "(on a CPU with --encoder-threads of the cores) or on a CUDA stream of "
-                    "its own, so decodes go on while images encode (the later of the two "
-                    "flags wins)",
-                    "const": False,
+                    "help": "deprecated, to be removed in the next release: use "
+                    "--mm-encoder-placement thread",
+                    "const": "thread",
                 },
             ),
         ),
@@ -233,6 +238,8 @@ class EngineConfig:
             raise ValueError("mm_cache_granularity must be 'image' or 'request'")
         if self.max_num_encoder_tokens < 1:
             raise ValueError("max_num_encoder_tokens must be positive")
+        if self.mm_encoder_placement not in ("auto", "inline", "thread"):
+            raise ValueError("mm_encoder_placement must be 'auto', 'inline' or 'thread'")
         if self.encoder_threads is not None and self.encoder_threads < 1:
             raise ValueError("encoder_threads must be positive")
         stretch = self.max_itl_stretch
@@ -246,16 +253,17 @@ class EngineConfig:
             return self.max_itl_stretch
         return CPU_ITL_STRETCH if device.type == "cpu" else 0.0
 
-    def resolved_encoder_inline(self, device: torch.device) -> bool:
-        """`mm_encoder_inline`, by default beside the steps on a CPU and inside them on
-        CUDA. On a CPU a 1280x720 image takes seconds in the tower of `small`, and inside
-        the steps it stalls every stream that long (p99 ITL 73x the median, against 2.4x
-        beside: bench/results/serve_load_small_builtin.md). On an H100 with Qwen2.5-VL-7B
-        beside the steps served 0.94x inline's requests/s at 0.71x the TPOT but 1.36x the
-        TTFT (bench/results/encoder_thread_h100.md), so inline is CUDA's default."""
-        if self.mm_encoder_inline is not None:
-            return self.mm_encoder_inline
-        return device.type != "cpu"
+    def resolved_mm_encoder_placement(self, device: torch.device) -> Literal["inline", "thread"]:
+        """`mm_encoder_placement`, by default a thread on a CPU and inline on CUDA. On a CPU
+        a large image takes seconds in the tower, and inline it stalls every stream that
+        long; on CUDA the thread traded request throughput and TTFT for TPOT
+        (bench/results/encoder_thread_h100.md), so inline is CUDA's default. Without
+        chunked encoding every image is encoded in its request's first chunk: inline."""
+        if not self.chunked_mm_encoding:
+            return "inline"
+        if self.mm_encoder_placement != "auto":
+            return self.mm_encoder_placement
+        return "thread" if device.type == "cpu" else "inline"
 
     def resolved_encoder_threads(self) -> int:
         """The encoder thread's torch threads on a CPU: `encoder_threads`, by default half

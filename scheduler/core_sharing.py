@@ -2,25 +2,21 @@
 
 While the encoder thread runs a vision-tower call, a step runs with the cores it leaves
 (`step_threads`); with no step to run, the encoder thread takes every core. On CUDA there
-is nothing to split (the encoder works on a side stream).
+is nothing to split (the encoder works on a side stream). `StepPolicy` (step_policy.py)
+drives it, once per step.
 
 Splitting suits decodes, not prefill. A decode step reads the weights once and barely
-gains from a second core (`small` on 2 cores: 16 ms with one thread beside the tower,
-14.5 ms with both alone), so the tower loses little by running beside it. A prefill
-token is compute: 1.45 ms with one thread beside the tower (whose activations evict the
-step's caches) against 0.32 ms with both cores alone. So when a step plans prefill
-beside a running tower call, the steps hold the encoder thread (`after_plan`): it parks
-before its next block part, a fraction of a second at most. Until it has, decodes go on
-alone (prefill beside them would cost them the slow prefill) and a step without decodes
-takes a paced chunk (`lone_prefill_paced`); once it has, the steps run on every core
-and prefill at full speed, and the first step that plans no prefill gives the tower its
-core back. A hold lasts at most `MAX_HOLD_SECONDS`; the next one waits as long as it
-lasted, with prefill paced beside the tower meanwhile as without holds, so a stream of
+gains from a second core, so the tower loses little by running alongside it; a prefill
+token is compute, several times slower with one thread alongside the tower (whose
+activations evict the step's caches) than with every core alone. So when a step plans
+prefill alongside a running tower call, the steps hold the encoder thread (`after_plan`): it
+parks before its next block part, a fraction of a second at most. Until it has, decodes
+go on alone (prefill alongside them would cost them the slow prefill) and a step without
+decodes takes a paced chunk (`lone_prefill_paced`); once it has, the steps run on every
+core and prefill at full speed, and the first step that plans no prefill gives the tower
+its core back. A hold lasts at most `MAX_HOLD_SECONDS`; the next one waits as long as it
+lasted, with prefill paced alongside the tower meanwhile as without holds, so a stream of
 prefill never takes more than half of the tower's time.
-
-Measured on 2 cores (`small`, one new 1280x720 image per request, 4 in flight, two
-interleaved runs each): mean TPOT 16.7 ms against 29–31 ms with the split alone, request
-throughput unchanged (0.39 req/s both).
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ class CoreSharing:
     def __init__(
         self, encoder: EncoderThread | None, device: torch.device, hold_for_prefill: bool = True
     ) -> None:
-        """`encoder`: the engine's encoder thread (None with `--mm-encoder-inline`);
+        """`encoder`: the engine's encoder thread (None under the `inline` placement);
         `hold_for_prefill`: whether prefill may park it (the engine asks so only when it
         paces prefill, which sizes the chunks while the steps wait for the cores).
 
@@ -81,7 +77,7 @@ class CoreSharing:
 
     def lone_prefill_paced(self, encoding: bool, now: float | None = None) -> bool:
         """Whether a step without decodes takes a paced chunk instead of all the prefill
-        it can: the tower runs beside it, and a hold could soon give the steps every
+        it can: the tower runs alongside it, and a hold could soon give the steps every
         core."""
         if not self.hold_for_prefill or not encoding:
             return False
@@ -91,7 +87,7 @@ class CoreSharing:
         return self.encoder.held or _now(now) >= self._no_hold_until
 
     def after_plan(self, encoding: bool, prefill_tokens: int, now: float | None = None) -> int:
-        """Holds the encoder thread when the planned step carries prefill beside a running
+        """Holds the encoder thread when the planned step carries prefill alongside a running
         tower call; releases a parked one when a step plans none. Returns the threads the
         step runs with (the encoder's share back, once released)."""
         encoder = self.encoder
@@ -110,13 +106,11 @@ class CoreSharing:
         """Sets the step's `threads`; with no step to run (`idle`), the encoder thread
         takes every core.
 
-        More OpenMP threads than cores spin-wait on each other: on 2 cores, a decode step
-        beside a vision-tower call took 47 ms median, 261 ms p99 with 2 step threads and
-        1 encoder thread, against 24.5 / 33 ms with 1 + 1 (23 / 26 ms alone). Setting the
-        count costs well under a microsecond."""
+        More OpenMP threads than cores spin-wait on each other, so the steps and the
+        encoder thread never ask for more between them. Setting the count is cheap."""
         if self.encoder is None:
             return
-        self.encoder.steps_idle = idle
+        self.encoder.set_steps_idle(idle)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 

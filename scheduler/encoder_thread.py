@@ -1,10 +1,10 @@
-"""The vision tower beside the decode loop: its calls run in a thread of their own.
+"""The `thread` placement of the vision tower: its calls run in a thread of their own.
 
 A call through the vision tower takes seconds on a CPU and tens of milliseconds on a GPU;
-made inside a step, it stalls every running stream for that long (the inline mode,
-`--mm-encoder-inline`). Here the image encoder hands each batch of images to one
-background thread and the steps go on; the planner schedules a chunk that overlaps an
-image only once its embedding is ready (see image_encoder.py).
+made inside a step (the `inline` placement, encoder_executor.py), it stalls every running
+stream for that long. Here the encoder manager hands each batch of images to one thread
+and the steps go on; the planner schedules a chunk that overlaps an image only once its
+embedding is ready (see encoder_manager.py).
 
 - On a CPU the cores are shared, never oversubscribed (more OpenMP threads than cores
   spin-wait on each other). torch's thread count is per calling thread: while the steps
@@ -14,14 +14,15 @@ image only once its embedding is ready (see image_encoder.py).
   block (`adapt_threads`, a forward pre-hook on its attention, MLP and norms), so it
   follows the steps within a fraction of a block. There too it parks while the steps
   hold it (`hold`/`release`, asked by `CoreSharing` so that a prefill gets every core);
-  a call that has not started parks before it starts.
+  a call that has not started parks before it starts. A call takes images up to
+  `CPU_CALL_TOKENS` only: one large image already keeps the cores busy, and batching
+  more only makes the first image's request wait for the others' before any can prefill.
 - On CUDA the thread launches on a stream of its own, so the device runs the tower
   concurrently with the steps' kernels; a call's result is handed over once its work
   has finished on the device (an event), and is marked as used by the main stream, so
   the caching allocator never recycles it under a step still reading it. It is not the
-  default there (`EngineConfig.resolved_encoder_inline`): on an H100, with the thread
-  kept alive (below), beside the steps served 0.94x inline's requests/s at 0.71x the
-  TPOT but 1.36x the TTFT (`bench/results/encoder_thread_h100.md`).
+  default placement there (`EngineConfig.resolved_mm_encoder_placement`; the measurements
+  are in bench/results/encoder_thread_h100.md).
 
 A submitted call owns its pixels: the caller's tensors (views of a worker's shared
 memory, whose pin a finished or aborted request gives back at any time) are copied first,
@@ -32,17 +33,13 @@ Calls run one at a time, in submission order, so the tower's activations are tho
 call at the encoder budget, as inline.
 
 On CUDA the thread lives as long as the encoder: torch keeps cuDNN's attention graphs
-per thread, and building them for a ViT's ~90 attention calls took ~250 ms of a ~45 ms
-call on an H100 (`bench/results/encoder_thread_h100.md`: a new thread per call 230-360 ms, one
-thread kept alive 43 ms from its third call, the caller's thread 42-50 ms).
+per thread, and a new thread per call would rebuild them for every call.
 
 On a CPU the thread exits as soon as no call is queued, and the next call starts a new
 one. The OpenMP runtime (libgomp) keeps a pool of worker threads for every thread that ran a
 parallel region, until that thread exits; with more of them than cores it stops letting
 idle workers spin and puts them to sleep at once, so each of the hundreds of parallel
-regions of a step pays a futex wake-up. Measured on 2 cores: once an encoder thread had
-used both cores, decode steps took 24–30 ms against 20–22 ms inline, until it exited
-(then 20–22 ms again); text throughput served was 0.72–0.78× the inline engine's.
+regions of a step would pay a futex wake-up for as long as an idle encoder thread lived.
 """
 
 from __future__ import annotations
@@ -50,16 +47,22 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
+from typing import Literal
 
 import torch
 
 Grid = tuple[int, int, int]
 _NAME = "iris-encoder"
+CPU_CALL_TOKENS = 1024  # image tokens per call on a CPU (see the module's docstring)
 TowerCall = Callable[[Sequence[torch.Tensor], Sequence[Grid]], torch.Tensor]
 
 
 class EncoderThread:
+    """The `thread` placement's `EncoderExecutor` (encoder_executor.py)."""
+
+    placement: Literal["thread"] = "thread"
+
     def __init__(
         self,
         call: TowerCall,
@@ -77,8 +80,9 @@ class EncoderThread:
         self._call = call
         self.device = device
         self.num_threads = num_threads
+        self.call_tokens = CPU_CALL_TOKENS if device.type == "cpu" else None
         self.all_threads = max(all_threads, num_threads)
-        self.steps_idle = False  # set by the engine's loop; read here before each block
+        self.steps_idle = False  # `set_steps_idle`; read in this thread before each block
         # A hold parks the encoder thread before its next block part, so a prefill can
         # have every core (core_sharing.py); `parked` says it waits there.
         self._hold = threading.Condition()
@@ -126,12 +130,6 @@ class EncoderThread:
             image.record_stream(self._stream)
         return owned
 
-    @staticmethod
-    def wait_any(futures: Sequence[Future], timeout: float) -> None:
-        """Returns once one of `futures` is done, or after `timeout` seconds."""
-        if futures:
-            wait(futures, timeout, return_when=FIRST_COMPLETED)
-
     def close(self) -> None:
         """Cancels the calls not started and lets the running one finish in the background."""
         with self._lock:
@@ -158,6 +156,10 @@ class EncoderThread:
     @property
     def held(self) -> bool:
         return self._held
+
+    def set_steps_idle(self, idle: bool) -> None:
+        """Whether the steps have nothing to run: the encoder then takes every core."""
+        self.steps_idle = idle
 
     # -- in the encoder thread ----------------------------------------------------------------
 

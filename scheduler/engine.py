@@ -1,21 +1,23 @@
 """The in-process engine: add requests, step, read outputs.
 
-One `step()` reads as the whole loop: take the images the encoder thread has finished
-and start the next ones, plan the batch, run the model, account the results. The
-scheduler process drives exactly this object from its socket loop; `iris generate`, the
-tests and the benchmarks call it directly. When encoding, the forward or sampling
-raises, only the requests concerned fail (they come out of `pop_failed`) and the engine
-goes on with the rest (see step_faults.py).
+`step()` reads as the whole loop: collect (the encoder thread's finished images in, the
+next ones started), plan, encode, forward and sample, account. The scheduler process
+drives exactly this object from its socket loop; `iris generate`, the tests and the
+benchmarks call it directly. When encoding, the forward or sampling raises, only the
+requests concerned fail (they come out of `pop_failed`) and the engine goes on with the
+rest (see step_faults.py).
 
-With `--mm-encoder-inline` the vision tower runs inside the step instead, for the images
-its chunks overlap (the baseline: every stream waits for it).
+The parts, each with one job: the `BatchPlanner` (queues, KV pages, preemption) plans
+within the `StepPolicy`'s caps (prefill pacing and CPU core sharing, step_policy.py);
+the `EncoderManager` decides which images to encode and holds their embeddings, and its
+`EncoderExecutor` runs the vision tower inline or in a thread (the placement); the
+`ModelRunner` runs the forward and samples. A request ends in one place, `_finish`.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -33,18 +35,18 @@ from iris_serve.ipc.messages import (
 )
 from iris_serve.scheduler.batch_planner import BatchPlanner, StepPlan
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.core_sharing import CoreSharing
 from iris_serve.scheduler.device_state import DeviceState
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
+from iris_serve.scheduler.encoder_executor import Tower, encoder_executor
+from iris_serve.scheduler.encoder_manager import EncoderManager, request_scoped_keys
 from iris_serve.scheduler.given_images import hold_given_images
-from iris_serve.scheduler.image_encoder import ImageEncoder, request_scoped_keys
 from iris_serve.scheduler.model_runner import Followers, ModelRunner, Sampled
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 from iris_serve.scheduler.patches import PatchMaker
 from iris_serve.scheduler.pixels import Pin, PixelStore
 from iris_serve.scheduler.prefix_cache import PrefixCache
-from iris_serve.scheduler.request import Request
+from iris_serve.scheduler.request import Request, RequestResources
 from iris_serve.scheduler.sampling import check_sampling
 from iris_serve.scheduler.step_faults import (
     FailedRequest,
@@ -52,7 +54,7 @@ from iris_serve.scheduler.step_faults import (
     is_isolatable,
     release_device_memory,
 )
-from iris_serve.scheduler.step_pacer import StepPacer
+from iris_serve.scheduler.step_policy import StepPolicy
 from iris_serve.scheduler.structured_output import Grammars
 
 logger = logging.getLogger(__name__)
@@ -127,37 +129,38 @@ class Engine:
         )
         self.pixels = PixelStore()
         self.patches = PatchMaker.from_checkpoint(config.model, self.device, self.dtype)
-        self.image_encoder = ImageEncoder(
-            self.model,
-            self.embedding_cache,
-            self.pixels,
-            self.patches,
-            self.device,
-            self.dtype,
-            config.max_num_encoder_tokens,
-            chunked=config.chunked_mm_encoding,
-            shared=config.enable_mm_embedding_cache,
-            encoder_threads=(
-                None
-                if config.resolved_encoder_inline(self.device)
-                else config.resolved_encoder_threads()
-            ),
+        self.tower = Tower(self.model, self.patches)
+        self.encoder_executor = encoder_executor(
+            config.resolved_mm_encoder_placement(self.device),
+            self.tower,
+            config.resolved_encoder_threads(),
         )
+        self.encoder_manager = EncoderManager(
+            config, self.embedding_cache, self.pixels, self.encoder_executor
+        )
+        self.policy = StepPolicy.build(config, self.device, self.encoder_manager)
         self.planner = BatchPlanner(
             self.kv_cache.pool,
             config.page_size,
             config.max_num_batched_tokens,
             config.max_num_seqs,
             self.prefix_cache,
-            self.image_encoder.ready_until,
+            self.encoder_manager.ready_until,
+            self.policy,
         )
-        stretch = config.resolved_itl_stretch(self.device)
-        self.pacer = StepPacer(stretch, config.page_size) if stretch else None
         self.runner = ModelRunner(
             self.model, self.attention, self.device, self.dtype, followers, state.decode_graphs
         )
-        self.cores = CoreSharing(
-            self.image_encoder.background, self.device, hold_for_prefill=self.pacer is not None
+        # Every owner of per-request state, in the order `_finish` releases them. A new
+        # kind of per-request state is one more owner here: the linear-attention state
+        # slot of a hybrid model (Qwen3.5) would be a pool that gives a request its slot
+        # when the planner admits it, and frees it in `release` and in `preempt` (a
+        # preempted request recomputes its state with its KV).
+        self._owners: tuple[RequestResources, ...] = (
+            self.planner,  # KV pages, queues
+            self.encoder_manager,  # embedding-cache pins, embeddings in hand
+            self.pixels,  # pixels and their shared-memory pins
+            self.runner,  # sampler state (penalty rows)
         )
         self.requests: dict[str, Request] = {}
         self._failed: list[FailedRequest] = []
@@ -205,6 +208,7 @@ class Engine:
             [image.grid_thw for image in prompt.images],
             self.model.config.spatial_merge_size,
         )
+        seed = sampling.seed
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(token_ids),
@@ -214,15 +218,16 @@ class Engine:
             image_reports=list(reports),
             prompt_positions=positions,
             rope_delta=rope_delta,
+            generator=None if seed is None else torch.Generator(self.device).manual_seed(seed),
+            grammar=None
+            if sampling.structured is None
+            else self.grammars.matcher(sampling.structured),
         )
-        if sampling.seed is not None:
-            request.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        if sampling.structured is not None:
-            request.grammar = self.grammars.matcher(sampling.structured)
         try:  # the client's embeddings, and the cached ones of images sent by uuid alone
-            hold_given_images(request, prompt.pixels, self.image_encoder, self.model.config)
+            hold_given_images(request, prompt.pixels, self.encoder_manager, self.model)
         except ValueError:
-            self._release(request)
+            for owner in self._owners:  # nothing was admitted: not `_finish`
+                owner.release(request)
             raise
         self.pixels.add(request_id, prompt.pixels, pins)
         for index, image in enumerate(prompt.images):
@@ -233,11 +238,9 @@ class Engine:
         self._prompt_tokens += len(token_ids)
 
     def abort(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is not None:
-            self.planner.finish(request)
-            request.finish_reason = "abort"
-            self._release(request)  # its pins wait in `pop_released_pins`
+            self._finish(request, "abort")  # its pins wait in `pop_released_pins`
 
     def pop_released_pins(self) -> list[Pin]:
         """Shared-memory pins whose pixels no step will read again, each exactly once: an
@@ -253,7 +256,7 @@ class Engine:
 
     def drain_encoder_seconds(self) -> list[float]:
         """Durations of the vision-tower calls since the previous drain."""
-        return self.image_encoder.drain_seconds()
+        return self.tower.drain_seconds()
 
     def stats(self) -> EngineSnapshot:
         pool = self.kv_cache.pool
@@ -265,7 +268,7 @@ class Engine:
             kv_pages_total=pool.num_pages,
             pinned_images=self.pixels.num_pinned,
             num_preemptions=self.planner.num_preemptions,
-            images_encoded=self.image_encoder.images_encoded,
+            images_encoded=self.encoder_manager.images_encoded,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             prefix_cache_hit_tokens=(
@@ -283,38 +286,17 @@ class Engine:
         return self.planner.has_work()
 
     def step(self) -> list[RequestOutput]:
-        if self.image_encoder.background is not None:
-            self._encode_beside()
-        encoding = self.image_encoder.encoding
-        threads = self.cores.begin_step(encoding)
-        if self.pacer is not None:
-            cap = self.pacer.cap(threads)
-            self.planner.prefill_cap = 0 if self.cores.awaiting_park else cap
-            self.planner.lone_prefill_cap = cap if self.cores.lone_prefill_paced(encoding) else None
-        plan = self.planner.schedule()
-        threads = self.cores.after_plan(encoding, plan.num_prefill_tokens)
+        self._collect_images()  # the encoder thread's finished calls in, the next ones out
+        plan = self.planner.schedule()  # within the step policy's caps
         for request in plan.preempted:
-            self.image_encoder.forget(request.request_id)
-        self.cores.share(threads, idle=not plan.chunks)
+            self._preempt(request)
         if not plan.chunks:
-            self.image_encoder.wait(ENCODE_WAIT_SECONDS)  # only images are being worked on
+            self.encoder_manager.wait(ENCODE_WAIT_SECONDS)  # only images are being worked on
             return []
-        try:
-            started, encoded = time.perf_counter(), self.image_encoder.images_encoded
-            images = self.image_encoder.encode(plan.chunks)  # only what these chunks overlap
-            sampled = self.runner.execute(plan, images)
-            if self.pacer is not None and self.image_encoder.images_encoded == encoded:
-                seconds = time.perf_counter() - started
-                self.pacer.observe(plan.num_decodes, plan.num_prefill_tokens, seconds, threads)
-        except Exception as error:
-            if not is_isolatable(error):
-                raise
-            out_of_memory = self._fail_step(plan, error)
-        else:
-            return self._account(plan, sampled)
-        if out_of_memory:  # now that the traceback, and the step's tensors it held, are gone
-            release_device_memory(self.device)
-        return []
+        sampled = self._run(plan)  # encode what the chunks overlap, forward, sample
+        if sampled is None:  # it raised: the step's requests failed, the others go on
+            return []
+        return self._account(plan, sampled)
 
     def generate(
         self, prompts: Sequence[PromptInput], sampling: Sampling | Sequence[Sampling]
@@ -338,7 +320,7 @@ class Engine:
 
     def close(self) -> None:
         """Stops the encoder thread (a call already running finishes in the background)."""
-        self.image_encoder.close()
+        self.encoder_executor.close()
 
     # -- internals ----------------------------------------------------------------------
 
@@ -355,10 +337,7 @@ class Engine:
             images = self._image_reports(request)  # before a finish releases its images
             reason = self._finish_reason(request, token)
             if reason is not None:
-                request.finish_reason = reason
-                self.planner.finish(request)
-                self._release(request)
-                del self.requests[request.request_id]
+                self._finish(request, reason)
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
@@ -377,49 +356,69 @@ class Engine:
             )
         return outputs
 
-    def _encode_beside(self) -> None:
+    def _collect_images(self) -> None:
         """Takes the encoder thread's finished calls (failing the requests of one that
         raised) and starts the next: running requests' images first, then the waiting
-        ones', each from its first token not computed (or, waiting, not cached)."""
-        encoder = self.image_encoder
+        ones', each from its first token not computed (or, waiting, not cached). Under
+        the inline placement there is nothing to take or start."""
+        manager = self.encoder_manager
         failed: dict[str, tuple[Request, Exception]] = {}
-        for request, error in encoder.collect():
+        for request, error in manager.collect():
             if not isinstance(error, Exception) or not is_isolatable(error):
                 raise error
             failed.setdefault(request.request_id, (request, error))
         for request, error in failed.values():
-            self._fail_request(request, error)
+            logger.error("encoding an image of %s failed", request.request_id, exc_info=error)
+            self._finish(request, "abort", error)
+            if isinstance(error, torch.OutOfMemoryError):
+                release_device_memory(self.device)
         planner = self.planner
-        encoder.prefetch(  # only requests with images: a prefix-cache match is not free
+        manager.prefetch(  # only requests with images: a prefix-cache match is not free
             itertools.chain(
                 ((r, r.page_table.num_computed_tokens) for r in planner.running if r.images),
                 ((r, planner.cached_prefix_tokens(r)) for r in planner.waiting if r.images),
             )
         )
 
-    def _release(self, request: Request) -> None:
-        """What an ended request held beyond its pages (the planner frees those): its
-        images' pins and embeddings, and the sampler's state for it."""
-        self.image_encoder.release(request.request_id)
-        self.runner.release(request.request_id)
-
-    def _fail_request(self, request: Request, error: Exception) -> None:
-        """Ends a request outside a step (its image's encoding raised), as on an abort."""
-        logger.error("encoding an image of %s failed", request.request_id, exc_info=error)
-        self.planner.finish(request)
-        request.finish_reason = "abort"
-        self._release(request)
-        del self.requests[request.request_id]
-        self._failed.append(FailedRequest(request.request_id, client_message(error)))
-        if isinstance(error, torch.OutOfMemoryError):
+    def _run(self, plan: StepPlan) -> Sampled | None:
+        """Encodes the images the plan's chunks overlap, runs the forward and samples;
+        None when that raised an error the step's requests can fail alone with."""
+        try:
+            with self.policy.timed(plan):
+                images = self.encoder_manager.encode(plan.chunks)
+                return self.runner.execute(plan, images)
+        except Exception as error:
+            if not is_isolatable(error):
+                raise
+            out_of_memory = self._fail_step(plan, error)
+        if out_of_memory:  # now that the traceback, and the step's tensors it held, are gone
             release_device_memory(self.device)
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        """The planner preempted the request (its pages are back in the pool already)."""
+        for owner in self._owners:
+            owner.preempt(request)
+
+    def _finish(
+        self, request: Request, reason: FinishReason, error: Exception | None = None
+    ) -> None:
+        """Ends a request, however it ends: every owner lets go of what it holds for it
+        (its pins wait in `pop_released_pins`); with an `error`, its client is told
+        through `pop_failed`."""
+        request.finish_reason = reason
+        for owner in self._owners:
+            owner.release(request)
+        del self.requests[request.request_id]
+        if error is not None:
+            self._failed.append(FailedRequest(request.request_id, client_message(error)))
 
     def _image_reports(self, request: Request) -> list[ImageReport] | None:
         """On a chat request's first token (every image has been looked up by then), the
         deepest cache that served each image: its KV, its embedding, its pixels, or none."""
         if not request.image_reports or len(request.output_token_ids) != 1:
             return None
-        hits = self.image_encoder.embedding_hits(request.request_id)
+        hits = self.encoder_manager.embedding_hits(request.request_id)
         reports = []
         for index, (image, report) in enumerate(
             zip(request.images, request.image_reports, strict=True)
@@ -432,22 +431,17 @@ class Engine:
         return reports
 
     def _fail_step(self, plan: StepPlan, error: Exception) -> bool:
-        """Ends every request with a chunk in the failed step as on an abort (pages, pins,
-        image state) and queues its `FailedRequest`; requests outside the step are left
-        alone. Only what earlier steps computed may reach the prefix cache: the step's
-        own KV was never (or only partly) written. Returns whether it was an OOM."""
+        """Ends every request with a chunk in the failed step, as on an abort, with the
+        error for its client; requests outside the step are left alone. Only what earlier
+        steps computed may reach the prefix cache: the step's own KV was never (or only
+        partly) written. Returns whether it was an OOM."""
         ids = [chunk.request.request_id for chunk in plan.chunks]
         logger.error(
             "a step failed; ending its %d requests (%s)", len(ids), ", ".join(ids), exc_info=error
         )
-        message = client_message(error)
         for chunk in plan.chunks:
-            request = chunk.request
-            self.planner.fail(request, num_computed_tokens=chunk.start)
-            request.finish_reason = "abort"
-            self._release(request)  # its pins wait in pop_released_pins
-            del self.requests[request.request_id]
-            self._failed.append(FailedRequest(request.request_id, message))
+            self.planner.rewind(chunk.request, num_computed_tokens=chunk.start)
+            self._finish(chunk.request, "abort", error)
         return isinstance(error, torch.OutOfMemoryError)
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:

@@ -6,12 +6,15 @@ for that request and nothing else."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from iris_serve.scheduler.image_encoder import ImageEncoder
-from iris_serve.scheduler.models.config import VLModelConfig
+from iris_serve.scheduler.encoder_manager import EncoderManager
 from iris_serve.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
 
 
 class RefusedImage(ValueError):
@@ -27,15 +30,15 @@ class RefusedImage(ValueError):
 def hold_given_images(
     request: Request,
     pixels: Sequence[torch.Tensor | None],
-    encoder: ImageEncoder,
-    config: VLModelConfig,
+    encoder: EncoderManager,
+    model: Qwen2VLForCausalLM,
 ) -> None:
     """Takes every image given by its embeddings into the embedding cache and pins the
     cached embedding of every image that came without pixels; raises `RefusedImage`
     (the caller then releases what the request holds)."""
     for index, image_pixels in enumerate(pixels):
         if request.images[index].embeds:
-            _take_embeds(request, index, image_pixels, encoder, config)
+            _take_embeds(request, index, image_pixels, encoder, model)
             continue
         if image_pixels is not None or encoder.hold_cached(request, index):
             continue
@@ -53,11 +56,12 @@ def _take_embeds(
     request: Request,
     index: int,
     given: torch.Tensor | None,
-    encoder: ImageEncoder,
-    config: VLModelConfig,
+    encoder: EncoderManager,
+    model: Qwen2VLForCausalLM,
 ) -> None:
     """A client's embeddings of image `index`, checked against this model: one row per
     image token, and the vision tower's width (hidden size x (1 + DeepStack levels))."""
+    config = model.config
     width = config.hidden_size * (1 + config.deepstack_levels)
     expected = (request.images[index].length, width)
     if given is None or tuple(given.shape) != expected or not given.is_floating_point():
@@ -71,5 +75,5 @@ def _take_embeds(
             report.part if report else None,
         )
     # a copy in any case: `given` is a view of the worker's arena, released next
-    embedding = given.to(device=encoder.device, dtype=encoder.dtype, copy=True)
+    embedding = given.to(device=model.device, dtype=model.dtype, copy=True)
     encoder.hold_given(request, index, embedding)

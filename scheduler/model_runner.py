@@ -1,5 +1,5 @@
 """Turns a step plan and its image embeddings into one forward pass: inputs, attention,
-sampling. The embeddings come ready from the image encoder (`Engine.step`).
+sampling. The embeddings come ready from the encoder manager (`Engine.step`).
 
 A step is built in two halves so that tensor-parallel ranks can share the second:
 `inputs` (rank 0: token ids, positions, attention chunks, the image rows and their
@@ -18,7 +18,8 @@ import torch
 from iris_serve.ipc.messages import TokenLogprob
 from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk
 from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
-from iris_serve.scheduler.image_encoder import ChunkImages
+from iris_serve.scheduler.encoder_manager import ChunkImages
+from iris_serve.scheduler.request import Request, RequestResources
 from iris_serve.scheduler.sampling import Sampler, SamplingRow, token_logprobs
 from iris_serve.scheduler.step_faults import RanksOutOfStep
 
@@ -57,7 +58,7 @@ class Followers(Protocol):
     def send(self, plan: StepPlan, inputs: StepInputs) -> None: ...
 
 
-class ModelRunner:
+class ModelRunner(RequestResources):
     def __init__(
         self,
         model: Qwen2VLForCausalLM,
@@ -114,9 +115,10 @@ class ModelRunner:
         tokens = self.sampler(logits, rows)
         return Sampled(tokens.tolist(), raw(tokens) if raw else [None] * len(rows))
 
-    def release(self, request_id: str) -> None:
-        """Drops what the runner keeps for a request that has ended (its penalty state)."""
-        self.sampler.release(request_id)
+    def release(self, request: Request) -> None:
+        """Drops what the runner keeps for a request that has ended (its penalty state;
+        a preemption keeps it: the request's outputs stay)."""
+        self.sampler.release(request.request_id)
 
     def inputs(self, plan: StepPlan, images: list[ChunkImages]) -> StepInputs:
         chunks = plan.chunks

@@ -1,13 +1,14 @@
 """The one owner of every admitted image's pixels and of the pin that keeps them readable.
 
 A served request's pixels are views of a tokenizer worker's shared-memory arena, pinned
-for the request until the scheduler releases them (invariant 6); in one process they are
-plain tensors with no pin. Either way they are held here from admission until no step
-will read them again:
+for the request until the scheduler releases them ("Shared memory has an owner",
+docs/design.md); in one process they are plain tensors with no pin. Either way they are
+held here from admission until no step will read them again:
 
-- `drop(request_id, index)` once the request holds the image's embedding (the image
-  encoder calls it, see image_encoder.py), and
-- `drop_request(request_id)` when the request finishes or is aborted.
+- `drop(request_id, index)` once the request holds the image's embedding (the encoder
+  manager calls it, see encoder_manager.py), and
+- `release(request)` when the request ends, however it ends (`RequestResources`); a
+  preemption keeps them.
 
 A dropped image's pin (if it has one) is queued exactly once; the scheduler process
 sends what `pop_released()` returns back to the owning workers after every step.
@@ -20,11 +21,12 @@ from collections.abc import Sequence
 import torch
 
 from iris_serve.ipc.messages import ShmPointer
+from iris_serve.scheduler.request import Request, RequestResources
 
 Pin = ShmPointer  # an image of a served request; one in process has none
 
 
-class PixelStore:
+class PixelStore(RequestResources):
     def __init__(self) -> None:
         self._pixels: dict[str, dict[int, torch.Tensor]] = {}
         self._pins: dict[str, dict[int, Pin]] = {}
@@ -71,8 +73,11 @@ class PixelStore:
         if not pins:
             self._pins.pop(request_id, None)
 
+    def release(self, request: Request) -> None:
+        self.drop_request(request.request_id)
+
     def drop_request(self, request_id: str) -> None:
-        """The request finished or was aborted: everything it still holds goes."""
+        """The request ended: everything it still holds goes."""
         self._pixels.pop(request_id, None)
         self._released.extend(self._pins.pop(request_id, {}).values())
 

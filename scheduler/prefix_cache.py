@@ -1,6 +1,6 @@
 """The image-aware prefix cache: full KV pages found again by their content.
 
-A full page's key is a hash chain (invariant 5):
+A full page's key is a hash chain ("Image-aware prefix cache", docs/design.md):
 
     key(page i) = xxh3_128(key(page i-1) ‖ its token ids as int32 ‖ for every image whose
                            tokens overlap the page: the image's 128-bit key and the

@@ -1,9 +1,11 @@
 """A request as the scheduler sees it: token ids, image spans, sampling, outputs, status.
 
 Its KV state (pages, progress, prefix keys) is its `PageTable`, written only by the
-planner and the prefix cache (see page_table.py). What a request's images hold (pixels,
-shared-memory pins, embeddings) is the image encoder's, keyed by request id, not the
-request's (see image_encoder.py)."""
+planner and the prefix cache (see page_table.py). Everything else a request holds in the
+scheduler has one owner, keyed by request id, that lets go of it (`RequestResources`):
+its KV pages the batch planner, its embedding-cache pins and embeddings in hand the
+encoder manager, its pixels and their shared-memory pins the `PixelStore`, its sampler
+state the model runner."""
 
 from __future__ import annotations
 
@@ -18,6 +20,22 @@ from iris_serve.scheduler.page_table import PageTable
 from iris_serve.scheduler.structured_output import GrammarMatcher
 
 
+class RequestResources:
+    """An owner of per-request state in the scheduler. The engine lists every owner once
+    (`Engine._owners`) and calls `release` when a request ends, however it ends (finished,
+    aborted, failed), and `preempt` when the planner preempts it (it is recomputed later
+    from its tokens). A new kind of per-request state is a new owner in that list, not a
+    new release site."""
+
+    def preempt(self, request: Request) -> None:
+        """The request was preempted: let go of what its recompute does not need kept
+        (by default, nothing)."""
+
+    def release(self, request: Request) -> None:
+        """The request ended: let go of everything held for it; safe to call twice."""
+        raise NotImplementedError
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -26,8 +44,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False, slots=True)
 class Request:
-    """The scheduler's record of one request. The planner keeps its status, preemption
-    count and prefix-cache hit; the engine its outputs and finish reason."""
+    """The scheduler's record of one request. The engine creates it (generator and
+    grammar included) and writes its outputs and finish reason; the planner its status,
+    preemption count, prefix-cache hit and queue time."""
 
     request_id: str
     prompt_token_ids: list[int]

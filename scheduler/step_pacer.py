@@ -3,8 +3,8 @@
 A running stream's next token waits for the whole step it is in. A step with decodes
 only takes `decode` seconds; a prefill chunk of `n` tokens beside them adds about
 `n × per_token`. On a GPU a chunk of hundreds of tokens costs little more than a decode
-step; on a CPU prefill is compute-bound (0.9 ms a token for `small` on one core), so a
-1,500-token prompt joining makes every running stream wait over a second for one token.
+step; on a CPU prefill is compute-bound, so a long prompt joining in one step makes
+every running stream wait for its whole prefill for one token.
 Capping the prefill of a step that has decodes at
 
     (stretch − 1) × decode ÷ per_token

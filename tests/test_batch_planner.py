@@ -1,7 +1,7 @@
 """Continuous batching and preemption, on fake requests (no model)."""
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.batch_planner import BatchPlanner
+from iris_serve.scheduler.batch_planner import BatchPlanner, PrefillCaps
 from iris_serve.scheduler.kv_cache import PagePool
 from iris_serve.scheduler.request import Request, RequestStatus
 
@@ -37,7 +37,7 @@ def test_max_num_seqs_bounds_the_running_set():
     for i in range(3):
         planner.add(request(f"r{i}", 2))
     assert set(run_step(planner)) == {"r0", "r1"}
-    planner.finish(planner.running[0])
+    planner.release(planner.running[0])
     assert set(run_step(planner)) == {"r1", "r2"}
 
 
@@ -54,7 +54,7 @@ def test_pages_follow_tokens_and_return_on_finish():
     assert len(r.page_table.pages) == 2
     run_step(planner)  # token 9 needs a third page
     assert len(r.page_table.pages) == 3 and pool.num_free == 7
-    planner.finish(r)
+    planner.release(r)
     assert pool.num_free == 10 and r.status is RequestStatus.FINISHED
 
 
@@ -70,7 +70,7 @@ def test_newest_request_is_preempted_when_pages_run_out_and_resumes_later():
     assert new.status is RequestStatus.WAITING and new.page_table.num_computed_tokens == 0
     assert new.page_table.pages == [] and new.num_preemptions == 1
     assert new.output_token_ids == [7]  # what it produced is kept and recomputed later
-    planner.finish(old)
+    planner.release(old)
     # new is recomputed from prompt plus its output so far, then decodes.
     assert run_step(planner) == {"new": 8}
     assert run_step(planner) == {"new": 1}
@@ -95,8 +95,8 @@ def test_abort_of_a_waiting_request_frees_nothing_twice():
     planner = BatchPlanner(pool, PAGE, max_num_batched_tokens=100, max_num_seqs=8)
     r = request("r", 3)
     planner.add(r)
-    planner.finish(r)
-    planner.finish(r)
+    planner.release(r)
+    planner.release(r)
     assert pool.num_free == 4 and not planner.has_work()
 
 
@@ -127,17 +127,19 @@ def test_a_prefill_waits_at_an_image_not_ready_and_the_others_go_on():
 
 
 def test_a_step_with_decodes_carries_at_most_the_prefill_cap():
-    """`prefill_cap` (the step pacer's): while "short" decodes, "long" and "next" prefill
-    4 tokens a step between them; once nothing decodes, a prefill takes the whole budget."""
-    planner = BatchPlanner(PagePool(100), PAGE, max_num_batched_tokens=10, max_num_seqs=8)
-    planner.prefill_cap = 4
+    """A cap on the prefill of a step with decodes (the policy's): while "short" decodes,
+    "long" and "next" prefill 4 tokens a step between them; once nothing decodes, a
+    prefill takes the whole budget."""
+    planner = BatchPlanner(
+        PagePool(100), PAGE, 10, max_num_seqs=8, policy=PrefillCaps(with_decodes=4)
+    )
     planner.add(request("short", 2))
     assert run_step(planner) == {"short": 2}  # nothing decodes yet: no cap
     planner.add(request("long", 7))
     planner.add(request("next", 30))
     assert run_step(planner) == {"short": 1, "long": 4}
     assert run_step(planner) == {"short": 1, "long": 3, "next": 1}
-    planner.finish(planner.running[0])  # "short" leaves; "long" decodes now
+    planner.release(planner.running[0])  # "short" leaves; "long" decodes now
     assert run_step(planner) == {"long": 1, "next": 4}
-    planner.finish(planner.running[0])
+    planner.release(planner.running[0])
     assert run_step(planner) == {"next": 10}  # a prefill alone: the whole budget

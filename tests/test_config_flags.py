@@ -59,9 +59,13 @@ def test_help_shows_the_dataclass_defaults_in_the_flags_units():
          ("a.org", "b.org")),
         (["--limit-mm-per-prompt", '{"image": 3}'], "worker", "limit_mm_per_prompt", 3),
         (["--mm-arena-wait-timeout", "2.5"], "worker", "arena_wait_timeout_s", 2.5),
-        (["--mm-encoder-inline"], "engine", "mm_encoder_inline", True),
-        (["--mm-encoder-beside"], "engine", "mm_encoder_inline", False),
-        (["--mm-encoder-beside", "--mm-encoder-inline"], "engine", "mm_encoder_inline", True),
+        (["--mm-encoder-placement", "thread"], "engine", "mm_encoder_placement", "thread"),
+        (["--mm-encoder-inline"], "engine", "mm_encoder_placement", "inline"),
+        (["--mm-encoder-beside"], "engine", "mm_encoder_placement", "thread"),
+        (["--mm-encoder-beside", "--mm-encoder-inline"], "engine", "mm_encoder_placement",
+         "inline"),
+        (["--mm-encoder-inline", "--mm-encoder-placement", "thread"], "engine",
+         "mm_encoder_placement", "thread"),
     ],
 )  # fmt: skip
 def test_a_flag_sets_its_field_in_the_fields_unit(argv, section, field, value):
@@ -91,12 +95,27 @@ def test_parsing_serve_flags_imports_no_torch():
 
 
 @pytest.mark.parametrize(
-    ("given", "device", "inline"),
-    [(None, "cpu", False), (None, "cuda", True), (True, "cpu", True), (False, "cuda", False)],
+    ("given", "device", "placement"),
+    [
+        ("auto", "cpu", "thread"),
+        ("auto", "cuda", "inline"),
+        ("inline", "cpu", "inline"),
+        ("thread", "cuda", "thread"),
+    ],
 )
-def test_the_vision_encoder_runs_beside_the_steps_on_a_cpu_and_inside_them_on_cuda(
-    given, device, inline
-):
-    """Unless a flag says otherwise (measured: `EngineConfig.resolved_encoder_inline`)."""
-    config = EngineConfig(model="m", mm_encoder_inline=given)
-    assert config.resolved_encoder_inline(torch.device(device)) is inline
+def test_the_vision_encoder_runs_in_a_thread_on_a_cpu_and_inline_on_cuda(given, device, placement):
+    """Unless a flag says otherwise (measured: `EngineConfig.resolved_mm_encoder_placement`)."""
+    config = EngineConfig(model="m", mm_encoder_placement=given)
+    assert config.resolved_mm_encoder_placement(torch.device(device)) == placement
+
+
+def test_without_chunked_encoding_the_vision_encoder_runs_inline():
+    config = EngineConfig(model="m", mm_encoder_placement="thread", chunked_mm_encoding=False)
+    assert config.resolved_mm_encoder_placement(torch.device("cpu")) == "inline"
+
+
+def test_the_old_encoder_flags_say_they_are_deprecated():
+    text = " ".join(help_text().split())
+    for old, new in (("inline", "inline"), ("beside", "thread")):
+        assert f"--mm-encoder-{old} deprecated" in text
+        assert f"use --mm-encoder-placement {new}" in text

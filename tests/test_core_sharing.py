@@ -37,6 +37,9 @@ class StandInEncoder:
     def release(self) -> None:
         self.held = self.parked = False
 
+    def set_steps_idle(self, idle: bool) -> None:
+        self.steps_idle = idle
+
 
 def sharing(hold_for_prefill: bool = True) -> tuple[CoreSharing, StandInEncoder]:
     encoder = StandInEncoder()
@@ -149,7 +152,7 @@ def test_a_held_encoder_parks_before_its_next_block_part_and_goes_on_when_releas
     model_dir, builder
 ):
     iris = cpu_engine(model_dir)
-    encoder = iris.image_encoder.background
+    encoder = iris.encoder_executor
     assert isinstance(encoder, EncoderThread)
     blocks = iris.model.visual.blocks
     parts = PartLog(blocks)
@@ -167,13 +170,13 @@ def test_a_held_encoder_parks_before_its_next_block_part_and_goes_on_when_releas
     encoder.release()
     embedding = future.result(WAIT_SECONDS)
     assert parts.started[-1] == f"{len(blocks) - 1}.mlp" and not encoder.parked
-    alone = iris.image_encoder.tower([prompt.pixels[0]], [image.grid_thw])
+    alone = iris.tower([prompt.pixels[0]], [image.grid_thw])
     assert torch.allclose(embedding, alone, rtol=1e-4, atol=1e-5)  # threads may differ
 
 
 def test_a_held_encoder_parks_before_its_next_call_and_close_lets_it_go(model_dir, builder):
     iris = cpu_engine(model_dir)
-    encoder = iris.image_encoder.background
+    encoder = iris.encoder_executor
     assert isinstance(encoder, EncoderThread)
     prompt = chat_prompt(builder, "Describe it.", [make_image(64, 96, seed=6)])
     [image] = prompt.images
@@ -202,13 +205,13 @@ def test_prefill_beside_a_running_call_holds_it_takes_every_core_and_answers_rig
     parts = PartLog(iris.model.visual.blocks)
     parts.paused_at = "0.mlp"
     threads: list[int] = []
-    share = iris.cores.share
+    share = iris.policy.cores.share
 
     def noting_threads(step_threads: int, idle: bool) -> None:
         threads.append(step_threads)
         share(step_threads, idle)
 
-    iris.cores.share = noting_threads  # type: ignore[method-assign]
+    iris.policy.cores.share = noting_threads  # type: ignore[method-assign]
     image = chat_prompt(builder, "Describe it.", [make_image(120, 90, seed=7)])
     text = chat_prompt(builder, "Count from one to twenty, slowly, " + "please " * 20)
     greedy = Sampling(temperature=0.0, max_tokens=8)
@@ -218,16 +221,17 @@ def test_prefill_beside_a_running_call_holds_it_takes_every_core_and_answers_rig
         for out in iris.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
 
-    encoder = iris.image_encoder.background
+    encoder = iris.encoder_executor
+    assert isinstance(encoder, EncoderThread)
     try:
         # no holds while the call starts (its template tokens would race it for one)
-        iris.cores.hold_for_prefill = False
+        iris.policy.cores.hold_for_prefill = False
         iris.add_request("image", image, greedy)
         wait_until(lambda: step() or parts.reached.is_set(), "the call reaches block 0")
-        iris.cores.hold_for_prefill = True
+        iris.policy.cores.hold_for_prefill = True
         iris.add_request("text", text, greedy)
         step()  # a paced chunk of it beside the call: the steps ask for the cores
-        assert iris.cores.holds == 1 and iris.cores.awaiting_park
+        assert iris.policy.cores.holds == 1 and iris.policy.cores.awaiting_park
         assert threads[-1] == 1  # the encoder's share is still its own
         asked = len(threads)
     finally:

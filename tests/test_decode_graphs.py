@@ -88,7 +88,7 @@ def test_replayed_decode_steps_give_the_eager_tokens(kernels, qwen2_5_vl_tiny):
         attention_backend="triton",
         page_size=PAGE,
         max_num_seqs=8,
-        mm_encoder_inline=True,  # all three prefill in the first step, whatever the timing
+        mm_encoder_placement="inline",  # all three prefill in the first step, whatever the timing
     )
     graphs = with_graphs(engine)
     assert graphs.sizes == [1, 2, 4, 8]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from iris_serve.scheduler.embedding_cache import EmbeddingCache, Lookup
-from iris_serve.scheduler.image_encoder import request_scoped_keys
+from iris_serve.scheduler.encoder_manager import request_scoped_keys
 
 HIDDEN = 4  # fp32: 16 bytes per token
 

@@ -10,7 +10,7 @@ import threading
 import torch
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler import image_encoder
+from iris_serve.scheduler import encoder_thread
 from iris_serve.scheduler.encoder_thread import EncoderThread
 from iris_serve.scheduler.engine import Engine
 from tests.reference import (
@@ -130,10 +130,10 @@ def test_an_abort_during_the_encoding_releases_the_pin_at_once_and_keeps_nothing
         assert iris.pop_released_pins() == ["pin-0"]
     finally:
         gate.open()
-    while iris.image_encoder.encoding:
-        iris.image_encoder.wait(GATE_TIMEOUT_SECONDS)
+    while iris.encoder_manager.encoding:
+        iris.encoder_manager.wait(GATE_TIMEOUT_SECONDS)
         iris.step()
-    assert len(iris.embedding_cache) == 0 and iris.image_encoder.tokens_ahead() == 0
+    assert len(iris.embedding_cache) == 0 and iris.encoder_manager.tokens_ahead() == 0
     assert iris.pixels.num_pinned == 0 and not iris.has_unfinished_requests()
     [again] = iris.generate([prompt], GREEDY)  # encoded anew, right
     assert_parity(model_dir, [prompt], [again], GREEDY.max_tokens)
@@ -143,13 +143,13 @@ def test_the_encoder_works_at_most_its_budget_ahead_of_the_prefills(model_dir, b
     pictures = [make_image(112, 112, seed=10 + i) for i in range(5)]  # 16 tokens each
     prompt = chat_prompt(builder, "Tell their story.", pictures)
     iris = cpu_engine(model_dir, max_num_encoder_tokens=32, max_num_batched_tokens=24)
-    prefetch, ahead = iris.image_encoder.prefetch, []
+    prefetch, ahead = iris.encoder_manager.prefetch, []
 
     def recording_prefetch(wanted) -> None:
         prefetch(wanted)
-        ahead.append(iris.image_encoder.tokens_ahead())
+        ahead.append(iris.encoder_manager.tokens_ahead())
 
-    iris.image_encoder.prefetch = recording_prefetch  # type: ignore[method-assign]
+    iris.encoder_manager.prefetch = recording_prefetch  # type: ignore[method-assign]
     [tokens] = iris.generate([prompt], GREEDY)
     largest = max(image.length for image in prompt.images)
     assert 0 < max(ahead) <= 32 + largest, ahead  # the budget, passed by one image at most
@@ -214,10 +214,10 @@ def test_on_a_cpu_each_tower_call_takes_images_up_to_its_call_size_only(
     model_dir, builder, monkeypatch
 ):
     """A CPU tower call is compute-bound at one image's size: batching more only makes the
-    first image's request wait for the others' (image_encoder.CPU_CALL_TOKENS)."""
+    first image's request wait for the others' (encoder_thread.CPU_CALL_TOKENS)."""
     pictures = [make_image(112, 112, seed=60 + i) for i in range(3)]  # 16 tokens each
     prompt = chat_prompt(builder, "Compare them.", pictures)
-    monkeypatch.setattr(image_encoder, "CPU_CALL_TOKENS", 32)
+    monkeypatch.setattr(encoder_thread, "CPU_CALL_TOKENS", 32)
     iris = cpu_engine(model_dir, max_num_encoder_tokens=4096)
     calls: list[int] = []
     encode_images = iris.model.encode_images

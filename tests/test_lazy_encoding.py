@@ -54,9 +54,9 @@ _VISION_CALLS: weakref.WeakKeyDictionary[Engine, list[list]] = weakref.WeakKeyDi
 def engine(model_dir: str, **overrides) -> Engine:
     """A CPU engine that records the cache keys of each vision-tower call: a call opens a
     new list, and every entry filled from its output (`put`, in batch order) joins it.
-    The vision tower runs inside the steps (`mm_encoder_inline`), whose mechanics these
+    The vision tower runs inside the steps (`mm_encoder_placement="inline"`), whose mechanics these
     tests follow step by step; tests/test_encoder_beside.py covers the encoder thread."""
-    overrides.setdefault("mm_encoder_inline", True)
+    overrides.setdefault("mm_encoder_placement", "inline")
     iris = cpu_engine(model_dir, **overrides)
     calls: list[list] = []
     encode_images, put = iris.model.encode_images, iris.embedding_cache.put
@@ -247,7 +247,7 @@ def test_one_image_at_two_max_pixels_settings_is_two_entries(model_dir, builder)
     assert_parity(model_dir, [small, large], outputs)
 
 
-@pytest.mark.parametrize("inline", [True, False], ids=["inline", "beside-the-steps"])
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "thread"])
 def test_preemption_recomputes_without_encoding_or_pixels(model_dir, builder, inline):
     prompts = [
         prompt(
@@ -260,7 +260,13 @@ def test_preemption_recomputes_without_encoding_or_pixels(model_dir, builder, in
     longer = Sampling(temperature=0.0, max_tokens=24)
     longest = max(len(p.token_ids) for p in prompts) + longer.max_tokens
     pages = -(-longest // 8) + 2
-    iris = engine(model_dir, page_size=8, num_kv_pages=pages, mm_encoder_inline=inline, **NO_PREFIX)
+    iris = engine(
+        model_dir,
+        page_size=8,
+        num_kv_pages=pages,
+        mm_encoder_placement="inline" if inline else "thread",
+        **NO_PREFIX,
+    )
     outputs = iris.generate(prompts, longer)
     assert iris.stats().num_preemptions > 0, "the pool was meant to force preemption"
     # each image went through the vision tower once; a recompute read no pixels (they

@@ -42,7 +42,7 @@ def computed_and_finished(planner: BatchPlanner, r: Request) -> Request:
     planner.add(r)
     while r.page_table.num_computed_tokens < r.prompt_len:
         run_step(planner)
-    planner.finish(r)
+    planner.release(r)
     return r
 
 
@@ -117,7 +117,7 @@ def test_only_full_computed_pages_are_registered_decode_pages_included():
     run_step(p)
     assert p.pool.num_cached == 3
     tokens = r.token_ids(0, 12)  # prompt plus two sampled tokens
-    p.finish(r)
+    p.release(r)
     assert len(p.prefix_cache.match(request("next-turn", [*tokens, 50]))) == 3
 
 
@@ -159,9 +159,9 @@ def test_shared_pages_are_counted_and_outlive_one_holder():
     shared = b.page_table.pages[:2]
     assert c.page_table.pages[:2] == shared and [pool.refcount(x) for x in shared] == [2, 2]
     assert pool.num_free == 8 - 4  # two shared pages + one private page each
-    p.finish(b)
+    p.release(b)
     assert [pool.refcount(x) for x in shared] == [1, 1] and pool.num_free == 5
-    p.finish(c)
+    p.release(c)
     assert pool.num_free == pool.num_pages and pool.num_evictable == pool.num_cached
 
 
@@ -215,13 +215,13 @@ def test_preempting_a_request_frees_no_page_another_request_holds():
     for chunk in plan.chunks:
         chunk.request.output_token_ids.append(7)
 
-    p.finish(a)
+    p.release(a)
     # b comes back and finds its prompt and the page it computed before preemption.
     assert run_step(p) == {"b": (12, 2)}
     assert b.num_cached_tokens == 8  # what usage reports: the first admission's hit
     assert p.prefix_cache.hit_tokens == 8 + 8
     assert p.prefix_cache.query_tokens == 8 + 9 + 10  # b's second admission is not a query
-    p.finish(b)
+    p.release(b)
     assert pool.num_free == pool.num_pages
 
 
@@ -273,7 +273,7 @@ def test_200_random_requests_with_constant_evictions_leak_nothing():
                 p.add(live[-1])
         if live and rng.random() < 0.03:  # an abort, running or waiting
             victim = live.pop(rng.randrange(len(live)))
-            p.finish(victim)
+            p.release(victim)
         plan = p.schedule()
         for chunk in plan.chunks:
             r, expected = chunk.request, fingerprints(chunk.request)
@@ -288,7 +288,7 @@ def test_200_random_requests_with_constant_evictions_leak_nothing():
             if chunk.completes_sequence:
                 r.output_token_ids.append(rng.randrange(50))
                 if len(r.output_token_ids) >= r.sampling.max_tokens:
-                    p.finish(r)
+                    p.release(r)
                     live.remove(r)
                     finished += 1
         check_refcounts()

@@ -164,7 +164,7 @@ def test_a_hit_that_ends_inside_an_image_splices_the_rest_of_the_image(
     # inline, so that one step computes tokens 0..middle, half of the image (beside the
     # steps: tests/test_encoder_beside.py)
     iris = engine(
-        each_arch_dir, page_size=page, max_num_batched_tokens=middle, mm_encoder_inline=True
+        each_arch_dir, page_size=page, max_num_batched_tokens=middle, mm_encoder_placement="inline"
     )
     iris.add_request("cut", prompt, GREEDY)
     iris.step()

@@ -129,7 +129,7 @@ def test_a_failed_prefill_chunk_leaves_only_earlier_chunks_in_the_prefix_cache(
     assert again == expected
 
 
-@pytest.mark.parametrize("inline", [True, False], ids=["inline", "beside-the-steps"])
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "thread"])
 def test_a_failed_image_encoding_releases_the_pins_and_the_embedding_entries(
     model_dir, clean, monkeypatch, inline
 ):
@@ -140,7 +140,7 @@ def test_a_failed_image_encoding_releases_the_pins_and_the_embedding_entries(
     and answers right."""
     builder = PromptBuilder(model_dir)
     prompt = chat_prompt(builder, "Describe it.", [make_image(56, 56, seed=5)])
-    iris = cpu_engine(model_dir, mm_encoder_inline=inline)
+    iris = cpu_engine(model_dir, mm_encoder_placement="inline" if inline else "thread")
     fail_call(monkeypatch, iris.model, "encode_images", 1, RuntimeError("injected fault"))
     iris.add_request("image", prompt, GREEDY, pins=["pin-0"])
     iris.add_request("text", text(10, 100), GREEDY)
@@ -227,7 +227,7 @@ def test_a_forward_failing_after_the_other_ranks_were_sent_the_step_is_not_isola
         iris.step()
     assert len(sent) == 1
 
-    iris = cpu_engine(model_dir, mm_encoder_inline=True)  # beside the steps: never in one
+    iris = cpu_engine(model_dir, mm_encoder_placement="inline")  # a thread: never in one
     iris.runner.followers = Followers()
     image = chat_prompt(PromptBuilder(model_dir), "Look.", [make_image(40, 30, seed=1)])
     fail_call(monkeypatch, iris.model, "encode_images", 1, RuntimeError("injected fault"))

@@ -88,7 +88,7 @@ def test_the_engine_plans_with_the_pacer_and_answers_do_not_change(qwen2_5_vl_ti
     for threads in (0, 1, 2, torch.get_num_threads()):
         StepPacer.observe(pacer, 1, 0, 10 * MS, key=threads)
         StepPacer.observe(pacer, 1, 100, 110 * MS, key=threads)  # 1 ms a token: cap 10 -> 16
-    engine.pacer = pacer
+    engine.policy.pacer = pacer
     plans = record_plans(engine)
     prompts = [PromptInput.text(range(100, 105)), PromptInput.text(range(200, 300))]
     outputs = generate_joining_one_per_step(
@@ -103,15 +103,17 @@ def test_steps_with_decodes_stay_within_the_measured_cap(qwen2_5_vl_tiny):
     """The default pacer on a CPU (`CPU_ITL_STRETCH`), measuring this machine's steps: whatever it
     measured, a step with decodes carried no more prefill than its cap at that step."""
     engine = cpu_engine(qwen2_5_vl_tiny, max_num_batched_tokens=512, max_itl_stretch=None)
-    assert engine.pacer is not None and engine.pacer.stretch == CPU_ITL_STRETCH
+    pacer = engine.policy.pacer
+    assert pacer is not None and pacer.stretch == CPU_ITL_STRETCH
     caps: list[int | None] = []
-    schedule = engine.planner.schedule
+    policy_caps = engine.policy.caps
 
-    def schedule_noting_the_cap():
-        caps.append(engine.planner.prefill_cap)
-        return schedule()
+    def caps_noted():
+        given = policy_caps()
+        caps.append(given.with_decodes)
+        return given
 
-    engine.planner.schedule = schedule_noting_the_cap
+    engine.policy.caps = caps_noted
     plans = record_plans(engine)
     prompts = [PromptInput.text(range(100 + 7 * i, 160 + 40 * i)) for i in range(6)]
     outputs = generate_joining_one_per_step(
@@ -121,7 +123,7 @@ def test_steps_with_decodes_stay_within_the_measured_cap(qwen2_5_vl_tiny):
     for cap, (decodes, chunks) in zip(caps, plans, strict=True):
         prefill = sum(chunks.values()) - decodes
         assert not decodes or (cap is not None and prefill <= cap), (cap, decodes, chunks)
-    assert cpu_engine(qwen2_5_vl_tiny, max_itl_stretch=0).pacer is None
+    assert cpu_engine(qwen2_5_vl_tiny, max_itl_stretch=0).policy.pacer is None
 
 
 def record_plans(engine) -> list[tuple[int, dict[str, int]]]:

@@ -13,7 +13,7 @@
 #              against sdpa                                            50-65 s
 #   roofline   bench.gpu_roofline on the real-size checkpoint             ~3 min
 #   serve      bench.serve_load: Iris (the encoder inside the steps, the CUDA
-#              default) and the variant `beside` (--mm-encoder-beside), random-mm
+#              default) and the variant `thread` (--mm-encoder-placement thread), random-mm
 #              and text (SERVE_ARGS: more bench.serve_load flags)     ~4 min
 #   scenarios  bench.serve_load's agent workloads (append, window), the same
 #              two servers                                                ~6 min
@@ -79,11 +79,11 @@ stage() {
         serve)
             checkpoint
             "$PY" -m bench.serve_load --model "$MODEL" --device cuda --num-prompts 32 \
-                --concurrency 8 --variant beside=--mm-encoder-beside --out "$OUT" ${SERVE_ARGS:-} ;;
+                --concurrency 8 --variant "thread=--mm-encoder-placement thread" --out "$OUT" ${SERVE_ARGS:-} ;;
         scenarios)
             checkpoint
             "$PY" -m bench.serve_load --model "$MODEL" --device cuda --workloads append,window \
-                --variant beside=--mm-encoder-beside --name "serve_load_${LIKE}_agent" --out "$OUT" ;;
+                --variant "thread=--mm-encoder-placement thread" --name "serve_load_${LIKE}_agent" --out "$OUT" ;;
         images)
             checkpoint
             "$PY" -m bench.image_probe --model "$MODEL" --out "$OUT" ;;

@@ -1,10 +1,14 @@
-"""Lazy, chunk-aware image encoding (invariant 4) on top of the shared embedding cache.
+"""Lazy, chunk-aware image encoding ("Lazy and chunk-aware", docs/design.md): the
+manager half of the image encoder, as vLLM V1 keeps its `EncoderCacheManager` apart from
+the model runner. It decides what is encoded and when; an `EncoderExecutor`
+(encoder_executor.py) runs the vision tower, inline or in a thread.
 
-The encoder owns what a request's images hold in the scheduler: the embedding-cache pins
-(through `EmbeddingCache`), the embeddings a request has in hand for its later chunks,
-and (through `PixelStore`) the pixels and their shared-memory pins. `release(request_id)`
-lets go of all of them when the request ends; `forget(request_id)` drops only the
-embeddings in hand when it is preempted (its cache pins stay, so nothing is re-encoded).
+The manager owns what a request's images hold in the scheduler beyond their pixels: the
+embedding-cache pins (through `EmbeddingCache`) and the embeddings a request has in hand
+for its later chunks. `release(request)` lets go of them when the request ends;
+`preempt(request)` drops only the embeddings in hand (its cache pins stay, so nothing is
+re-encoded). The pixels and their shared-memory pins are `PixelStore`'s; the manager
+drops an image's pixels as soon as the request holds its embedding.
 
 For each step, `encode(chunks)` gets the embedding of every image a prefill chunk needs:
 with chunked encoding the images whose spans overlap the chunk, otherwise every image
@@ -25,35 +29,32 @@ An image that came without pixels (a client named it by its uuid after the worke
 evicted its pixels) is served only from the cache: `hold_cached` pins its entry when the
 request is admitted, so no eviction can take it before the prefill reads it, or says
 there is none (the engine then refuses the request). For the client's report, the
-encoder remembers which of a request's images its first lookup found in the cache
+manager remembers which of a request's images its first lookup found in the cache
 (`embedding_hits`).
 
-Beside the steps (the default; `background` is an `EncoderThread`). The vision tower does
-not run inside a step: at the start of each step the engine calls `collect()`, which takes
-the calls the encoder thread has finished (their embeddings go into the cache and into
-the hands of the requests waiting for them), then `prefetch(...)`, which starts the next
-ones, and the planner schedules a prefill chunk only as far as `ready_until` allows: up to
-the first image the request does not hold yet. A request waiting for an image waits alone;
-decodes and other prefills go on. How far ahead of the prefills the encoder works is
-bounded by the encoder budget (`max_num_encoder_tokens` image tokens encoding or held
-and not yet consumed; at least one image when none is encoding), so memory stays flat in
-the number of images, as with inline encoding, which stays the `--mm-encoder-inline`
-baseline (and the path of `--disable-chunked-mm-encoding`). On a CPU its calls take
-images up to `CPU_CALL_TOKENS` only: one 1280x720 image (1,196 tokens) already keeps the
-cores busy, and three of them in one call made the first one's request wait seconds for
-the other two before any of them could prefill.
+The `thread` placement. The vision tower does not run inside a step: at the start of
+each step the engine calls `collect()`, which takes the calls the executor has finished
+(their embeddings go into the cache and into the hands of the requests waiting for
+them), then `prefetch(...)`, which starts the next ones, and the planner schedules a
+prefill chunk only as far as `ready_until` allows: up to the first image the request
+does not hold yet. A request waiting for an image waits alone; decodes and other
+prefills go on. How far ahead of the prefills the encoder works is bounded by the
+encoder budget (`max_num_encoder_tokens` image tokens encoding or held and not yet
+consumed; at least one image when none is encoding), so memory stays flat in the number
+of images, as with the `inline` placement. A call takes at most the executor's
+`call_tokens` (on a CPU one image already keeps the cores busy).
 
-Baselines: `shared=False` keys entries by (request id, image key) in a cache of capacity
-0, so an embedding lives exactly as long as the request that computed it; "request"
-granularity is applied earlier, by re-keying images (`request_scoped_keys`).
+Without a shared cache (`enable_mm_embedding_cache=False`) entries are keyed by
+(request id, image key) in a cache of capacity 0, so an embedding lives exactly as long
+as the request that computed it; "request" granularity is applied earlier, by re-keying
+images (`request_scoped_keys`).
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -63,16 +64,12 @@ import xxhash
 from iris_serve.ipc.messages import ImageRef
 from iris_serve.scheduler.batch_planner import ScheduledChunk
 from iris_serve.scheduler.embedding_cache import CacheKey, EmbeddingCache, Lookup
-from iris_serve.scheduler.encoder_thread import EncoderThread
-from iris_serve.scheduler.patches import PatchMaker
+from iris_serve.scheduler.encoder_executor import EncoderExecutor
 from iris_serve.scheduler.pixels import PixelStore
-from iris_serve.scheduler.request import Request, RequestStatus
+from iris_serve.scheduler.request import Request, RequestResources, RequestStatus
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
-
-MAX_TIMINGS = 4096  # encoder durations kept until drained (a histogram feed, not a log)
-CPU_CALL_TOKENS = 1024  # image tokens per call of the encoder thread on a CPU (see _submit)
+    from iris_serve.scheduler.config import EngineConfig
 
 # Per chunk of a step, the images it overlaps and each one's whole embedding.
 ChunkImages = list[tuple[ImageRef, torch.Tensor]]
@@ -90,64 +87,42 @@ class _Job:
 
 @dataclass
 class _Call:
-    """A batch of jobs in the encoder thread; `future` holds their embeddings."""
+    """A batch of jobs in the executor; `future` holds their embeddings."""
 
     jobs: list[_Job]
     future: Future
 
 
-class ImageEncoder:
+class EncoderManager(RequestResources):
     def __init__(
         self,
-        model: Qwen2VLForCausalLM,
+        config: EngineConfig,
         cache: EmbeddingCache,
         pixels: PixelStore,
-        patches: PatchMaker,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_num_encoder_tokens: int,
-        chunked: bool = True,
-        shared: bool = True,
-        encoder_threads: int | None = None,
+        executor: EncoderExecutor,
     ) -> None:
-        """`encoder_threads`: encode beside the steps, in a thread with that many torch
-        threads (on a CPU; on CUDA on a stream of its own); None: inside the steps."""
-        self.model = model
+        """Reads the encoder budget (`max_num_encoder_tokens`), `chunked_mm_encoding` and
+        whether the embedding cache is shared across requests from `config`."""
         self.cache = cache
         self.pixels = pixels
-        self.patches = patches
-        self.device = device
-        self.dtype = dtype
-        self.max_num_encoder_tokens = max_num_encoder_tokens
-        # Beside the steps on a CPU, a call takes images up to CPU_CALL_TOKENS only: the
-        # tower is compute-bound well below that, so a larger call would just make its
-        # first image's request wait for the others' (no prefill of any until all are done).
-        self._call_tokens = max_num_encoder_tokens
-        if device.type == "cpu":
-            self._call_tokens = min(max_num_encoder_tokens, CPU_CALL_TOKENS)
-        self.chunked = chunked
-        self.shared = shared  # False: entries are per request (no reuse across requests)
-        self.background: EncoderThread | None = None  # None: inside the steps
-        if encoder_threads is not None and chunked:
-            self.background = EncoderThread(
-                self.tower, device, encoder_threads, torch.get_num_threads()
-            )
-            for block in getattr(model.visual, "blocks", ()):  # its attention and MLP
-                for part in block.children():
-                    part.register_forward_pre_hook(self.background.adapt_threads)
-        self.images_encoded = 0  # images run through the vision tower
-        self._timings: deque[float | tuple[torch.cuda.Event, torch.cuda.Event]] = deque(
-            maxlen=MAX_TIMINGS
+        self.executor = executor
+        self.max_num_encoder_tokens = config.max_num_encoder_tokens
+        self.chunked = config.chunked_mm_encoding
+        self.shared = config.enable_mm_embedding_cache  # False: entries are per request
+        self._ahead = executor.placement == "thread"  # encodes ahead of the steps
+        self._call_tokens = min(
+            self.max_num_encoder_tokens, executor.call_tokens or self.max_num_encoder_tokens
         )
+        self.images_encoded = 0  # images run through the vision tower
         # request id -> image index -> embedding the request still needs for a later chunk
         self._in_hand: dict[str, dict[int, torch.Tensor]] = {}
         # request id -> image index -> what the request's first lookup of it found
         self._first_lookup: dict[str, dict[int, Lookup]] = {}
-        self._calls: deque[_Call] = deque()  # in the encoder thread, in submission order
+        self._calls: deque[_Call] = deque()  # in the executor, in submission order
         self._encoding: dict[CacheKey, _Job] = {}  # the cacheable jobs of those calls
         self._awaited: set[tuple[str, int]] = set()  # (request id, index) a call will serve
 
-    # -- the engine's surface ---------------------------------------------------------------
+    # -- admission ------------------------------------------------------------------------
 
     def cache_key(self, request: Request, index: int) -> CacheKey:
         key = request.images[index].key
@@ -179,6 +154,8 @@ class ImageEncoder:
         found = self._first_lookup.get(request_id, {})
         return {index for index, lookup in found.items() if lookup is Lookup.HIT}
 
+    # -- each step ------------------------------------------------------------------------
+
     def encode(self, chunks: list[ScheduledChunk]) -> list[ChunkImages]:
         """Gets the embeddings the step's chunks need (see above); per chunk, the images it
         overlaps with their embeddings."""
@@ -203,20 +180,18 @@ class ImageEncoder:
                 else:
                     self._deliver(request, index, key, cached)
         for batch in _batches([*jobs.values(), *private], self.max_num_encoder_tokens):
-            self._encode(batch)
+            self._store(batch, self._submit_batch(batch).result())
         return [self._take(chunk) for chunk in chunks]
-
-    # -- beside the steps ---------------------------------------------------------------------
 
     @property
     def encoding(self) -> bool:
-        """Calls are running or queued in the encoder thread."""
+        """Calls are running or queued in the executor (`thread` placement)."""
         return bool(self._calls)
 
     def ready_until(self, request: Request, start: int) -> int:
         """How far the request's prefill may run from token `start` now: to the first image
         it overlaps from there whose embedding it does not hold (inline: anywhere)."""
-        if self.background is None or start >= request.prompt_len:
+        if not self._ahead or start >= request.prompt_len:
             return request.num_tokens
         in_hand = self._in_hand.get(request.request_id, {})
         for index, image in enumerate(request.images):
@@ -225,13 +200,13 @@ class ImageEncoder:
         return request.num_tokens
 
     def prefetch(self, wanted: Iterable[tuple[Request, int]]) -> None:
-        """Starts encoding the images that coming prefill chunks overlap: for each
-        (request, first uncomputed token) in priority order, its images from there on, in
-        order, while fewer than `max_num_encoder_tokens` image tokens are ahead of the
-        prefills (encoding, or held and not yet consumed); one image at least when none
-        is encoding. A cached image costs a pin, one already encoding a place among its
-        waiters."""
-        if self.background is None:
+        """Starts encoding the images that coming prefill chunks overlap (`thread`
+        placement; inline, nothing): for each (request, first uncomputed token) in
+        priority order, its images from there on, in order, while fewer than
+        `max_num_encoder_tokens` image tokens are ahead of the prefills (encoding, or held
+        and not yet consumed); one image at least when none is encoding. A cached image
+        costs a pin, one already encoding a place among its waiters."""
+        if not self._ahead:
             return
         ahead = self.tokens_ahead()
         jobs: dict[CacheKey, _Job] = {}
@@ -264,9 +239,9 @@ class ImageEncoder:
         self._submit([*jobs.values(), *private])
 
     def collect(self) -> list[tuple[Request, BaseException]]:
-        """Takes the calls the encoder thread has finished: their embeddings go into the
-        cache and to the requests still waiting for them. Returns the waiting requests of
-        a call that raised, each with its error (the engine fails them)."""
+        """Takes the calls the executor has finished: their embeddings go into the cache
+        and to the requests still waiting for them. Returns the waiting requests of a call
+        that raised, each with its error (the engine fails them)."""
         failed: list[tuple[Request, BaseException]] = []
         while self._calls and self._calls[0].future.done():
             call = self._calls.popleft()
@@ -291,52 +266,37 @@ class ImageEncoder:
     def wait(self, timeout: float) -> None:
         """Returns once the oldest call is done, or after `timeout` seconds."""
         if self._calls:
-            EncoderThread.wait_any([self._calls[0].future], timeout)
-
-    def close(self) -> None:
-        if self.background is not None:
-            self.background.close()
-
-    def _submit(self, jobs: list[_Job]) -> None:
-        assert self.background is not None
-        for batch in _batches(jobs, self._call_tokens):
-            pixels = [self.pixels.get(*job.source) for job in batch]
-            future = self.background.submit(pixels, [job.image.grid_thw for job in batch])
-            self._calls.append(_Call(batch, future))
-            self._encoding.update((job.key, job) for job in batch if job.key is not None)
+            wait([self._calls[0].future], timeout, return_when=FIRST_COMPLETED)
 
     def tokens_ahead(self) -> int:
         """Image tokens held by requests for later chunks, or encoding for them."""
         held = sum(part.shape[0] for hand in self._in_hand.values() for part in hand.values())
         return held + sum(job.image.length for call in self._calls for job in call.jobs)
 
-    # -- lifetimes ----------------------------------------------------------------------------
+    # -- lifetimes ------------------------------------------------------------------------
 
-    def forget(self, request_id: str) -> None:
+    def preempt(self, request: Request) -> None:
         """A preempted request lets go of the embeddings in hand; its cache pins stay, so
         its recompute gets them back without the vision tower (or the pixels)."""
-        self._in_hand.pop(request_id, None)
+        self._in_hand.pop(request.request_id, None)
 
-    def release(self, request_id: str) -> None:
-        """A finished or aborted request lets go of everything its images hold."""
-        self._in_hand.pop(request_id, None)
-        self._first_lookup.pop(request_id, None)
-        self.cache.release(request_id)
-        self.pixels.drop_request(request_id)
+    def release(self, request: Request) -> None:
+        """An ended request lets go of its embeddings in hand and its cache pins."""
+        self._in_hand.pop(request.request_id, None)
+        self._first_lookup.pop(request.request_id, None)
+        self.cache.release(request.request_id)
 
-    def drain_seconds(self) -> list[float]:
-        seconds = []
-        for timing in self._timings:
-            if isinstance(timing, tuple):
-                start, end = timing
-                end.synchronize()
-                seconds.append(start.elapsed_time(end) / 1000)
-            else:
-                seconds.append(timing)
-        self._timings.clear()
-        return seconds
+    # -- internals ------------------------------------------------------------------------
 
-    # -- internals --------------------------------------------------------------------------
+    def _submit(self, jobs: list[_Job]) -> None:
+        """Queues `jobs` in the executor, in calls of at most `_call_tokens` image tokens."""
+        for batch in _batches(jobs, self._call_tokens):
+            self._calls.append(_Call(batch, self._submit_batch(batch)))
+            self._encoding.update((job.key, job) for job in batch if job.key is not None)
+
+    def _submit_batch(self, batch: list[_Job]) -> Future:
+        pixels = [self.pixels.get(*job.source) for job in batch]
+        return self.executor.submit(pixels, [job.image.grid_thw for job in batch])
 
     def _lookup(self, request: Request, index: int, key: CacheKey) -> Lookup:
         """`EmbeddingCache.lookup` (pins the entry), remembering the request's first."""
@@ -365,18 +325,6 @@ class ImageEncoder:
         end = chunk.end if self.chunked else request.prompt_len
         return [i for i, image in enumerate(request.images) if image.overlaps(chunk.start, end)]
 
-    def _encode(self, batch: list[_Job]) -> None:
-        pixels = [self.pixels.get(*job.source) for job in batch]
-        self._store(batch, self.tower(pixels, [job.image.grid_thw for job in batch]))
-
-    def tower(
-        self, pixels: Sequence[torch.Tensor], grids: Sequence[tuple[int, int, int]]
-    ) -> torch.Tensor:
-        """The embeddings of images given by their uint8 pixels: patches, vision tower."""
-        with self._timed():
-            pixel_values = self.patches(pixels, grids)
-            return self.model.encode_images(pixel_values, torch.tensor(grids, device=self.device))
-
     def _store(self, batch: list[_Job], embeddings: torch.Tensor) -> None:
         """A call's embeddings into the cache, and to the requests still waiting for them."""
         self.images_encoded += len(batch)
@@ -404,32 +352,6 @@ class ImageEncoder:
                 continue
             if i == index or self.cache_key(request, i) == key:
                 self.pixels.drop(request_id, i)  # never read again: the shm pin goes now
-
-    def _timed(self) -> _Timer:
-        return _Timer(self._timings, self.device)
-
-
-class _Timer:
-    """Times a vision-tower call: CUDA events on a GPU (read when drained), else wall time."""
-
-    def __init__(self, sink: deque, device: torch.device) -> None:
-        self.sink = sink
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self) -> None:
-        if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.began = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.sink.append((self.start, end))
-        else:
-            self.sink.append(time.perf_counter() - self.began)
 
 
 def _batches(jobs: list[_Job], budget: int) -> Iterator[list[_Job]]:
