@@ -76,6 +76,11 @@ class Chat:
         """The URLs to fetch, in prompt order (parts named by their uuid alone have none)."""
         return [image.url for image in self.images if image.url is not None]
 
+    @property
+    def image_url_parts(self) -> list[str]:
+        """Where each of `image_urls` is (`messages[i].content[j]`), in the same order."""
+        return [image.where for image in self.images if image.url is not None]
+
 
 def parse_messages(messages: object) -> Chat:
     if not isinstance(messages, list) or not messages:
