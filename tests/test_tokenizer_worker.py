@@ -296,7 +296,11 @@ BAD_REQUESTS = {
         "messages",
         "unsupported role 'function'",
     ),
-    "part": (dict(messages=chat({"type": "input_audio"})), "messages", "unsupported content part"),
+    "part": (
+        dict(messages=chat({"type": "input_audio"})),
+        "messages[1].content[0].type",
+        "unsupported content part type 'input_audio' (text, image_url, image, image_embeds)",
+    ),
     "pad in text": (dict(messages=chat(text="<|image_pad|>")), "messages", "0 images"),
     "aspect ratio": (
         dict(messages=chat(image_part(data_url(make_image(1000, 4))))),
