@@ -71,9 +71,9 @@ class ParsedAnswer:
 
 @dataclass
 class _Call:
-    """The block being read: where it starts in the text and what of it was sent."""
+    """The call being read: where it starts in the text and what of it was sent."""
 
-    start: int  # first character after OPEN_TAG
+    start: int  # its JSON's start: right after OPEN_TAG, or an array item's "{"
     index: int | None = None  # its place in `tool_calls`, once its header was sent
     id: str = ""
     name: str = ""
@@ -102,6 +102,17 @@ class _CallSender:
             call.arguments.append(fragment)
             fragments = {"index": call.index, "function": {"arguments": fragment}}
             pieces.append({"tool_calls": [fragments]})
+
+    def _send_whole(
+        self, call: _Call, whole: dict[str, Any] | None, key: str, pieces: list[dict[str, Any]]
+    ) -> None:
+        """A closed call none of whose arguments were sent: its `key` value whole (a
+        string as it is, anything else as JSON), `{}` when it has none."""
+        arguments = whole.get(key, {}) if whole is not None else {}
+        text = (
+            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        )
+        self._send_arguments(call, text, pieces)
 
     def _read_call(self, key: re.Pattern[str], limit: int, pieces: list[dict[str, Any]]) -> None:
         """Reads the open call up to `limit`: its header once `{"name": "..."` is whole,
@@ -232,7 +243,7 @@ class HermesParser(_CallSender):
                 return
             self._send_header(call, whole["name"], pieces)
         if not call.arguments and (closed or whole is not None):
-            _send_whole_arguments(self, call, whole, "arguments", pieces)
+            self._send_whole(call, whole, "arguments", pieces)
         self._end_call(call)
         self._after_block = True
 
@@ -283,22 +294,8 @@ class CallArrayParser(_CallSender):
                 return  # cut before its name was whole, or no call (the grammar rules it out)
             self._send_header(call, whole["name"], pieces)
         if not call.arguments and closed:
-            _send_whole_arguments(self, call, whole, "parameters", pieces)
+            self._send_whole(call, whole, "parameters", pieces)
         self._end_call(call)
-
-
-def _send_whole_arguments(
-    sender: _CallSender,
-    call: _Call,
-    whole: dict[str, Any] | None,
-    key: str,
-    pieces: list[dict[str, Any]],
-) -> None:
-    """A closed call none of whose arguments were sent: its `key` value whole (a string
-    as it is, anything else as JSON), `{}` when it has none."""
-    arguments = whole.get(key, {}) if whole is not None else {}
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    sender._send_arguments(call, text, pieces)
 
 
 class JsonNesting:
