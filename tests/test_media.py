@@ -236,6 +236,7 @@ def test_private_hosts_are_refused_by_default_before_any_request(server: str) ->
     refusals = {
         f"{server}/ok.png": "127.0.0.1 is a loopback address",
         f"http://localhost:{port}/ok.png": "host 'localhost' resolves to a loopback address",
+        f"https://127.0.0.1:{port}/ok.png": "127.0.0.1 is a loopback address",
     }
     for url, says in refusals.items():
         with pytest.raises(MediaError) as refused:
