@@ -496,7 +496,11 @@ def test_worker_process(qwen2_vl_tiny: Path, instance: str):
         requests.send(request(chat(image_part("data:image/png;base64,!!")), rid="bad"))
         to_server = receive_through(server, RequestError)
         error = to_server[-1]
-        assert (error.request_id, error.status, error.param) == ("bad", 400, "messages")
+        assert (error.request_id, error.status, error.param) == (
+            "bad",
+            400,
+            "messages[1].content[0]",
+        )
         requests.send(AbortRequest("r1"))
         assert receive(scheduler, AbortEngineRequest) == AbortEngineRequest("r1")
         # A request's counters reach the server before its reply; the release's later.
