@@ -1,13 +1,15 @@
 """Image sources and their limits: data URLs, http(s) on a local server, local files, decoding.
 
-Every fetch goes to 127.0.0.1 and nowhere else: `localhost` is resolved to IPv4 only, and
-the rules for other addresses are checked on literal addresses, never by connecting.
+Every fetch goes to 127.0.0.1 and nowhere else: no name server is asked (`localhost` is
+127.0.0.1, other names resolve to nothing), and the rules for other addresses are
+checked on literal addresses, never by connecting.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import ipaddress
 import socket
 import struct
 import threading
@@ -59,16 +61,22 @@ PNG = encode(make_image(40, 30, seed=1))
 
 
 @pytest.fixture(autouse=True)
-def localhost_is_127_0_0_1(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`localhost` resolves to 127.0.0.1 alone (some hosts list ::1 first)."""
+def no_name_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names resolve without asking any name server: `localhost` to 127.0.0.1 alone
+    (some hosts list ::1 first), address literals to themselves, any other name to
+    nothing."""
     resolve = socket.getaddrinfo
 
-    def ipv4_localhost(host: str, *args: object, **kwargs: object) -> list:
+    def local_only(host: str, *args: object, **kwargs: object) -> list:
         if host == "localhost":
-            return [a for a in resolve(host, *args, **kwargs) if a[4][0] == "127.0.0.1"]
+            return resolve("127.0.0.1", *args, **kwargs)
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise socket.gaierror(socket.EAI_NONAME, f"{host} is not resolved in tests") from None
         return resolve(host, *args, **kwargs)
 
-    monkeypatch.setattr(socket, "getaddrinfo", ipv4_localhost)
+    monkeypatch.setattr(socket, "getaddrinfo", local_only)
 
 
 def local(**kwargs: object) -> MediaFetcher:
