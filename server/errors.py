@@ -32,6 +32,14 @@ _TYPES = {
 }
 
 
+# A validation error of this type is named by its whole path, as OpenAI names it
+# (`messages[0].content[1].type`), where others are named by their top-level field.
+PATH_PARAM_ERROR = "iris_path_param"
+# The union tag of content parts Iris does not take (`protocol.UnsupportedPart`): part of
+# pydantic's location of an error, never of the request's.
+UNSUPPORTED_PART_TAG = "unsupported part"
+
+
 def error_type(status: int) -> str:
     return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
@@ -85,12 +93,27 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     # A value that fits no member of a union gets one error per member; the one that
     # got furthest into the value says best what is wrong.
     first = max(errors, key=lambda error: len(error.get("loc", ())))
-    loc = [part for part in first.get("loc", ()) if part != "body" and not _is_union_label(part)]
+    loc = [
+        part
+        for part in first.get("loc", ())
+        if part not in ("body", UNSUPPORTED_PART_TAG) and not _is_union_label(part)
+    ]
     param = loc[0] if loc and isinstance(loc[0], str) else None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == PATH_PARAM_ERROR:
+        path = _openai_path(loc)
+        return error_response(400, f"{path}: {message}", param=path)
     if loc:
         message = f"{'.'.join(str(part) for part in loc)}: {message}"
     return error_response(400, message, param=param)
+
+
+def _openai_path(loc: list[object]) -> str:
+    """["messages", 0, "content", 1, "type"] → "messages[0].content[1].type"."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
 
 
 def _is_union_label(part: object) -> bool:

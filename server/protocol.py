@@ -3,8 +3,10 @@
 Requests ignore fields they do not know (clients send extras); every field they do
 know is type-checked, and a bad value becomes a 400 naming that field
 (`server.errors`). Known fields Iris does not implement yet are refused unless they are
-at their no-op value (`server.unimplemented`): never a silent ignore. Content parts are checked for shape only: images stay URLs here and
-are fetched and decoded by a tokenizer worker, never by the server.
+at their no-op value (`server.unimplemented`): never a silent ignore. Content parts are
+checked for shape only: images stay URLs here and are fetched and decoded by a
+tokenizer worker, never by the server; a part of a type Iris does not take is a 400
+naming the part (`messages[0].content[1].type`) and the types it takes.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from iris_serve.server import unimplemented
+from iris_serve.server.errors import PATH_PARAM_ERROR, UNSUPPORTED_PART_TAG
 
 if TYPE_CHECKING:
     from iris_serve.ipc.messages import ImageReport
@@ -99,7 +105,66 @@ class ImageEmbedsPart(_Body):
         return self
 
 
-ContentPart = Annotated[TextPart | ImageURLPart | ImageEmbedsPart, Field(discriminator="type")]
+PART_TYPES = ("text", "image_url", "image_embeds")  # what a content part's `type` may be
+# Types clients send that Iris does not take, and why, beyond "not supported"
+_PARTS_NOT_TAKEN = {
+    "video_url": "video is not supported yet",
+    "video": "video is not supported yet",
+    "input_audio": "audio input is not supported",
+    "audio_url": "audio input is not supported",
+    "file": "file inputs are not supported",
+    "input_file": "file inputs are not supported",
+}
+
+
+class UnsupportedPart(_Body):
+    """Any content part whose type is none of `PART_TYPES`: always refused, with an
+    error that names the part (`messages[0].content[1].type`) and lists what Iris takes,
+    rather than pydantic's "does not match any of the expected tags"."""
+
+    type: Any = Field(default=None, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, part: Any) -> Any:
+        if not isinstance(part, dict):
+            raise _part_refused("a content part must be an object with a type")
+        return part
+
+    @field_validator("type")
+    @classmethod
+    def _refuse(cls, kind: Any) -> Any:
+        if kind is None:
+            why = "a content part needs a type"
+        else:
+            reason = _PARTS_NOT_TAKEN.get(kind) if isinstance(kind, str) else None
+            why = f"content parts of type {kind!r} are not supported" + (
+                f" ({reason})" if reason else ""
+            )
+        raise _part_refused(why)
+
+
+def _part_refused(why: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        PATH_PARAM_ERROR,
+        "{why}; the supported types are text, image_url and image_embeds "
+        "(the last with --enable-mm-embeds)",
+        {"why": why},
+    )
+
+
+def _part_type(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return kind if kind in PART_TYPES else UNSUPPORTED_PART_TAG
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text")]
+    | Annotated[ImageURLPart, Tag("image_url")]
+    | Annotated[ImageEmbedsPart, Tag("image_embeds")]
+    | Annotated[UnsupportedPart, Tag(UNSUPPORTED_PART_TAG)],
+    Discriminator(_part_type),
+]
 
 
 class ChatMessage(BaseModel):

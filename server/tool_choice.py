@@ -7,10 +7,15 @@ constrained and how it is read back, as vLLM serves them:
   its `<tool_call>` blocks are read by the parser (`server.tool_parser`), and an answer
   with calls finishes with `tool_calls`.
 - `required`: decoding is constrained to a JSON array of `{"name", "parameters"}`
-  objects, one of the tools each (at least one), read back into calls; finishes with
-  `tool_calls`.
+  objects, one of the tools each (at least one), read back into calls as the auto path
+  reads its blocks (`tool_parser.CallArrayParser`: each name once it is complete, the
+  arguments as they are written); finishes with `tool_calls`.
 - a named function: decoding is constrained to that tool's parameters schema; the whole
-  answer is the call's arguments. Finishes with `stop`, as OpenAI and vLLM do.
+  answer is the call's arguments, streamed as they are written after a first chunk with
+  the name. Finishes with `stop`, as OpenAI and vLLM do.
+
+A forced call cut off by `max_tokens` comes back with what was written of it (its name,
+the arguments so far) and `finish_reason: "length"`, streamed or not.
 
 `required` and named choices are enforced by the grammar, not hoped for: with random
 weights as much as with a real model, the answer is a valid call. `parallel_tool_calls:
@@ -20,15 +25,14 @@ keeps its first.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from iris_serve.server.errors import APIError
 from iris_serve.server.protocol import ChatCompletionRequest, NamedToolChoice
 from iris_serve.server.tool_parser import (
+    CallArrayParser,
     HermesParser,
-    JsonNesting,
     ParsedAnswer,
     ToolCall,
     new_call_id,
@@ -63,7 +67,7 @@ class ToolPlan:
             assert self.name is not None
             return _ArgumentsReader(self.name)
         if self.mode == "required":
-            return _CallListReader()
+            return CallArrayParser()
         return None
 
     def json_schema(self) -> dict[str, Any] | None:
@@ -188,48 +192,3 @@ class _ArgumentsReader:
 
     def answer(self) -> ParsedAnswer:
         return ParsedAnswer(None, [self._call])
-
-
-class _CallListReader:
-    """`required`: the answer is a JSON array of `{"name", "parameters"}`; each call is
-    sent once its object is complete (its arguments whole)."""
-
-    def __init__(self) -> None:
-        self._text = ""
-        self._scanned = 0
-        self._nesting = JsonNesting()
-        self._item_start: int | None = None
-        self.calls: list[ToolCall] = []
-
-    def feed(self, delta: str) -> list[dict[str, Any]]:
-        self._text += delta
-        pieces: list[dict[str, Any]] = []
-        for i in range(self._scanned, len(self._text)):
-            structure = self._nesting.push(self._text[i])
-            depth = self._nesting.depth
-            if structure == "{" and depth == 2:  # an item of the array opens
-                self._item_start = i
-            elif structure == "}" and depth == 1 and self._item_start is not None:
-                self._send(self._text[self._item_start : i + 1], pieces)
-                self._item_start = None
-        self._scanned = len(self._text)
-        return pieces
-
-    def finish(self) -> list[dict[str, Any]]:
-        return []
-
-    def answer(self) -> ParsedAnswer:
-        return ParsedAnswer(None, self.calls)
-
-    def _send(self, item: str, pieces: list[dict[str, Any]]) -> None:
-        try:
-            call = json.loads(item)
-        except json.JSONDecodeError:
-            return  # the grammar rules this out; a broken item is not a call
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return
-        arguments = json.dumps(call.get("parameters", {}), ensure_ascii=False)
-        tool_call = ToolCall(new_call_id(), call["name"], arguments)
-        index = len(self.calls)
-        self.calls.append(tool_call)
-        pieces.append({"tool_calls": [{"index": index, **tool_call.openai()}]})

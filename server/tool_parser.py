@@ -17,8 +17,13 @@ text as it is generated and turns it into OpenAI chat deltas:
 
 A non-streamed answer is the same parser fed the whole text at once (`parse_tool_calls`),
 so a streamed answer and a non-streamed one can never disagree (the tests feed every
-split). A block cut off by `max_tokens` stays a call with the arguments it had, as
-OpenAI returns it with `finish_reason: "length"`.
+split). A block cut off by `max_tokens` stays a call with what was written of its
+arguments (none, if they had not begun), as OpenAI returns it with `finish_reason:
+"length"`.
+
+`CallArrayParser` reads `tool_choice: "required"`'s answer, a JSON array of
+`{"name": ..., "parameters": {...}}` objects (the form its grammar allows), the same
+way: each call's name as soon as it is complete, its arguments as they are written.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ CLOSE_TAG = "</tool_call>"
 # `{"name": "<json string>"` at the start of a block, then `, "arguments":`
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 _ARGUMENTS_KEY = re.compile(r'\s*,\s*"arguments"\s*:\s*')
+_PARAMETERS_KEY = re.compile(r'\s*,\s*"parameters"\s*:\s*')  # `required`'s array items
 
 
 def new_call_id() -> str:
@@ -65,9 +71,9 @@ class ParsedAnswer:
 
 @dataclass
 class _Call:
-    """The block being read: where it starts in the text and what of it was sent."""
+    """The call being read: where it starts in the text and what of it was sent."""
 
-    start: int  # first character after OPEN_TAG
+    start: int  # its JSON's start: right after OPEN_TAG, or an array item's "{"
     index: int | None = None  # its place in `tool_calls`, once its header was sent
     id: str = ""
     name: str = ""
@@ -76,16 +82,68 @@ class _Call:
     arguments: list[str] = field(default_factory=list)  # fragments sent
 
 
-class HermesParser:
+class _CallSender:
+    """What both parsers send of a call: its header once (index, id, type, name), then
+    its arguments strictly appended; `calls` holds the calls whose reading ended."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._call: _Call | None = None
+        self.calls: list[ToolCall] = []
+
+    def _send_header(self, call: _Call, name: str, pieces: list[dict[str, Any]]) -> None:
+        call.index, call.id, call.name = len(self.calls), new_call_id(), name
+        function = {"name": name, "arguments": ""}
+        header = {"index": call.index, "id": call.id, "type": "function", "function": function}
+        pieces.append({"tool_calls": [header]})
+
+    def _send_arguments(self, call: _Call, fragment: str, pieces: list[dict[str, Any]]) -> None:
+        if fragment:
+            call.arguments.append(fragment)
+            fragments = {"index": call.index, "function": {"arguments": fragment}}
+            pieces.append({"tool_calls": [fragments]})
+
+    def _send_whole(
+        self, call: _Call, whole: dict[str, Any] | None, key: str, pieces: list[dict[str, Any]]
+    ) -> None:
+        """A closed call none of whose arguments were sent: its `key` value whole (a
+        string as it is, anything else as JSON), `{}` when it has none."""
+        arguments = whole.get(key, {}) if whole is not None else {}
+        text = (
+            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        )
+        self._send_arguments(call, text, pieces)
+
+    def _read_call(self, key: re.Pattern[str], limit: int, pieces: list[dict[str, Any]]) -> None:
+        """Reads the open call up to `limit`: its header once `{"name": "..."` is whole,
+        then the value after `key` (`, "arguments":`) as it comes."""
+        call = self._call
+        assert call is not None
+        text = self.text
+        if call.index is None:
+            named = _NAME.match(text, call.start, limit)
+            if named is not None:
+                self._send_header(call, json.loads(named.group(1)), pieces)
+                call.name_end = named.end()
+        if call.index is not None and call.value is None:
+            found = key.match(text, call.name_end, limit)
+            if found is not None:
+                call.value = _JsonValue(found.end())
+        if call.value is not None and call.value.read(text, limit):
+            self._send_arguments(call, call.value.sendable(text), pieces)
+
+    def _end_call(self, call: _Call) -> None:
+        self.calls.append(ToolCall(call.id, call.name, "".join(call.arguments)))
+
+
+class HermesParser(_CallSender):
     """Feeds on text deltas; returns the OpenAI delta pieces each one completes:
     `{"content": ...}` or `{"tool_calls": [...]}` (one call each)."""
 
     def __init__(self) -> None:
-        self.text = ""
+        super().__init__()
         self._pos = 0  # the text before this is handled
-        self._call: _Call | None = None
         self._after_block = False  # whitespace here is between blocks: dropped
-        self.calls: list[ToolCall] = []
         self._content: list[str] = []
 
     @property
@@ -152,21 +210,15 @@ class HermesParser:
         call = self._call
         assert call is not None
         text = self.text
-        if call.index is None:
-            named = _NAME.match(text, call.start, _end_of_block(text, call.start))
-            if named is not None:
-                self._send_header(call, json.loads(named.group(1)), pieces)
-                call.name_end = named.end()
-        if call.index is not None and call.value is None:
-            key = _ARGUMENTS_KEY.match(text, call.name_end, _end_of_block(text, call.name_end))
-            if key is not None:
-                call.value = _JsonValue(key.end())
+        # Until the arguments begin, the block's end bounds the name and the key; the
+        # arguments are read to the end of the text, and the block's end is only looked
+        # for after them: a string in them may hold "</tool_call>".
+        limit = len(text) if call.value is not None else _end_of_block(text, call.start)
+        self._read_call(_ARGUMENTS_KEY, limit, pieces)
+        if call.value is not None and limit < len(text):
+            self._read_call(_ARGUMENTS_KEY, len(text), pieces)
         search_from = call.start
         if call.value is not None:
-            # The block's end is only looked for after the arguments: a string in them
-            # may hold "</tool_call>".
-            if call.value.read(text, len(text)):
-                self._send_arguments(call, call.value.sendable(text), pieces)
             if not call.value.done:
                 return False
             search_from = call.value.pos
@@ -175,18 +227,6 @@ class HermesParser:
             self._close_call(close, closed=True, pieces=pieces)
             return True
         return False
-
-    def _send_header(self, call: _Call, name: str, pieces: list[dict[str, Any]]) -> None:
-        call.index, call.id, call.name = len(self.calls), new_call_id(), name
-        function = {"name": name, "arguments": ""}
-        header = {"index": call.index, "id": call.id, "type": "function", "function": function}
-        pieces.append({"tool_calls": [header]})
-
-    def _send_arguments(self, call: _Call, fragment: str, pieces: list[dict[str, Any]]) -> None:
-        if fragment:
-            call.arguments.append(fragment)
-            fragments = {"index": call.index, "function": {"arguments": fragment}}
-            pieces.append({"tool_calls": [fragments]})
 
     def _close_call(self, end: int, closed: bool, pieces: list[dict[str, Any]]) -> None:
         """Ends the block at `end`: a call gets what it still lacks; a block that is no
@@ -202,16 +242,60 @@ class HermesParser:
                 self._say(OPEN_TAG + body + (CLOSE_TAG if closed else ""), pieces)
                 return
             self._send_header(call, whole["name"], pieces)
-        if not call.arguments:
-            arguments = whole.get("arguments", {}) if whole is not None else {}
-            text = (
-                arguments
-                if isinstance(arguments, str)
-                else json.dumps(arguments, ensure_ascii=False)
-            )
-            self._send_arguments(call, text if whole is not None else "{}", pieces)
-        self.calls.append(ToolCall(call.id, call.name, "".join(call.arguments)))
+        if not call.arguments and (closed or whole is not None):
+            self._send_whole(call, whole, "arguments", pieces)
+        self._end_call(call)
         self._after_block = True
+
+
+class CallArrayParser(_CallSender):
+    """`tool_choice: "required"`: the answer is a JSON array of `{"name", "parameters"}`
+    objects, read as `HermesParser` reads a block: a call's header once its name is
+    complete, its arguments (the `parameters` object's own text) as they are written;
+    an object whose name does not come first is sent whole when it closes. A call cut
+    off keeps what was written of it; one cut before its name is whole is no call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scanned = 0
+        self._nesting = JsonNesting()
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        pieces: list[dict[str, Any]] = []
+        for i in range(self._scanned, len(self.text)):
+            structure = self._nesting.push(self.text[i])
+            if structure == "{" and self._nesting.depth == 2:  # an item of the array opens
+                self._call = _Call(start=i)
+            elif structure == "}" and self._nesting.depth == 1 and self._call is not None:
+                self._read_call(_PARAMETERS_KEY, i + 1, pieces)
+                self._close(i + 1, closed=True, pieces=pieces)
+        self._scanned = len(self.text)
+        if self._call is not None:
+            self._read_call(_PARAMETERS_KEY, len(self.text), pieces)
+        return pieces
+
+    def finish(self) -> list[dict[str, Any]]:
+        pieces: list[dict[str, Any]] = []
+        if self._call is not None:
+            self._close(len(self.text), closed=False, pieces=pieces)
+        return pieces
+
+    def answer(self) -> ParsedAnswer:
+        return ParsedAnswer(None, self.calls)
+
+    def _close(self, end: int, closed: bool, pieces: list[dict[str, Any]]) -> None:
+        call = self._call
+        assert call is not None
+        self._call = None
+        whole = _json_object(self.text[call.start : end]) if closed else None
+        if call.index is None:
+            if whole is None or not isinstance(whole.get("name"), str):
+                return  # cut before its name was whole, or no call (the grammar rules it out)
+            self._send_header(call, whole["name"], pieces)
+        if not call.arguments and closed:
+            self._send_whole(call, whole, "parameters", pieces)
+        self._end_call(call)
 
 
 class JsonNesting:

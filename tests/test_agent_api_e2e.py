@@ -97,6 +97,26 @@ def test_required_tool_choice_returns_valid_calls(client):
     assert choice.message.content is None
 
 
+def test_a_required_call_cut_off_by_max_tokens_keeps_what_was_written(client):
+    """Streamed, the name comes as soon as it is written; streamed or not, the call
+    comes back with its partial arguments and finish_reason "length"."""
+    body = dict(
+        model=MODEL, messages=USER, tools=[WEATHER], tool_choice="required",
+        temperature=1.0, seed=5, max_completion_tokens=26,  # about half the call
+    )  # fmt: skip
+    choice = client.chat.completions.create(**body).choices[0]
+    assert choice.finish_reason == "length"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)  # cut: the arguments as far as they went
+    chunks = list(client.chat.completions.create(stream=True, **body))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 def test_a_named_tool_streams_its_arguments_and_the_round_trip_continues(client):
     with client.chat.completions.stream(
         model=MODEL, messages=USER, tools=[WEATHER, CLOCK], temperature=1.0, seed=3,

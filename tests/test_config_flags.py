@@ -57,6 +57,7 @@ def test_help_shows_the_dataclass_defaults_in_the_flags_units():
         (["--mm-processor-cache-gb", "1.5"], "worker", "arena_bytes", 3 * GiB // 2),
         (["--allowed-media-domains", "a.org", "b.org"], "worker", "allowed_media_domains",
          ("a.org", "b.org")),
+        (["--allow-private-media-hosts"], "worker", "allow_private_media_hosts", True),
         (["--limit-mm-per-prompt", '{"image": 3}'], "worker", "limit_mm_per_prompt", 3),
         (["--mm-arena-wait-timeout", "2.5"], "worker", "arena_wait_timeout_s", 2.5),
         (["--mm-encoder-placement", "thread"], "engine", "mm_encoder_placement", "thread"),

@@ -1,9 +1,16 @@
-"""Image sources and their limits: data URLs, http(s) on a local server, local files, decoding."""
+"""Image sources and their limits: data URLs, http(s) on a local server, local files, decoding.
+
+Every fetch goes to 127.0.0.1 and nowhere else: no name server is asked (`localhost` is
+127.0.0.1, other names resolve to nothing), and the rules for other addresses are
+checked on literal addresses, never by connecting.
+"""
 
 from __future__ import annotations
 
 import base64
 import io
+import ipaddress
+import socket
 import struct
 import threading
 import zlib
@@ -15,12 +22,14 @@ from typing import ClassVar
 import pytest
 from PIL import Image
 
+from iris_serve.tokenizer_worker import media_hosts
 from iris_serve.tokenizer_worker.media import (
     LOCAL_FILES_DISABLED,
     MediaError,
     MediaFetcher,
     decode_image,
 )
+from iris_serve.tokenizer_worker.media_hosts import address_rule
 from tests.reference import make_image
 
 KiB = 1024
@@ -52,10 +61,27 @@ PNG = encode(make_image(40, 30, seed=1))
 
 
 @pytest.fixture(autouse=True)
-def no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.upper(), raising=False)
+def no_name_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names resolve without asking any name server: `localhost` to 127.0.0.1 alone
+    (some hosts list ::1 first), address literals to themselves, any other name to
+    nothing."""
+    resolve = socket.getaddrinfo
+
+    def local_only(host: str, *args: object, **kwargs: object) -> list:
+        if host == "localhost":
+            return resolve("127.0.0.1", *args, **kwargs)
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise socket.gaierror(socket.EAI_NONAME, f"{host} is not resolved in tests") from None
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", local_only)
+
+
+def local(**kwargs: object) -> MediaFetcher:
+    """A fetcher that may fetch from the test's server on 127.0.0.1."""
+    return MediaFetcher(allow_private_hosts=True, **kwargs)  # type: ignore[arg-type]
 
 
 # --- http(s) -----------------------------------------------------------------------
@@ -64,8 +90,12 @@ def no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
 class _Handler(BaseHTTPRequestHandler):
     routes: ClassVar[dict[str, tuple[int, dict[str, str], bytes]]] = {}
     release: ClassVar[threading.Event]
+    paths: ClassVar[list[str]] = []  # every request's path, in order
+    hosts: ClassVar[list[str]] = []  # and its Host header
 
     def do_GET(self) -> None:
+        self.paths.append(self.path)
+        self.hosts.append(self.headers.get("Host", ""))
         try:
             if self.path == "/slow":  # headers, then nothing until the test ends
                 self._head(200, {"Content-Length": str(len(PNG))})
@@ -120,7 +150,7 @@ def server() -> Iterator[str]:
 
 
 def test_http_ok_and_redirect_within_http(server: str) -> None:
-    fetcher = MediaFetcher(timeout_s=5)
+    fetcher = local(timeout_s=5)
     assert fetcher.fetch(f"{server}/ok.png") == PNG
     assert fetcher.fetch(f"{server}/to-ok") == PNG
 
@@ -136,7 +166,7 @@ def test_http_ok_and_redirect_within_http(server: str) -> None:
 )
 def test_http_errors(server: str, path: str, message: str) -> None:
     with pytest.raises(MediaError, match=message) as error:
-        MediaFetcher(timeout_s=5, max_bytes=KiB).fetch(f"{server}{path}")
+        local(timeout_s=5, max_bytes=KiB).fetch(f"{server}{path}")
     assert error.value.param == "messages"
     assert error.value.status == 400
 
@@ -144,7 +174,7 @@ def test_http_errors(server: str, path: str, message: str) -> None:
 @pytest.mark.parametrize("path", ["/slow", "/trickle"])
 def test_http_timeout(server: str, path: str) -> None:
     with pytest.raises(MediaError, match=r"timed out after 0.2 s"):
-        MediaFetcher(timeout_s=0.2).fetch(f"{server}{path}")
+        local(timeout_s=0.2).fetch(f"{server}{path}")
 
 
 def test_domain_allow_list(server: str) -> None:
@@ -157,12 +187,128 @@ def test_domain_allow_list(server: str) -> None:
 
 
 def test_fetch_all_keeps_order_and_names_the_failing_image(server: str) -> None:
-    fetcher = MediaFetcher(timeout_s=5)
+    fetcher = local(timeout_s=5)
     urls = [f"{server}/ok.png", data_url(PNG), f"{server}/to-ok"]
     assert fetcher.fetch_all(urls) == [PNG, PNG, PNG]
     with pytest.raises(MediaError, match=r"^image 2: fetching .* HTTP 404"):
         fetcher.fetch_all([f"{server}/ok.png", f"{server}/nope", f"{server}/ok.png"])
+    parts = ["messages[0].content[0]", "messages[2].content[1]"]
+    with pytest.raises(MediaError, match=r"^messages\[2\]\.content\[1\]: fetching .* 404") as e:
+        fetcher.fetch_all([f"{server}/ok.png", f"{server}/nope"], parts)
+    assert e.value.param == "messages[2].content[1]"
     fetcher.close()
+
+
+# --- which hosts: judged on the address connected to -----------------------------------
+
+REFUSED_ADDRESSES = {
+    "127.0.0.1": "loopback",
+    "127.9.9.9": "loopback",
+    "::1": "loopback",
+    "10.0.0.1": "private",
+    "172.16.5.4": "private",
+    "192.168.1.1": "private",
+    "fd00::1": "private",
+    "169.254.169.254": "link-local",  # cloud metadata services
+    "fe80::1": "link-local",
+    "fe80::1%eth0": "link-local",
+    "224.0.0.1": "multicast",
+    "ff02::1": "multicast",
+    "0.0.0.0": "unspecified",
+    "::": "unspecified",
+    "240.0.0.1": "reserved",
+    "100.64.0.1": "not global",  # shared address space (carrier-grade NAT)
+    "::ffff:127.0.0.1": "loopback",  # IPv4-mapped IPv6
+    "::ffff:169.254.169.254": "link-local",
+    "::ffff:10.0.0.1": "private",
+    "2002:a9fe:a9fe::": "link-local",  # 6to4 of 169.254.169.254
+    "64:ff9b::a00:1": "private",  # NAT64 of 10.0.0.1
+}
+PUBLIC_ADDRESSES = ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8",
+                    "64:ff9b::808:808", "2002:808:808::"]  # fmt: skip
+
+
+@pytest.mark.parametrize("address", REFUSED_ADDRESSES)
+def test_address_rules(address: str) -> None:
+    assert address_rule(address) == REFUSED_ADDRESSES[address]
+
+
+@pytest.mark.parametrize("address", PUBLIC_ADDRESSES)
+def test_public_addresses_pass(address: str) -> None:
+    assert address_rule(address) is None
+
+
+def test_private_hosts_are_refused_by_default_before_any_request(server: str) -> None:
+    port = server.rsplit(":", 1)[1]
+    _Handler.paths.clear()
+    refusals = {
+        f"{server}/ok.png": "127.0.0.1 is a loopback address",
+        f"http://localhost:{port}/ok.png": "host 'localhost' resolves to a loopback address",
+        f"https://127.0.0.1:{port}/ok.png": "127.0.0.1 is a loopback address",
+    }
+    for url, says in refusals.items():
+        with pytest.raises(MediaError) as refused:
+            MediaFetcher(timeout_s=5).fetch(url)
+        assert says in refused.value.message
+        assert "--allowed-media-domains" in refused.value.message
+        assert "--allow-private-media-hosts" in refused.value.message
+    assert _Handler.paths == []
+
+
+def test_the_flag_or_naming_the_host_lets_a_private_host_serve(server: str) -> None:
+    port = server.rsplit(":", 1)[1]
+    assert local(timeout_s=5).fetch(f"{server}/ok.png") == PNG
+    named = MediaFetcher(allowed_media_domains=["127.0.0.1"], timeout_s=5)
+    assert named.fetch(f"{server}/ok.png") == PNG
+    named = MediaFetcher(allowed_media_domains=["LocalHost"], timeout_s=5)
+    assert named.fetch(f"http://localhost:{port}/to-localhost") == PNG
+
+
+def test_a_redirect_from_an_allowed_host_to_a_private_one_is_refused(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _Handler.paths.clear()
+    named = MediaFetcher(allowed_media_domains=["127.0.0.1"], timeout_s=5)
+    with pytest.raises(MediaError, match="'localhost' is not in the allowed media domains"):
+        named.fetch(f"{server}/to-localhost")
+    # Without an allow-list, the hop's own connection is judged on its address: here
+    # 127.0.0.1 plays a public host for the first connection, and only for it.
+    judged: list[str] = []
+
+    def public_once(address: str) -> str | None:
+        judged.append(address)
+        return None if len(judged) == 1 else address_rule(address)
+
+    monkeypatch.setattr(media_hosts, "address_rule", public_once)
+    with pytest.raises(MediaError, match="host 'localhost' resolves to a loopback address"):
+        MediaFetcher(timeout_s=5).fetch(f"{server}/to-localhost")
+    assert judged == ["127.0.0.1", "127.0.0.1"]
+    assert _Handler.paths == ["/to-localhost", "/to-localhost"]
+
+
+def test_a_name_is_resolved_once_and_its_checked_address_connected_to(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DNS rebinding: a name that answers a public address to the check and a private
+    one to the connection gets no second question. "rebind.test" answers 127.0.0.1 (here
+    judged public) once; a second lookup fails the test."""
+    port = server.rsplit(":", 1)[1]
+    resolve = socket.getaddrinfo
+    lookups: list[str] = []
+
+    def rebinding(host: str, *args: object, **kwargs: object) -> list:
+        if host != "rebind.test":
+            return resolve(host, *args, **kwargs)
+        lookups.append(host)
+        assert len(lookups) == 1, "the name was looked up again"
+        return resolve("127.0.0.1", *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    monkeypatch.setattr(media_hosts, "address_rule", lambda address: None)
+    _Handler.hosts.clear()
+    assert MediaFetcher(timeout_s=5).fetch(f"http://rebind.test:{port}/ok.png") == PNG
+    assert lookups == ["rebind.test"]
+    assert _Handler.hosts == [f"rebind.test:{port}"]  # the name, though the address was dialled
 
 
 # --- data: URLs and schemes ----------------------------------------------------------

@@ -284,11 +284,24 @@ def test_bad_images_get_a_400_and_the_server_stays_healthy(server, case):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == "messages[0].content[0]"  # the part
     good = httpx.post(
         f"{server.base_url}/v1/chat/completions", json=chat_body("ok", []), timeout=60
     )
     assert good.status_code == 200
     server.wait_for_metrics(IDLE)
+
+
+def test_an_image_url_on_the_servers_own_host_is_refused(server):
+    """Issue 40's case: the server must not read its own endpoints for a client."""
+    content = [{"type": "image_url", "image_url": {"url": f"{server.base_url}/metrics"}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[0]"
+    assert "127.0.0.1 is a loopback address" in error["message"]
+    assert "--allow-private-media-hosts" in error["message"]
 
 
 @pytest.mark.parametrize(

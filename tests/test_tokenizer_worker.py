@@ -258,12 +258,12 @@ BAD_REQUESTS = {
     "too many images": (dict(messages=chat(OK, OK, OK, OK)), "messages", "at most 3 images"),
     "bad base64": (
         dict(messages=chat(image_part("data:image/png;base64,@@@@"))),
-        "messages",
-        "invalid base64",
+        "messages[1].content[0]",
+        "messages[1].content[0]: invalid base64",
     ),
     "not an image": (
         dict(messages=chat(image_part("data:image/png;base64,aGVsbG8="))),
-        "messages",
+        "messages[1].content[0]",
         "not an image",
     ),
     "truncated": (
@@ -272,34 +272,44 @@ BAD_REQUESTS = {
                 OK, image_part("data:image/png;base64," + base64.b64encode(PNG[:-60]).decode())
             )
         ),
-        "messages",
-        "image 2: cannot decode",
+        "messages[1].content[1]",
+        "messages[1].content[1]: cannot decode",
     ),
     "outside the allowed path": (
         dict(messages=chat(image_part("/etc/hostname"))),
-        "messages",
+        "messages[1].content[0]",
         "not under",
     ),
     "scheme": (
         dict(messages=chat(image_part("gopher://x/a.png"))),
-        "messages",
+        "messages[1].content[0]",
         "unsupported URL scheme",
+    ),
+    "private host": (  # refused before any connection is made
+        dict(messages=chat(OK, image_part("http://127.0.0.1:9/a.png"))),
+        "messages[1].content[1]",
+        "messages[1].content[1]: refused http://127.0.0.1:9/a.png: 127.0.0.1 is a loopback "
+        "address: media is not fetched from loopback, private",
     ),
     "role": (
         dict(messages=[{"role": "function", "content": "x"}]),
         "messages",
         "unsupported role 'function'",
     ),
-    "part": (dict(messages=chat({"type": "input_audio"})), "messages", "unsupported content part"),
+    "part": (
+        dict(messages=chat({"type": "input_audio"})),
+        "messages[1].content[0].type",
+        "unsupported content part type 'input_audio' (text, image_url, image, image_embeds)",
+    ),
     "pad in text": (dict(messages=chat(text="<|image_pad|>")), "messages", "0 images"),
     "aspect ratio": (
         dict(messages=chat(image_part(data_url(make_image(1000, 4))))),
-        "messages",
+        "messages[1].content[0]",
         "aspect ratio",
     ),
     "arena too small": (
         dict(messages=chat(OK), min_pixels=30_000_000, max_pixels=40_000_000),
-        "messages",
+        "messages[1].content[0]",
         "lower max_pixels",
     ),
     "min over max": (
@@ -486,7 +496,11 @@ def test_worker_process(qwen2_vl_tiny: Path, instance: str):
         requests.send(request(chat(image_part("data:image/png;base64,!!")), rid="bad"))
         to_server = receive_through(server, RequestError)
         error = to_server[-1]
-        assert (error.request_id, error.status, error.param) == ("bad", 400, "messages")
+        assert (error.request_id, error.status, error.param) == (
+            "bad",
+            400,
+            "messages[1].content[0]",
+        )
         requests.send(AbortRequest("r1"))
         assert receive(scheduler, AbortEngineRequest) == AbortEngineRequest("r1")
         # A request's counters reach the server before its reply; the release's later.

@@ -1,6 +1,7 @@
-"""The Hermes tool-call parser: a streamed answer, fed in any split, adds up to the same
-content and calls as the whole text parsed at once (OpenAI clients concatenate every
-fragment, so nothing may be sent twice or taken back)."""
+"""The tool-call parsers (Hermes blocks for `auto`, the JSON array of `required`): a
+streamed answer, fed in any split, adds up to the same content and calls as the whole
+text parsed at once (OpenAI clients concatenate every fragment, so nothing may be sent
+twice or taken back), and a call's name and arguments are sent as they are written."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 
 import pytest
 
-from iris_serve.server.tool_parser import HermesParser, parse_tool_calls
+from iris_serve.server.tool_parser import CallArrayParser, HermesParser, parse_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -32,6 +33,22 @@ CASES = [
     # cut off by max_tokens: a call with the arguments it had (finish_reason says length)
     ('<tool_call>\n{"name": "cut", "arguments": {"city": "Par', None,
      [("cut", '{"city": "Par')]),
+    ('<tool_call>\n{"name": "cut", "argu', None, [("cut", "")]),  # nothing made up
+]  # fmt: skip
+
+# `tool_choice: "required"`: (the grammar's JSON array, expected [(name, arguments)])
+ARRAY_CASES = [
+    ('[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}, '
+     '{"name": "get_time", "parameters": {}}]',
+     [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}")]),
+    ('[\n  {"name":"a","parameters":{ "s" : "} ] \\" {", "n": [1, {}] }}\n]',
+     [("a", '{ "s" : "} ] \\" {", "n": [1, {}] }')]),
+    ('[{"parameters": {"q": 1}, "name": "late"}]', [("late", '{"q": 1}')]),
+    # cut off by max_tokens: what was written, and no call before its name is whole
+    ('[{"name": "get_weather", "parameters": {"city": "Par', [("get_weather", '{"city": "Par')]),
+    ('[{"name": "f", "parameters": {}}, {"name": "get_weather", "param',
+     [("f", "{}"), ("get_weather", "")]),
+    ('[{"name": "get_wea', []),
 ]  # fmt: skip
 
 
@@ -63,22 +80,55 @@ def test_whole_text_gives_content_and_calls(text, content, calls):
             json.loads(call.arguments)
 
 
+def streamed(parser: HermesParser | CallArrayParser, text: str, sizes: list[int]) -> list[dict]:
+    """Every piece `parser` sends when fed `text` in chunks of `sizes`, then finished."""
+    pieces, at = [], 0
+    for size in sizes:
+        if at >= len(text):
+            break
+        pieces += parser.feed(text[at : at + size])
+        at += size
+    return pieces + parser.finish()
+
+
+def splits(text: str) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[1] * len(text)] + [[rng.randint(1, 6) for _ in range(len(text))] for _ in range(30)]
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), CASES)
 def test_every_split_streams_what_the_whole_text_gives(text, content, calls):
-    rng = random.Random(0)
-    splits = [[1] * len(text)] + [[rng.randint(1, 6) for _ in range(len(text))] for _ in range(30)]
-    for sizes in splits:
-        parser, pieces, at = HermesParser(), [], 0
-        for size in sizes:
-            if at >= len(text):
-                break
-            pieces += parser.feed(text[at : at + size])
-            at += size
-        pieces += parser.finish()
-        got_content, got_calls, ids = accumulate(pieces)
+    for sizes in splits(text):
+        got_content, got_calls, ids = accumulate(streamed(HermesParser(), text, sizes))
         assert got_content == (content or "")
         assert got_calls == calls
         assert all(ids) and len(set(ids)) == len(ids)  # each call's id, sent once
+
+
+@pytest.mark.parametrize(("text", "calls"), ARRAY_CASES)
+def test_required_array_whole_and_in_every_split(text, calls):
+    whole = CallArrayParser()
+    whole.feed(text)
+    whole.finish()
+    assert whole.answer().content is None
+    assert [(c.name, c.arguments) for c in whole.answer().tool_calls] == calls
+    for sizes in splits(text):
+        content, got_calls, ids = accumulate(streamed(CallArrayParser(), text, sizes))
+        assert (content, got_calls) == ("", calls)
+        assert all(ids) and len(set(ids)) == len(ids)
+
+
+def test_a_required_call_streams_its_name_then_its_arguments_as_written():
+    parser = CallArrayParser()
+    assert parser.feed('[{"name": "get_wea') == []
+    header = parser.feed('ther", "parameters": ')[0]["tool_calls"][0]
+    assert (header["index"], header["function"]) == (0, {"name": "get_weather", "arguments": ""})
+    assert header["id"].startswith("call_") and header["type"] == "function"
+    for fragment in ('{"city', '": "Pa', 'ris"}'):
+        pieces = parser.feed(fragment)
+        assert pieces == [{"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]}]
+    assert parser.feed("}, ") == []
+    assert parser.feed('{"name": "b"')[0]["tool_calls"][0]["index"] == 1
 
 
 def test_arguments_stream_before_the_call_closes():

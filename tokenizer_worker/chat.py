@@ -76,6 +76,11 @@ class Chat:
         """The URLs to fetch, in prompt order (parts named by their uuid alone have none)."""
         return [image.url for image in self.images if image.url is not None]
 
+    @property
+    def image_url_parts(self) -> list[str]:
+        """Where each of `image_urls` is (`messages[i].content[j]`), in the same order."""
+        return [image.where for image in self.images if image.url is not None]
+
 
 def parse_messages(messages: object) -> Chat:
     if not isinstance(messages, list) or not messages:
@@ -144,7 +149,11 @@ def _part(part: object, where: str, images: list[ImagePart]) -> dict[str, Any]:
             raise ChatError(f"{where}.text must be a string")
         return {"type": "text", "text": text}
     if kind not in IMAGE_PART_TYPES:
-        raise ChatError(f"{where}: unsupported content part type {kind!r} (text or image_url)")
+        raise ChatError(
+            f"{where}: unsupported content part type {kind!r} "
+            f"(text, {', '.join(IMAGE_PART_TYPES)})",
+            f"{where}.type",
+        )
     url, uuid = image_part_url(part), image_part_uuid(part)
     if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
         raise ChatError(f"{where}.uuid must be a string of 1 to {MAX_UUID_CHARS} characters", where)

@@ -28,7 +28,9 @@ class WorkerConfig:
     `run_dir` holds the instance's ipc sockets; the arena is
     `ipc.shm_names.segment_name(instance_id, worker_id)`. Media limits: local files only
     under `allowed_local_media_path` (disabled when None), http(s) hosts only from
-    `allowed_media_domains` when set (exact host names), `media_timeout_s` per fetch,
+    `allowed_media_domains` when set (exact host names, trusted whatever their
+    addresses), no loopback, private or other non-public address otherwise unless
+    `allow_private_media_hosts` (`media_hosts`), `media_timeout_s` per fetch,
     `max_image_bytes` per encoded image and `max_image_pixels` per decoded image (checked
     on the header, before decoding: the decompression-bomb limit).
 
@@ -123,7 +125,17 @@ class WorkerConfig:
         default=None,
         metadata=_flag(
             "--allowed-media-domains",
-            "fetch http(s) images only from these hosts (exact names; default: any)",
+            "fetch http(s) images only from these hosts (exact names; default: any host "
+            "at a public address), at whatever addresses they resolve to",
+        ),
+    )
+    allow_private_media_hosts: bool = field(
+        default=False,
+        metadata=_flag(
+            "--allow-private-media-hosts",
+            "fetch http(s) images from loopback, private, link-local and other non-public "
+            "addresses too (default: refused, as a guard against requests reaching the "
+            "server's own network)",
         ),
     )
     media_timeout_s: float = field(

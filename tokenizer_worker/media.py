@@ -2,7 +2,10 @@
 
 Sources: `data:image/...;base64,` URLs; `http(s)://` (a timeout per fetch, a size cap
 read as a stream, redirects only between http and https and only to allowed hosts, an
-optional host allow-list); local files (`file:///...` or an absolute path) only under an
+optional host allow-list, and no loopback, private or other non-public address unless
+the operator allows it, checked on the address connected to, on every hop:
+`media_hosts`; environment proxies are not used, since a proxy would connect where
+the check cannot see); local files (`file:///...` or an absolute path) only under an
 allowed folder, symlinks and `..` resolved first. Anything else is refused. Decoding
 checks the pixel count on the header before the pixels are decoded (decompression
 bombs), refuses truncated files and opens only common raster formats (never EPS, which
@@ -12,6 +15,7 @@ would run Ghostscript). Every failure a client can cause is a `MediaError` (→ 
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
 import io
 import urllib.error
@@ -26,6 +30,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 from PIL import Image, ImageFile
 
 from iris_serve.tokenizer_worker.config import WorkerConfig
+from iris_serve.tokenizer_worker.media_hosts import HostPolicy, RefusedHost
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG covers MPO
 LOCAL_FILES_DISABLED = "local files are disabled, start the server with --allowed-local-media-path"
@@ -52,6 +57,7 @@ class MediaFetcher:
         *,
         allowed_local_media_path: str | Path | None = None,
         allowed_media_domains: Sequence[str] | None = None,
+        allow_private_hosts: bool = False,
         timeout_s: float = 10.0,
         max_bytes: int = 32 << 20,
     ) -> None:
@@ -63,6 +69,7 @@ class MediaFetcher:
         self.domains = (
             None if allowed_media_domains is None else {d.lower() for d in allowed_media_domains}
         )
+        self.hosts = HostPolicy(self.domains, allow_private_hosts)
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self._pool: ThreadPoolExecutor | None = None
@@ -72,14 +79,17 @@ class MediaFetcher:
         return cls(
             allowed_local_media_path=config.allowed_local_media_path,
             allowed_media_domains=config.allowed_media_domains,
+            allow_private_hosts=config.allow_private_media_hosts,
             timeout_s=config.media_timeout_s,
             max_bytes=config.max_image_bytes,
         )
 
-    def fetch_all(self, urls: Sequence[str]) -> list[bytes]:
+    def fetch_all(self, urls: Sequence[str], parts: Sequence[str] | None = None) -> list[bytes]:
         """Every URL's bytes in order; remote ones are fetched in parallel.
 
-        The first failure in prompt order is raised, prefixed with the image's number.
+        The first failure in prompt order is raised, prefixed with where its image is:
+        `parts[i]` (e.g. `messages[0].content[1]`, then also the error's `param`), else
+        the image's number.
         """
         remote = [i for i, url in enumerate(urls) if _scheme(url) in ("http", "https")]
         futures: dict[int, Future[bytes]] = {}
@@ -93,7 +103,9 @@ class MediaFetcher:
                 try:
                     results.append(futures[i].result() if i in futures else self.fetch(url))
                 except MediaError as e:
-                    raise MediaError(f"image {i + 1}: {e.message}", e.param) from None
+                    if parts is None:
+                        raise MediaError(f"image {i + 1}: {e.message}", e.param) from None
+                    raise MediaError(f"{parts[i]}: {e.message}", parts[i]) from None
             return results
         finally:
             for future in futures.values():
@@ -188,7 +200,12 @@ class MediaFetcher:
 
     def _fetch_http(self, url: str) -> bytes:
         self._check_remote(url)
-        opener = urllib.request.build_opener(_RedirectHandler(self._check_remote))
+        opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}),
+            _CheckedHTTPHandler(self.hosts),
+            _CheckedHTTPSHandler(self.hosts),
+            _RedirectHandler(self._check_remote),
+        )
         request = urllib.request.Request(url, headers={"User-Agent": "iris", "Accept": "image/*"})
         deadline = monotonic() + self.timeout_s
         try:
@@ -199,6 +216,8 @@ class MediaFetcher:
                 return self._read_capped(response, url, deadline)
         except MediaError:
             raise
+        except RefusedHost as e:
+            raise MediaError(f"refused {_short(url)}: {e}") from None
         except urllib.error.HTTPError as e:
             raise MediaError(f"fetching {_short(url)} failed: HTTP {e.code} {e.reason}") from None
         except (urllib.error.URLError, TimeoutError) as e:
@@ -230,8 +249,44 @@ class MediaFetcher:
         return MediaError(f"fetching {_short(url)} timed out after {self.timeout_s:g} s")
 
 
+class _CheckedHTTPHandler(urllib.request.HTTPHandler):
+    """http:// through connections that connect only where `hosts` allows."""
+
+    def __init__(self, hosts: HostPolicy) -> None:
+        super().__init__()
+        self._hosts = hosts
+
+    def http_open(self, req):  # type: ignore[no-untyped-def]
+        return self.do_open(
+            functools.partial(_checked, http.client.HTTPConnection, self._hosts), req
+        )
+
+
+class _CheckedHTTPSHandler(urllib.request.HTTPSHandler):
+    """https:// likewise; TLS still checks the certificate against the host's name."""
+
+    def __init__(self, hosts: HostPolicy) -> None:
+        super().__init__()
+        self._hosts = hosts
+
+    def https_open(self, req):  # type: ignore[no-untyped-def]
+        connection = functools.partial(_checked, http.client.HTTPSConnection, self._hosts)
+        return self.do_open(connection, req, context=self._context)
+
+
+def _checked(
+    cls: type[http.client.HTTPConnection], hosts: HostPolicy, *args: Any, **kwargs: Any
+) -> http.client.HTTPConnection:
+    """A connection of `cls` that connects through `hosts` (resolve, check, connect to
+    the checked address) instead of `socket.create_connection`."""
+    connection = cls(*args, **kwargs)
+    connection._create_connection = hosts.connect  # type: ignore[attr-defined]
+    return connection
+
+
 class _RedirectHandler(urllib.request.HTTPRedirectHandler):
-    """Checks every redirect target (scheme and host) before following it."""
+    """Checks every redirect target's scheme and host name before following it; its
+    address is checked when its connection is made, as every hop's is."""
 
     max_redirections = 5
 

@@ -276,7 +276,7 @@ class TokenizerWorker:
             ids = self.builder.encode(text)
             self._check_placeholders(ids, len(parts), "messages")
             self._check_uuids(parts, size)
-            encoded = self.fetcher.fetch_all(chat.image_urls)
+            encoded = self.fetcher.fetch_all(chat.image_urls, chat.image_url_parts)
         else:
             assert request.prompt is not None
             ids = self._prompt_ids(request.prompt)
@@ -371,7 +371,7 @@ class TokenizerWorker:
                 if part.embeds is not None:
                     image = self._embeds(part)
                 elif part.url is not None:
-                    image = self._image(next(data), size, settings, index)
+                    image = self._image(next(data), size, settings, part.where)
                 else:
                     continue
                 images[index] = image
@@ -393,13 +393,13 @@ class TokenizerWorker:
             raise
         return [image for image in images if image is not None]
 
-    def _image(self, data: bytes, size: ImageSize, settings: tuple, index: int) -> _Image:
+    def _image(self, data: bytes, size: ImageSize, settings: tuple, where: str) -> _Image:
         """One image's pixels in the arena, pinned once: a cached entry or a new one."""
         key = image_key(data, settings)
         cached = self.cache.lookup(key)
         hit = cached is not None
         if cached is None:
-            cached = self._process(key, data, size, index)
+            cached = self._process(key, data, size, where)
         return _Image(key, cached.pointer, cached.grid, cached.num_tokens, hit)
 
     def _embeds(self, part: ImagePart) -> _Image:
@@ -423,7 +423,7 @@ class TokenizerWorker:
             return _Image(binding.key, None, binding.grid, binding.num_tokens)
         return _Image(binding.key, cached.pointer, cached.grid, cached.num_tokens, True)
 
-    def _process(self, key: bytes, data: bytes, size: ImageSize, index: int) -> CachedImage:
+    def _process(self, key: bytes, data: bytes, size: ImageSize, where: str) -> CachedImage:
         """Decode and resize one image into the cache (a miss); the scheduler normalises
         and patchifies it on the device."""
         try:
@@ -438,7 +438,7 @@ class TokenizerWorker:
                     f"{self.arena.capacity_bytes}-byte image arena; lower max_pixels"
                 )
         except MediaError as e:
-            raise MediaError(f"image {index + 1}: {e.message}", e.param) from None
+            raise MediaError(f"{where}: {e.message}", where) from None
         pixels, grid = self.builder.resize_image(image, size)
         self.images_processed += 1
         return self.cache.store(key, pixels, grid)

@@ -23,7 +23,10 @@ _CHAT_ERRORS = [
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+        "messages[0].content[0].type",
+    ),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -63,6 +66,40 @@ def test_chat_request_errors(client, engine, fields, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert error["message"] and error["code"] == 400
     assert engine.requests == []  # refused before reaching the engine
+
+
+TEXT = {"type": "text", "text": "What is this?"}
+SUPPORTED = "the supported types are text, image_url and image_embeds"
+# (the refused part, what the error says of it)
+_PARTS_NOT_TAKEN = {
+    "video_url": ({"type": "video_url", "video_url": {"url": "https://x/v.mp4"}},
+                  "'video_url' are not supported (video is not supported yet)"),
+    "input_audio": ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                    "'input_audio' are not supported (audio input is not supported)"),
+    "file": ({"type": "file", "file": {"file_id": "f"}},
+             "'file' are not supported (file inputs are not supported)"),
+    "made up": ({"type": "hologram"}, "'hologram' are not supported;"),
+    "no type": ({"text": "hi"}, "a content part needs a type"),
+    "not an object": ("hi", "a content part must be an object"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", _PARTS_NOT_TAKEN)
+def test_a_content_part_iris_does_not_take_is_named_with_the_supported_types(client, engine, case):
+    part, says = _PARTS_NOT_TAKEN[case]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello."},
+        {"role": "user", "content": [TEXT, part]},
+    ]
+    response = chat(client, messages=messages)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    where = "messages[2].content[1]" + (".type" if isinstance(part, dict) else "")
+    assert error["param"] == where and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{where}: ") and says in error["message"]
+    assert SUPPORTED in error["message"] and "expected tags" not in error["message"]
+    assert engine.requests == []
 
 
 @pytest.mark.parametrize(

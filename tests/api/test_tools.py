@@ -166,3 +166,61 @@ def test_parallel_tool_calls_false_keeps_the_first_call(sdk):
     for choice in (whole, streamed):
         assert calls_of(choice.message) == [("get_weather", {"city": "Paris", "days": 2})]
         assert choice.finish_reason == "tool_calls"
+
+
+# --- forced calls (required, named) stream as written; a cut-off one keeps what it had --
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+REQUIRED_CUT = '[{"name": "get_weather", "parameters": {"city": "Par'
+
+
+def streamed_chunks(client, **body) -> list:
+    """The chunks of a streamed answer, as the SDK reads them."""
+    return list(client.chat.completions.create(model=MODEL, messages=USER, stream=True, **body))
+
+
+def tool_deltas(chunks) -> list:
+    return [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "text", "arguments"),
+    [("required", REQUIRED_CUT, '{"city": "Par'), (NAMED, '{"city": "Par', '{"city": "Par')],
+    ids=["required", "named"],
+)
+def test_a_forced_call_cut_off_by_max_tokens_comes_back_as_written(
+    sdk, tokenizer, tool_choice, text, arguments
+):
+    client, engine = sdk
+    engine.reset(scripted(tokenizer, text, finish_reason="length"))
+    body = {"tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": 30}
+    whole = client.chat.completions.create(model=MODEL, messages=USER, **body).choices[0]
+    assert whole.finish_reason == "length"
+    assert whole.message.content is None
+    [call] = whole.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", arguments)
+
+    chunks = streamed_chunks(client, **body)
+    deltas = tool_deltas(chunks)
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert all(d.index == 0 and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == arguments
+    assert len(deltas) > 2  # the arguments came as they were written
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_a_required_call_streams_its_name_before_its_arguments_end(sdk, tokenizer):
+    client, engine = sdk
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}]'
+    engine.reset(scripted(tokenizer, text))
+    chunks = streamed_chunks(client, tools=[WEATHER, TIME], tool_choice="required")
+    with_calls = [i for i, c in enumerate(chunks) if c.choices and c.choices[0].delta.tool_calls]
+    first = chunks[with_calls[0]].choices[0].delta.tool_calls[0]
+    assert first.function.name == "get_weather"
+    assert len(with_calls) > 2  # the name first, then the arguments in pieces
+    deltas = tool_deltas(chunks)
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {
+        "city": "Paris",
+        "days": 2,
+    }
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
