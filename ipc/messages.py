@@ -10,21 +10,17 @@ One tagged union per socket direction (tags are ints, unique across all unions):
                                                          EngineStats 42, WorkerStats 43
     ToFollower            scheduler rank 0 → rank N      RankStep 50, StopRanks 51
 
-`ToServer` has two senders on purpose: the server binds one PULL socket, the scheduler
-sends tokens and per-request errors into it, and a tokenizer worker sends the errors of
+`ToServer` has two senders: the scheduler, and a tokenizer worker for the errors of
 requests that never reached the scheduler (an unreadable image, a prompt over the limit).
 
-Wire rules: structs are `array_like` (fields go by position, so only ever *append*
-fields, with defaults), and no pixel ever travels here — an image is a `ShmPointer`
-into a worker's arena. msgspec writes every field of an `array_like` struct, defaults
-included (jcrist/msgspec#720); `omit_defaults=True` is kept for the project convention
-and makes messages smaller for free if msgspec lifts that limit.
+Structs are `array_like`: fields go by position, so only ever *append* fields, with
+defaults. msgspec writes the defaults of an `array_like` struct anyway
+(jcrist/msgspec#720); `omit_defaults=True` is the project convention. No pixel travels
+here (`docs/design.md`, "Pixels never cross ZMQ").
 
 Token ids are `bytes` of little-endian int32, not `list[int]`: msgpack spends 5 bytes on
-every id above 65,535 (a Qwen vocabulary's image pad id is one, repeated for every image
-token), and the scheduler decodes a bytes field without a per-id loop; packing costs a
-worker a little more, in parallel with the other workers. The scheduler can hash or
-index the bytes as they are, or `unpack_token_ids` them.
+an id above 65,535 (a Qwen image pad id, repeated for every image token), and the
+scheduler reads bytes without a per-id loop.
 """
 
 from __future__ import annotations
@@ -65,11 +61,10 @@ class _Message(_Struct, tag_field="kind"):
 
 
 class StructuredOutput(_Frozen, frozen=True):
-    """A constraint on a request's output, enforced token by token by the scheduler's
-    grammar matcher (`scheduler.structured_output`): each step masks the tokens that
-    would break it. `spec`: the JSON schema as JSON text (json_schema), a regular
-    expression (regex), a JSON list of the allowed strings (choice), a Lark grammar
-    (grammar); json_object needs none."""
+    """A constraint on a request's output, enforced token by token by the scheduler
+    (`scheduler.structured_output`). `spec`: the JSON schema as JSON text (json_schema),
+    a regular expression (regex), a JSON list of the allowed strings (choice), a Lark
+    grammar (grammar); json_object needs none."""
 
     kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
     spec: str = ""
@@ -174,13 +169,9 @@ class ImageReport(_Frozen, frozen=True):
 
 
 class Prompt(_Struct):
-    """The prompt descriptor a tokenizer worker hands the scheduler: expanded token ids
-    and its images, in order. The scheduler turns it into its own `Request`.
-
-    A served request carries the same fields in `EngineRequest` (token ids packed, every
-    image's pixels a `ShmPointer`); in one process (`ipc.local.PromptInput`) the pointers
-    are None and the pixels travel beside the descriptor.
-    """
+    """Expanded token ids and their images, in order, as the scheduler's `Request` is
+    built from. `EngineRequest` carries the same fields on the wire; in one process
+    (`ipc.local.PromptInput`) the pointers are None and the pixels travel beside it."""
 
     token_ids: list[int]
     images: list[ImageRef] = []
@@ -227,12 +218,9 @@ ServerToTokenizer: TypeAlias = TokenizeRequest | AbortRequest
 
 
 class EngineRequest(_Message, tag=_ENGINE_REQUEST):
-    """A prompt ready for the engine: expanded token ids and its images, in order.
-
-    Every `ImageRef.pixels` pointer is pinned once for this request; the scheduler
-    releases each (`ReleaseImages`) after the image's embedding is computed, or when the
-    request finishes or is aborted.
-    """
+    """A prompt ready for the engine. Every `ImageRef.pixels` pointer is pinned once for
+    this request, until the scheduler's `ReleaseImages` (`docs/design.md`, "Shared
+    memory has an owner and a lifetime")."""
 
     request_id: str
     token_ids: bytes  # little-endian int32, see `pack_token_ids`
@@ -407,12 +395,10 @@ class RankChunk(_Struct):
 class RankStep(_Message, tag=_RANK_STEP):
     """What every rank's forward pass reads, decided by rank 0 (tensor parallelism).
 
-    Token ids and positions are those of the step's tokens; `image_rows` are the `[start,
-    end)` rows that take image embeddings, whose values follow as one tensor broadcast
-    (`torch.distributed`) of `[sum of rows, hidden * (1 + DeepStack levels)]`: never
-    pixels. `logit_rows` are the rows whose logits are computed; `dropped` are requests
-    whose pages the followers forget. Bounded by the step's token budget and batch, not
-    by any image's size."""
+    `image_rows` are the `[start, end)` rows that take image embeddings, whose values
+    follow as one `torch.distributed` broadcast of `[sum of rows, hidden * (1 + DeepStack
+    levels)]`. `logit_rows` are the rows whose logits are computed; `dropped` are
+    requests whose pages the followers forget."""
 
     step: NonNegative
     input_ids: bytes  # little-endian int32, [N]

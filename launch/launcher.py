@@ -1,13 +1,8 @@
-"""`iris serve`: start the tokenizer workers and the scheduler, then serve HTTP.
+"""`iris serve`: start the tokenizer workers and the scheduler, then serve HTTP
+(`docs/design.md`, "Processes", the launcher).
 
-The launcher owns every process it starts. It waits until all children report ready,
-runs uvicorn in this process, and watches the children: if one dies, it logs which and
-how and exits non-zero. On SIGINT/SIGTERM or a child's death it stops every child and
-sweeps this instance's shared-memory segments and socket folder, so nothing is left.
-
-It imports each role's public surface only (`iris_serve.scheduler`,
-`iris_serve.tokenizer_worker`: the config dataclass and the `run_*` entry point). Both
-are light, and the HTTP side (fastapi, transformers' config, torch) is imported only
+It imports each role's public surface only (the config dataclass and the `run_*` entry
+point), which is light; the HTTP side (fastapi, transformers' config, torch) is imported
 once the children are started, so every process's imports run at once instead of one
 after the other (bench/results/server_startup_tiny.md).
 """

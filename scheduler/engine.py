@@ -1,17 +1,10 @@
-"""The in-process engine: add requests, step, read outputs.
+"""The in-process engine: add requests, step, read outputs (`docs/design.md`, "The
+engine's step").
 
-`step()` reads as the whole loop: collect (the encoder thread's finished images in, the
-next ones started), plan, encode, forward and sample, account. The scheduler process
-drives exactly this object from its socket loop; `iris generate`, the tests and the
-benchmarks call it directly. When encoding, the forward or sampling raises, only the
-requests concerned fail (they come out of `pop_failed`) and the engine goes on with the
-rest (see step_faults.py).
-
-The parts, each with one job: the `BatchPlanner` (queues, KV pages, preemption) plans
-within the `StepPolicy`'s caps (prefill pacing and CPU core sharing, step_policy.py);
-the `EncoderManager` decides which images to encode and holds their embeddings, and its
-`EncoderExecutor` runs the vision tower inline or in a thread (the placement); the
-`ModelRunner` runs the forward and samples. A request ends in one place, `_finish`.
+The scheduler process drives exactly this object from its socket loop; `iris generate`,
+the tests and the benchmarks call it directly. When encoding, the forward or sampling
+raises, only the requests concerned fail (they come out of `pop_failed`) and the engine
+goes on with the rest (see step_faults.py). A request ends in one place, `_finish`.
 """
 
 from __future__ import annotations
