@@ -1,20 +1,19 @@
-"""One bounded shared-memory arena per tokenizer worker, and its readers.
+"""One bounded shared-memory arena per tokenizer worker, and its readers (`docs/design.md`,
+"Shared memory has an owner and a lifetime").
 
-The segment is a plain file in /dev/shm (tmpfs) mapped with mmap, not
+The segment is a plain file in /dev/shm mapped with mmap, not
 `multiprocessing.shared_memory`: on Python < 3.13 every process that *attaches* a
-SharedMemory registers it with its resource_tracker, which unlinks it (and warns) when
-that process exits — the scheduler would delete a live worker's arena. With a file we
-own the whole lifetime: the owner unlinks at close, `sweep(prefix)` removes what a
-killed process left, and `sweep_orphans()` removes arenas of dead server instances (the
-names and their sweeping: `shm_names`).
+SharedMemory registers it with its resource_tracker, which unlinks it when that process
+exits — the scheduler would delete a live worker's arena. With a file the owner unlinks
+at close and `shm_names` sweeps what dead processes left.
 
-Layout: a first-fit free list with coalescing over the segment. Every block's data is
-aligned and preceded by a 64-byte header (magic, generation, nbytes). Each allocation
-gets a fresh generation (random start, so a restarted worker never repeats one); the
-owner validates pins and releases against it, and a reader checks the header before it
-hands out a view, so a pointer to a freed or reused entry fails instead of reading
-someone else's pixels. Keyed entries stay after their last release, in an LRU that is
-evicted only when space is needed; pinned entries are never evicted or overwritten.
+Layout: a first-fit free list with coalescing. Every block's data is aligned and
+preceded by a 64-byte header (magic, generation, nbytes). Each allocation gets a fresh
+generation (random start, so a restarted worker never repeats one); the owner checks pins
+and releases against it, and a reader checks the header before it hands out a view, so a
+pointer to a freed or reused entry fails instead of reading someone else's pixels. Keyed
+entries stay after their last release, in an LRU evicted only when space is needed;
+pinned entries are never evicted or overwritten.
 
 Not thread-safe: one arena belongs to one worker thread.
 """
