@@ -484,10 +484,5 @@ def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(token_ids, dtype=_INT32_LE).tobytes()
 
 
-def token_array(data: bytes) -> np.ndarray:
-    """Zero-copy read-only int32 array over packed token ids."""
-    return np.frombuffer(data, dtype=_INT32_LE)
-
-
 def unpack_token_ids(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype=_INT32_LE).tolist()

@@ -36,12 +36,6 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields `(name, tensor)` for every tensor of the checkpoint, on the CPU, as stored."""
-    for name, tensor in iter_checkpoint(model_dir):
-        yield name, tensor.load()
-
-
 class CheckpointTensor:
     """A tensor of an open safetensors file, not read yet: `narrow` reads only the part
     asked for (a tensor-parallel rank's shard), `load` the whole. Valid until the

@@ -58,11 +58,5 @@ def mrope_positions(
     return positions, int(positions.max()) + 1 - num_tokens
 
 
-def text_positions(start: int, count: int, rope_delta: int = 0) -> torch.Tensor:
-    """Positions `[3, count]` of tokens `start .. start+count-1` that follow the prompt's
-    images (decode steps, or a prompt's text tail): `index + rope_delta` on every axis."""
-    return _text(start + rope_delta, count)
-
-
 def _text(start: int, count: int) -> torch.Tensor:
     return torch.arange(start, start + count, dtype=torch.long).repeat(3, 1)
