@@ -1,19 +1,14 @@
-"""The scheduler process: drives the engine from its sockets.
+"""The scheduler process: drives the engine from its sockets (`docs/design.md`, "The
+engine's step" and "Life of an image").
 
     receive → admit (pixels stay in shared memory) → step → send tokens → release pins
 
-Every tokenizer worker pushes `EngineRequest`s and `AbortEngineRequest`s into one PULL
-socket; a worker forwards an abort after the request it aborts, so the two never race.
 An `EngineRequest` becomes the engine's prompt descriptor plus zero-copy views of the
-owning worker's arena, and the engine holds each image's pin (its `ShmPointer`) from then
-on (`scheduler.pixels.PixelStore`). What `Engine.pop_released_pins` hands back after every
-step or abort goes to the owning worker as `ReleaseImages`: an image's pin as soon as the
-request holds its embedding, whatever is left when the request finishes or is aborted.
-
-What goes to the server (tokens, per-request errors, stats) is queued on a `PushThread`:
-its own thread sends it in order, so a step never waits on a slow server and nothing is
-dropped while it catches up. A step that raises fails only its requests (`Engine.step`):
-each gets a 500 `RequestError`, and the loop serves the rest.
+owning worker's arena, whose pins the engine holds from then on (`PixelStore`). What
+`Engine.pop_released_pins` hands back after every step or abort goes to the owning
+worker as `ReleaseImages`. What goes to the server (tokens, per-request errors, stats)
+is queued on a `PushThread`, so a step never waits on a slow server and nothing is
+dropped. A step that raises fails only its requests, each with a 500 `RequestError`.
 """
 
 from __future__ import annotations
