@@ -1,11 +1,8 @@
 """The engine's settings: one frozen dataclass; `iris serve` derives its flags from it.
 
-A field's `metadata` names its command-line flag (vLLM's name where one exists), its
-help and, where the flag's unit differs from the field's, how to parse it; the server's
-`launch.config_flags` reads it, so the default and the help live here, once. The keys:
-`flag`, `help`, `parse` ("size": bytes with a unit; "gib": GiB as a float, to bytes),
-`min`, `min_error`, `metavar`, `group` (a help section). A bool that defaults to True
-gets a `--disable-...` flag that sets it False. Fields without `flag` have no flag.
+A field's `metadata` declares its command-line flag (vLLM's name where one exists) and
+its help, as `launch.config_flags` describes, so the default and the help live here,
+once. Fields without `flag` have no flag.
 
 torch is imported where a device or dtype is resolved, not at import: `iris serve`
 parses its flags (and `--help` answers) without loading torch.

@@ -1,14 +1,13 @@
 """The check on sampling parameters (the wire `Sampling`, run as it is) and the batched sampler.
 
 Every request in a step is sampled in one pass over a `[batch, vocab]` logits tensor, in
-vLLM's order: the grammar mask of the rows with structured output, logit bias, min_tokens suppression, repetition penalty (prompt and output
-tokens, as transformers' `RepetitionPenaltyLogitsProcessor`), frequency and presence
-penalties (output tokens, OpenAI's definition; what they read stays on the device between
-steps, `penalties.py`); then greedy rows take the argmax and the
-others go through temperature, top-k, top-p and min-p masks and an exponential-race draw
-(`argmax(p / q)` with `q ~ Exp(1)` is a sample from `p`).
-The race lets a request with a `seed` draw its noise from its own generator, so its
-tokens do not depend on which other requests share the batch.
+vLLM's order: the grammar mask of the rows with structured output, logit bias, min_tokens
+suppression, repetition penalty (prompt and output tokens, as transformers'), frequency
+and presence penalties (output tokens, OpenAI's definition; their state stays on the
+device, `penalties.py`); then greedy rows take the argmax and the others go through
+temperature, top-k, top-p and min-p masks and an exponential-race draw (`argmax(p / q)`
+with `q ~ Exp(1)` is a sample from `p`). The race lets a request with a `seed` draw its
+noise from its own generator, so its tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations

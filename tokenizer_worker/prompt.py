@@ -2,11 +2,8 @@
 
 Iris does not need transformers' `AutoProcessor` (which needs torchvision for Qwen-VL):
 it takes the tokenizer and the image processor, and expands every `<|image_pad|>`
-into as many ids as the image has tokens after the patch merger.
-
-An image's pixels, here and in the worker's arena, are the image converted and resized as
-the processor does it, in uint8 (`image_resize`); the scheduler makes the processor's
-`pixel_values` from them on the device.
+into as many ids as the image has tokens after the patch merger. An image's pixels are
+uint8, converted and resized as the processor does it (`image_resize`).
 
 `PromptBuilder.build` is the in-process path (tests, `iris generate`, benchmarks): the
 descriptor is the wire `Prompt`, and the pixels travel beside it (`ipc.local.PromptInput`).
