@@ -183,10 +183,7 @@ def _stamp_matches(path: Path, expected: dict[str, object]) -> bool:
 
 
 def reference_processor(model_dir: str | Path) -> ProcessorMixin:
-    """transformers' Qwen2(.5)-VL processor for `model_dir`, with video_processor=None.
-
-    See `tiny_checkpoint.processor.reference_processor` for why and how.
-    """
+    """transformers' processor for `model_dir`, without video (`processor.reference_processor`)."""
     from .processor import reference_processor as _reference_processor
 
     return _reference_processor(model_dir)
