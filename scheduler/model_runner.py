@@ -1,11 +1,8 @@
 """Turns a step plan and its image embeddings into one forward pass: inputs, attention,
-sampling. The embeddings come ready from the encoder manager (`Engine.step`).
-
-A step is built in two halves so that tensor-parallel ranks can share the second:
-`inputs` (rank 0: token ids, positions, attention chunks, the image rows and their
-embeddings) and `forward` (every rank: the model, then the logits of the rows that
-sample). Under tensor parallelism rank 0 sends each step's `StepInputs` to the other
-ranks (`tensor_parallel.StepBroadcaster`) between the two.
+sampling. A step is built in two halves so that tensor-parallel ranks can share the
+second: `inputs` (rank 0: token ids, positions, attention chunks, the image rows and
+their embeddings) and `forward` (every rank: the model, then the logits of the rows that
+sample); rank 0 sends each step's `StepInputs` to the other ranks between the two.
 """
 
 from __future__ import annotations
