@@ -1,12 +1,10 @@
 """Streaming safetensors shards: random tensors written one slice at a time.
 
-A real-size checkpoint (16 GB for a 7B in bf16) never exists in memory: the header of each
-shard is computed from the shapes alone, then every tensor is drawn in slices of at most
-`CHUNK_ELEMENTS` values and appended. Peak memory is one slice, whatever the model.
-
-Each tensor has its own generator, seeded from (seed, name), so a tensor's values do not
-depend on which other tensors are written (a depth-shrunk checkpoint's layer 0 is the full
-one's layer 0) nor on the shard layout.
+A real-size checkpoint never exists in memory: each shard's header is computed from the
+shapes alone, then every tensor is drawn in slices of at most `CHUNK_ELEMENTS` values and
+appended. Each tensor has its own generator, seeded from (seed, name), so its values do
+not depend on which other tensors are written (a depth-shrunk checkpoint's layer 0 is the
+full one's) nor on the shard layout.
 """
 
 from __future__ import annotations
