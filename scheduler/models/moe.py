@@ -1,18 +1,16 @@
 """Qwen3-MoE's sparse MLP: a router picks top-k of E experts per token, and only the experts
 that receive tokens run, as grouped matmuls over the tokens sorted by expert.
 
-The forward has no host sync: tokens are sorted by expert on the device, group ends come
-from a device-side count (`_count_rows`), and `torch.nn.functional.grouped_mm` runs every expert's
-rows in one call per projection (two per layer). Where grouped_mm cannot run (a device or
-dtype without it, or rows not 16-byte aligned) a loop over the experts that received tokens
-does the same arithmetic after one `.tolist()` of the counts. Either way an expert without
-tokens costs nothing, unlike transformers 4.57's eval path (all E experts for every token).
+No host sync: tokens are sorted by expert on the device, group ends come from a
+device-side count (`_count_rows`), and `torch.nn.functional.grouped_mm` runs every
+expert's rows in one call per projection. Where grouped_mm cannot run (a device or dtype
+without it, or rows not 16-byte aligned) a loop over the experts that received tokens
+does the same after one `.tolist()` of the counts. Either way an expert without tokens
+costs nothing, unlike transformers 4.57's eval path (all E experts for every token).
 
 Weights are kept in transformers 5's in-memory layout (also vLLM's `w13`/`w2`):
 `experts.gate_up_proj` `[E, 2I, H]` (gate rows, then up rows) and `experts.down_proj`
-`[E, H, I]`. `expert_weights_in_our_layout` turns every layout a checkpoint may use into
-that one: the hub's fused `[E, H, 2I]` / `[E, I, H]`, transformers 5's own saves (already
-ours) and per-expert `experts.N.{gate,up,down}_proj.weight` tensors.
+`[E, H, I]`; `expert_weights_in_our_layout` turns every checkpoint layout into it.
 """
 
 from __future__ import annotations
