@@ -104,13 +104,10 @@ class ShmHandle(_Frozen, frozen=True):
 
 
 class ShmPointer(_Frozen, frozen=True):
-    """Where a tensor lies in a tokenizer worker's shared-memory arena.
-
-    `offset` is the first data byte inside `segment`. `generation` is unique per
+    """Where a tensor lies in a tokenizer worker's shared-memory arena: `offset` is the first
+    data byte inside `segment`, `dtype` a torch dtype name. `generation` is unique per
     allocation: the owner refuses a release whose generation is not the live one, and a
-    reader refuses to view an entry that was freed or reused since (use-after-free).
-    `dtype` is a torch dtype name ("float32", "bfloat16", "uint8", ...).
-    """
+    reader refuses to view an entry that was freed or reused since (use-after-free)."""
 
     worker_id: NonNegative
     segment: str
@@ -126,15 +123,10 @@ class ShmPointer(_Frozen, frozen=True):
 
 
 class ImageRef(_Frozen, frozen=True):
-    """One image of a prompt: its key, its token span and where its pixels are.
-
-    `key` is the 128-bit xxh3 of the encoded bytes and the processor settings; the
-    image's placeholder tokens are `token_ids[offset:offset + length]`. `pixels` is None
-    when the worker has no pixels for it (an image named by its uuid alone whose pixels
-    left the processor cache): the scheduler must hold its embedding, or refuse it.
-    `embeds`: `pixels` points at the client's embeddings `[length, width]` instead
-    (an `image_embeds` part), which the scheduler puts into its embedding cache.
-    """
+    """One image of a prompt: its key, its token span `token_ids[offset:offset + length]` and
+    where its pixels are. `pixels` is None when the worker has none for it (named by its
+    uuid alone, evicted): the scheduler must hold its embedding, or refuse it. `embeds`:
+    `pixels` points at the client's embeddings `[length, width]` instead (`image_embeds`)."""
 
     key: Key128
     offset: NonNegative
@@ -181,14 +173,10 @@ class Prompt(_Struct):
 
 
 class TokenizeRequest(_Message, tag=_TOKENIZE):
-    """A validated API request, before the chat template and image processing.
-
-    Exactly one of `messages` (chat completions: the OpenAI message list as received)
-    and `prompt` (completions: text or token ids) is set. `max_pixels`/`min_pixels`
-    override the processor's defaults for this request's images; `chat_template_kwargs`
-    are extra variables for the chat template (checked by the server); `tools` are the
-    OpenAI tool definitions the template renders into the prompt.
-    """
+    """A validated API request, before the chat template and image processing: exactly one of
+    `messages` (chat completions, as received) and `prompt` (completions: text or token ids).
+    `max_pixels`/`min_pixels` override the processor's defaults for this request's images;
+    `chat_template_kwargs` (checked by the server) and `tools` go to the chat template."""
 
     request_id: str
     sampling: Sampling

@@ -162,11 +162,8 @@ class ShmArena:
     def allocate(
         self, dtype: str, shape: tuple[int, ...], *, key: bytes | None = None, meta: Any = None
     ) -> tuple[ShmPointer, torch.Tensor]:
-        """Reserve room for one tensor, pinned once; returns it and a writable view.
-
-        Write the view once, before sending the pointer. A keyed entry stays cached
-        after its last release; an anonymous one is freed then.
-        """
+        """Reserve room for one tensor, pinned once; returns it and a writable view, to write once,
+        before sending the pointer. A keyed entry stays cached after its last release."""
         if key is not None and key in self._by_key:
             raise KeyError(f"key {key.hex()} is already in arena {self.name}")
         shape = tuple(int(d) for d in shape)
@@ -189,11 +186,8 @@ class ShmArena:
     def put(
         self, key: bytes | None, array: np.ndarray | torch.Tensor, *, meta: Any = None
     ) -> ShmPointer:
-        """Copy `array` in, pinned once; a key already present is pinned and returned.
-
-        `meta` is kept with a keyed entry and handed back by `get` (e.g. the processor
-        cache's grid and token count, checked on a hit).
-        """
+        """Copy `array` in, pinned once; a key already present is pinned and returned. `meta` is
+        kept with a keyed entry and handed back by `get` (e.g. the processor cache's grid)."""
         if key is not None and (hit := self.get(key)) is not None:
             return hit.pointer
         dtype, shape, flat = _as_bytes(array)
@@ -366,13 +360,9 @@ class ShmReader:
     """The scheduler's side: attach workers' segments read-only and view tensors.
 
     `view` is zero-copy over read-only memory (writing to it kills the process with
-    SIGSEGV; `clone()` first). It is valid while the entry is pinned: copy it to the
-    device, or finish using it, before sending the `ReleaseImages` for it.
-
-    `on_map` sees every segment once, as it is mapped: on CUDA the scheduler registers
-    it as pinned host memory, so a view's copy to the device is a DMA straight from
-    shared memory, asynchronous, instead of a staged pageable copy.
-    """
+    SIGSEGV; `clone()` first), valid while the entry is pinned: copy it, or finish using it,
+    before sending the `ReleaseImages` for it. `on_map` sees every segment once, as it is
+    mapped (on CUDA the scheduler registers it as pinned host memory, `pinned_host.py`)."""
 
     def __init__(self, shm_dir: Path = SHM_DIR, on_map: MappingHook | None = None) -> None:
         self.shm_dir = shm_dir

@@ -251,11 +251,9 @@ class EngineConfig:
         return CPU_ITL_STRETCH if device.type == "cpu" else 0.0
 
     def resolved_mm_encoder_placement(self, device: torch.device) -> Literal["inline", "thread"]:
-        """`mm_encoder_placement`, by default a thread on a CPU and inline on CUDA. On a CPU
-        a large image takes seconds in the tower, and inline it stalls every stream that
-        long; on CUDA the thread traded request throughput and TTFT for TPOT
-        (bench/results/encoder_thread_h100.md), so inline is CUDA's default. Without
-        chunked encoding every image is encoded in its request's first chunk: inline."""
+        """`mm_encoder_placement`; `auto`: a thread on a CPU, where inline a large image stalls
+        every stream for seconds, and inline on CUDA (bench/results/encoder_thread_h100.md).
+        Without chunked encoding every image is encoded in its request's first chunk: inline."""
         if not self.chunked_mm_encoding:
             return "inline"
         if self.mm_encoder_placement != "auto":

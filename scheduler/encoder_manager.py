@@ -345,11 +345,8 @@ def _batches(jobs: list[_Job], budget: int) -> Iterator[list[_Job]]:
 
 
 def request_scoped_keys(keys: list[bytes]) -> list[bytes]:
-    """Per-request granularity: image i's key becomes xxh3_128(all keys in order ‖ i).
-
-    Combines the 16-byte keys (never the pixels), so adding an image to a conversation
-    changes every image's key: the baseline that per-image keys improve on.
-    """
+    """Per-request granularity: image i's key becomes xxh3_128(all keys in order ‖ i), so
+    adding an image to a conversation changes every image's key (the baseline)."""
     prefix = xxhash.xxh3_128()
     prefix.update(len(keys).to_bytes(8, "little"))
     for key in keys:

@@ -59,12 +59,9 @@ class IncrementalDetokenizer:
 
 
 class TextStream:
-    """One completion's text: incremental detokenization plus exact stop strings.
-
-    Feed each engine output to `update`; it returns the text that may be sent now.
-    After a stop string is found `stopped` is True and the text is final: the caller
-    ends the response with finish_reason "stop" and aborts the request in the engine.
-    """
+    """One completion's text: feed each engine output to `update`; it returns the text that may
+    be sent now. Once a stop string is found `stopped` is True and the text is final: the
+    caller ends the response with finish_reason "stop" and aborts the request in the engine."""
 
     def __init__(
         self,

@@ -57,11 +57,9 @@ def generate_checkpoint(
 ) -> Path:
     """Write a random-weight checkpoint of `arch` (one of `ARCHS`) into `out_dir`.
 
-    Same arguments give byte-identical files (for a given torch/transformers/tokenizers
-    version). Weights are drawn in float32 under `torch.manual_seed(seed)` and then cast to
-    `dtype`, so the bf16/fp16 checkpoints are roundings of the fp32 one. `max_shard_size`
-    (e.g. "200KB") writes shards plus model.safetensors.index.json, as hub repos do.
-    """
+    Same arguments give byte-identical files (for given library versions). Weights are drawn
+    in float32 under `torch.manual_seed(seed)`, then cast to `dtype`. `max_shard_size`
+    (e.g. "200KB") writes shards plus model.safetensors.index.json, as hub repos do."""
     import torch
     from transformers import GenerationConfig
 
@@ -141,11 +139,9 @@ def builtin_checkpoint(
     """Path of the seed-0 fp32 checkpoint of `arch`/`size`, generated on first use;
     `progress` hears where and how long when it is generated (nothing when it is cached).
 
-    Generation goes to a temporary folder next to the target and is renamed into place, so a
-    crash never leaves a half-written checkpoint and concurrent callers (e.g. pytest-xdist
-    workers) each end up with a complete one. A cache written by an older generator version
-    is replaced.
-    """
+    Generation goes to a temporary folder renamed into place, so a crash never leaves a
+    half-written checkpoint and concurrent callers (pytest-xdist workers) each end up with a
+    complete one. A cache written by an older generator version is replaced."""
     root = cache_root()
     target = root / f"{arch}-{size}-seed0"
     expected = {"arch": arch, "size": size, "seed": 0, "dtype": "float32"}

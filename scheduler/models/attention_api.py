@@ -1,7 +1,8 @@
 """The one seam between the model code and whoever owns the KV cache.
 
 The language model computes q/k/v and rotary itself and hands them to an
-`AttentionContext`; what "history" means is the context's business. The scheduler's paged implementations are the backends in `scheduler/attention/`.
+`AttentionContext`; what "history" means is the context's business. The scheduler's
+paged implementations are the backends in `scheduler/attention/`.
 """
 
 from __future__ import annotations
