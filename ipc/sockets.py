@@ -133,10 +133,8 @@ class PullSocket(_Endpoint[T]):
         super().__init__(socket, codec, address, bind, linger, hwm)
 
     def recv(self, timeout: float) -> T | None:
-        """The next message, or None if none arrives within `timeout` seconds (0: poll).
-
-        Raises `MessageError` for bytes that are not a message of this socket's union.
-        """
+        """The next message, or None if none arrives within `timeout` seconds (0: poll); raises
+        `MessageError` for bytes that are not a message of this socket's union."""
         if not self.socket.poll(_ms(timeout), zmq.POLLIN):
             return None
         return self.codec.decode(self.socket.recv(zmq.NOBLOCK))

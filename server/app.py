@@ -175,11 +175,9 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
 
 
 class BearerAuth:
-    """401 on /v1/* unless `Authorization: Bearer <api_key>`; other paths stay open.
-
-    A plain ASGI middleware (not `BaseHTTPMiddleware`), so streaming responses and
-    disconnect detection pass through untouched, and it answers before the body is read.
-    """
+    """401 on /v1/* unless `Authorization: Bearer <api_key>`; other paths stay open. A plain
+    ASGI middleware (not `BaseHTTPMiddleware`), so streaming responses and disconnect
+    detection pass through untouched, and it answers before the body is read."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

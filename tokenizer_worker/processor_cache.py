@@ -75,10 +75,8 @@ class ProcessorCache:
         return CachedImage(hit.pointer, grid, num_tokens)
 
     def store(self, key: bytes, pixels: np.ndarray | torch.Tensor, grid: Grid) -> CachedImage:
-        """Copy a resized image in, pinned once; kept under `key` when enabled.
-
-        Raises `ipc.shm_arena.ArenaFull` when pinned entries leave no room.
-        """
+        """Copy a resized image in, pinned once; kept under `key` when enabled. Raises
+        `ipc.shm_arena.ArenaFull` when pinned entries leave no room."""
         num_tokens = self._num_tokens(grid)
         pointer = self.arena.put(key if self.enabled else None, pixels, meta=(grid, num_tokens))
         return CachedImage(pointer, grid, num_tokens)

@@ -445,9 +445,7 @@ class TokenizerWorker:
 
 
 def drop_aborted(messages: list[ServerToTokenizer]) -> list[ServerToTokenizer]:
-    """Skip the TokenizeRequests that an AbortRequest later in the same batch cancels.
-
-    The AbortRequests stay: they are forwarded whether or not the request was.
-    """
+    """Skip the TokenizeRequests that an AbortRequest later in the same batch cancels (the
+    AbortRequests stay: they are forwarded whether or not the request was)."""
     aborted = {m.request_id for m in messages if isinstance(m, AbortRequest)}
     return [m for m in messages if isinstance(m, AbortRequest) or m.request_id not in aborted]

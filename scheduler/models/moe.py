@@ -39,10 +39,8 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts stored as two 3-D tensors (no `.weight` suffix, as checkpoints).
-
-    Under tensor parallelism (`tp`) every rank holds every expert, each with this rank's
-    share of the expert width; the caller sums the ranks' outputs."""
+    """E SwiGLU experts stored as two 3-D tensors (no `.weight` suffix, as checkpoints). Under
+    tensor parallelism every rank holds every expert, with its share of the expert width."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPShard = SINGLE
@@ -146,12 +144,9 @@ def expert_weights_in_our_layout(
     intermediate_size: int,
 ) -> Iterator[tuple[str, Weight]]:
     """Passes every tensor through, with expert tensors turned into `[E, 2I, H]` / `[E, H, I]`.
-
-    Fused tensors are oriented by shape against H and I; when H == 2I (or H == I) both
-    layouts have one shape, and this raises rather than guess. Per-expert tensors are held
-    until all E experts of a layer's projection have arrived, then stacked; a layer still
-    missing experts at the end raises, naming them.
-    """
+    Fused tensors are oriented by shape against H and I (when H == 2I or H == I both layouts
+    have one shape: this raises rather than guess). Per-expert tensors are stacked once all
+    E of a layer's projection have arrived; a layer still missing experts at the end raises."""
     h, i = hidden_size, intermediate_size
     ours = {"gate_up_proj": (num_experts, 2 * i, h), "down_proj": (num_experts, h, i)}
     hub = {"gate_up_proj": (num_experts, h, 2 * i), "down_proj": (num_experts, i, h)}
