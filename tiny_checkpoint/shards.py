@@ -63,10 +63,8 @@ def write_sharded(
     progress: Callable[[str], None] | None = None,
     device: str = "cpu",
 ) -> Path:
-    """Writes `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`.
-
-    `device` draws the random values there ("cuda" is many times faster than a CPU core);
-    each device's generator gives different values for the same seed."""
+    """Writes `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`. `device`
+    draws the random values there; each device's generator gives other values for one seed."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = plan_shards(specs, itemsize, max_shard_bytes)
     weight_map: dict[str, str] = {}

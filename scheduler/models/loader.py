@@ -86,12 +86,10 @@ def load_named_weights(
 
     `rename` maps a checkpoint name to the module's name (None = skip the tensor).
     `packed` maps a checkpoint module name (`q_proj`) to a fused module of ours and the
-    shard it fills (`("qkv_proj", 0)`); a fused `nn.Linear` carries `shard_sizes`.
-    A tensor-parallel shard's module carries `tp_splits` (`tensor_parallel.TPSplit`): the
-    part of each checkpoint tensor this rank keeps. A `CheckpointTensor` is read only as
-    far as it is kept: its shard, or nothing for a skipped name.
-    Raises naming every missing, unexpected or mis-shaped weight.
-    """
+    shard it fills (`("qkv_proj", 0)`); a fused `nn.Linear` carries `shard_sizes`. A
+    tensor-parallel shard's module carries `tp_splits` (`tensor_parallel.TPSplit`), and a
+    `CheckpointTensor` is read only as far as it is kept. Raises naming every missing,
+    unexpected or mis-shaped weight."""
     params = dict(module.named_parameters())
     modules = dict(module.named_modules())
     needed: set[tuple[str, int]] = set()

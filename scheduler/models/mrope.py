@@ -24,11 +24,9 @@ def mrope_positions(
     image_grids: Sequence[tuple[int, int, int]],
     spatial_merge_size: int,
 ) -> tuple[torch.Tensor, int]:
-    """Positions `[3, num_tokens]` (int64) and the rope delta of a whole prompt.
-
-    `image_spans` are `(offset, length)` of each image's `<|image_pad|>` run in the token
-    ids, `image_grids` the matching `(t, h, w)` in patches before merging.
-    """
+    """Positions `[3, num_tokens]` (int64) and the rope delta of a whole prompt. `image_spans`
+    are `(offset, length)` of each image's `<|image_pad|>` run in the token ids,
+    `image_grids` the matching `(t, h, w)` in patches before merging."""
     if len(image_spans) != len(image_grids):
         raise ValueError(f"{len(image_spans)} image spans but {len(image_grids)} grids")
     m = spatial_merge_size

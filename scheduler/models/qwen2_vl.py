@@ -83,11 +83,8 @@ class Qwen2VLForCausalLM(nn.Module):
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Image embeddings `[sum_i t*h*w / merge**2, H * (1 + L)]`, images in the order given
-        (L = `deepstack_levels`: 0 but for Qwen3-VL).
-
-        `pixel_values` `[sum_patches, C*T*P*P]` exactly as the HF image processor emits them
-        (several images concatenated); `grid_thw` `[num_images, 3]`.
-        """
+        (L = `deepstack_levels`: 0 but for Qwen3-VL), from `pixel_values` `[sum_patches,
+        C*T*P*P]` exactly as the HF image processor emits them and `grid_thw` `[num_images, 3]`."""
         expected = int(grid_thw.prod(-1).sum())
         if pixel_values.shape != (expected, self.config.vision.patch_dim):
             raise ValueError(
