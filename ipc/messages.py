@@ -148,12 +148,10 @@ ImageCache = Literal["none", "processor", "embedding", "prefix"]
 
 
 class ImageReport(_Frozen, frozen=True):
-    """What the client is told about one image of its prompt (`usage.image_cache`).
-
-    `cache` is the deepest cache that served it: "prefix" (its KV pages were cached),
-    "embedding" (the vision tower's output was), "processor" (its pixels were: no decode
-    or resize) or "none". The worker fills in `part` (where in the messages), `uuid` and
-    "processor"; the scheduler the two deeper levels."""
+    """What the client is told about one image of its prompt (`usage.image_cache`): the
+    deepest cache that served it, "prefix" (its KV pages), "embedding" (the vision tower's
+    output), "processor" (its pixels: no decode or resize) or "none". The worker fills in
+    `part` (where in the messages), `uuid` and "processor"; the scheduler the deeper levels."""
 
     part: str
     uuid: str | None = None

@@ -175,12 +175,11 @@ def _kv_budget_bytes(
 def cuda_kv_budget(
     total: int, free: int, own: int, utilization: float, embedding_cache: int, activations: int
 ) -> int:
-    """This process's KV cache bytes on a GPU, with the model loaded (`own`: what torch
-    holds for it so far): its share, `utilization` × `total`, less what it holds, less
-    what it allocates later (the embedding cache at its bound, the profiled
-    `activations`, a headroom), and never more than is `free`. Memory of other processes
-    on the GPU is theirs, not counted against the share, so two servers at 0.45 each
-    share one GPU (as two vLLM instances do); it only bounds what is free."""
+    """This process's KV cache bytes on a GPU, with the model loaded (`own`: what torch holds
+    for it so far): `utilization` × `total`, less what it holds and will allocate (the
+    embedding cache at its bound, the profiled `activations`, a headroom), and never more
+    than is `free`. Other processes' memory is not counted against the share, so two servers
+    at 0.45 each share one GPU, as two vLLM instances do."""
     later = embedding_cache + activations + HEADROOM_BYTES
     budget = min(int(total * utilization) - own, free) - later
     if budget <= 0:

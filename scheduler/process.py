@@ -160,12 +160,10 @@ class SchedulerLoop:
             )
 
     def _send_stats(self) -> None:
-        """Gauges for /metrics: sent when they change, at most every 0.2 s while busy,
-        and always once the engine is idle (so a test sees the settled values).
-
-        Encoder timings are buffered until a message actually goes out, so none is lost
-        to the rate limit; they are left out of the change check, and so is device memory
-        (read only for a message that goes out: it changes at every step)."""
+        """Gauges for /metrics: sent when they change, at most every 0.2 s while busy, and always
+        once the engine is idle (so a test sees the settled values). Encoder timings wait for a
+        message that goes out, so none is lost to the rate limit; they are left out of the
+        change check, and so is device memory (it changes at every step)."""
         engine = self.engine
         self._encoder_seconds.extend(engine.drain_encoder_seconds())
         stats = EngineStats(**dataclasses.asdict(engine.stats()), replica=self.replica)

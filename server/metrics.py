@@ -235,14 +235,11 @@ class MetricsBoard:
         received: Sequence[tuple[float, int]],
     ) -> None:
         """A request ended with `finish_reason` now: its token counts, its arrival, and
-        `(when, how many tokens)` of each of its outputs that carried tokens (times are
-        `time.perf_counter()`).
+        `(when, how many tokens)` of each of its outputs that carried tokens (`perf_counter`).
 
-        Inter-token latencies: one per token after the first, as vLLM observes one per
-        engine step (Iris's engine samples one token per step). The engine client merges
-        outputs that queued up while the server was busy, so an output of k tokens
-        splits its gap from the previous output into k equal latencies (the sum stays
-        exact); tokens that came with the first token count 0."""
+        One inter-token latency per token after the first, as vLLM observes one per engine step.
+        An output of k tokens (merged while the server was busy) splits its gap from the previous
+        output into k equal latencies; tokens that came with the first token count 0."""
         series = self.observed
         series.success.labels(self.model_name, finish_reason).inc()
         series.e2e.observe(time.perf_counter() - arrival)

@@ -162,13 +162,10 @@ class TritonStep:
 class StaticTritonDecode(StaticDecode):
     """Decode metadata in fixed device buffers: `seq_lens` and `slot_mapping` `[max_seqs]`,
     a full-width block table `[max_seqs, max_pages]` (its row stride is baked into every
-    captured kernel), `cu_seqlens_q` = 0, 1, 2, ... and its own split-K scratch.
-
-    `fill` writes a step's rows into one pinned host buffer — seq lens, slots, then the
-    block table cut to the step's widest sequence — sends it in one non-blocking copy
-    and scatters it into the fixed buffers on the device. Host work is O(pages of the
-    step's sequences), as `TritonStep.of`'s. Padding rows get seq len 1 (key 0 of page
-    0), slot -1 (no KV write) and page 0."""
+    captured kernel), `cu_seqlens_q` = 0, 1, 2, ... and its own split-K scratch. `fill`
+    writes a step's rows (the block table cut to its widest sequence) into one pinned host
+    buffer, sends it in one non-blocking copy and scatters it into the fixed buffers. Padding
+    rows get seq len 1 (key 0 of page 0), slot -1 (no KV write) and page 0."""
 
     def __init__(self, backend: TritonBackend, max_seqs: int, max_pages: int) -> None:
         device = backend.device
