@@ -158,10 +158,9 @@ def image_urls(messages: list[dict[str, Any]]) -> list[str]:
 
 
 def affinity_hash(url: str) -> int:
-    """A 64-bit hash of an image URL that costs microseconds on the event loop: a long
-    URL (a data: URL of megabytes) is hashed on its first and last
-    `AFFINITY_EDGE_CHARS` characters and its length. Two images that differ only in the
-    middle share a table entry; that costs a cache miss at worst, never correctness."""
+    """A 64-bit hash of an image URL that costs microseconds on the event loop: a long URL
+    (data:) is hashed on its first and last `AFFINITY_EDGE_CHARS` characters and its length.
+    Two images that differ only in the middle share an entry: a cache miss at worst."""
     hasher = xxhash.xxh3_64()
     if len(url) <= 2 * AFFINITY_EDGE_CHARS:
         hasher.update(url.encode("utf-8", "surrogatepass"))

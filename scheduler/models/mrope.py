@@ -1,14 +1,11 @@
 """M-RoPE positions for a prompt, from image spans instead of a scan of the token ids.
 
 Text tokens advance all three axes together. An image's `t*h'*w'` tokens (h', w' after
-merging) sit on a grid whose temporal, row and column positions start at the position
-the next text token would have had; the text after the image resumes at that start plus
-`max(h', w')`. A prompt with images therefore ends at a position lower than its length,
-and every later token `i` sits at `i + rope_delta` on all three axes.
-
-Equal to transformers' `Qwen2VLModel.get_rope_index` (and Qwen2.5-VL's and Qwen3-VL's, for
-images). Qwen3-VL differs only in which rotary frequency follows which axis (interleaved,
-`layers.mrope_cos_sin`), not in the positions.
+merging) sit on a grid whose temporal, row and column positions start where the next
+text token would have; the text after it resumes at that start plus `max(h', w')`. A
+prompt with images therefore ends below its length, and every later token `i` sits at
+`i + rope_delta` on all three axes. Equal to transformers' `get_rope_index` of Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL (which differs only in its frequency layout, `layers.mrope_cos_sin`).
 """
 
 from __future__ import annotations

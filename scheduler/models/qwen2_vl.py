@@ -1,8 +1,7 @@
-"""Qwen2-VL: vision tower + Qwen2 decoder + LM head, the API the scheduler drives.
-
-The scheduler embeds tokens, encodes the images a prefill chunk needs, splices the
-image embeddings into the `<|image_pad|>` rows itself, and runs `forward` on a flat
-batch of tokens from several sequences with an `AttentionContext` for the step.
+"""Qwen2-VL: vision tower + Qwen2 decoder + LM head, the API the scheduler drives: it embeds
+tokens, encodes the images a prefill chunk needs, splices the image embeddings into the
+`<|image_pad|>` rows itself, and runs `forward` on a flat batch of tokens from several
+sequences with an `AttentionContext` for the step.
 
 Weights load by name from either layout a checkpoint may use:
 - hub: `model.embed_tokens.*`, `model.layers.N.*`, `model.norm.*`, `visual.*`, `lm_head.*`
