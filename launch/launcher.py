@@ -109,10 +109,9 @@ def shared_memory_needed(args: ServeArgs) -> int:
 
 
 def docker_shm_size(needed: int) -> str:
-    """The `docker run --shm-size` to give for `needed` bytes of arenas: whole GiB, plus
-    one for the rest of /dev/shm's users (multiprocessing's semaphores, NCCL's buffers
-    between tensor-parallel ranks). The Dockerfile and the README state it for the
-    defaults (tests/test_dockerfile.py holds them to it)."""
+    """The `docker run --shm-size` for `needed` bytes of arenas: whole GiB, plus one for
+    /dev/shm's other users (multiprocessing's semaphores, NCCL's buffers between ranks);
+    the Dockerfile and the README state it for the defaults (tests/test_dockerfile.py)."""
     return f"{-(-needed // 2**30) + 1}g"
 
 
@@ -260,10 +259,8 @@ class ReadyChannel:
 
 
 def scheduler_threads(args: ServeArgs) -> int:
-    """`--scheduler-threads`, or every core this process may run on. The scheduler's
-    torch is where a real model spends its time, so it gets every core rather than
-    leaving one to the server and the workers, which are mostly idle while it computes
-    (bench/results/scheduler_threads_*.md)."""
+    """`--scheduler-threads`, or every core this process may run on: the server and the
+    workers are mostly idle while the scheduler computes (bench/results/scheduler_threads_*.md)."""
     if args.scheduler_threads:
         return args.scheduler_threads
     return usable_cores()

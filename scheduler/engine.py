@@ -350,10 +350,9 @@ class Engine:
         return outputs
 
     def _collect_images(self) -> None:
-        """Takes the encoder thread's finished calls (failing the requests of one that
-        raised) and starts the next: running requests' images first, then the waiting
-        ones', each from its first token not computed (or, waiting, not cached). Under
-        the inline placement there is nothing to take or start."""
+        """Takes the encoder thread's finished calls (failing the requests of one that raised)
+        and starts the next: running requests' images first, then the waiting ones', each from
+        its first token not computed (or, waiting, not cached). Inline: nothing to do."""
         manager = self.encoder_manager
         failed: dict[str, tuple[Request, Exception]] = {}
         for request, error in manager.collect():

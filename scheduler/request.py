@@ -19,11 +19,9 @@ from iris_serve.scheduler.structured_output import GrammarMatcher
 
 
 class RequestResources:
-    """An owner of per-request state in the scheduler. The engine lists every owner once
-    (`Engine._owners`) and calls `release` when a request ends, however it ends (finished,
-    aborted, failed), and `preempt` when the planner preempts it (it is recomputed later
-    from its tokens). A new kind of per-request state is a new owner in that list, not a
-    new release site."""
+    """An owner of per-request state in the scheduler, listed once in `Engine._owners`:
+    `release` when a request ends, however it ends, and `preempt` when the planner preempts
+    it (it is recomputed later from its tokens)."""
 
     def preempt(self, request: Request) -> None:
         """The request was preempted: let go of what its recompute does not need kept

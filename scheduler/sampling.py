@@ -23,11 +23,9 @@ from iris_serve.scheduler.structured_output import GrammarMatcher, apply_bitmask
 
 
 def check_sampling(params: Sampling) -> None:
-    """Raises ValueError for parameters the sampler cannot honour.
-
-    The wire type carries no validation of its own: the server validates the API request,
-    and `max_tokens=0` there means "as many as the context allows" until the scheduler
-    fills it in at admission; this is the check the engine applies to what it runs."""
+    """Raises ValueError for parameters the sampler cannot honour: the check the engine applies
+    to what it runs (the wire type has none; `max_tokens=0` from the server means "as many as
+    the context allows" until the scheduler fills it in at admission)."""
     if params.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
     if params.temperature < 0:
