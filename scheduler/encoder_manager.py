@@ -117,10 +117,9 @@ class EncoderManager(RequestResources):
         return found is Lookup.HIT
 
     def hold_given(self, request: Request, index: int, embedding: torch.Tensor) -> None:
-        """Takes a client's embedding of an image (`image_embeds`; on the device, in the
-        model's dtype, its own storage) into the cache, pinned for the request's lifetime,
-        unless the same is cached already. Raises ValueError (nothing pinned for it) if
-        the key's entry has another token count."""
+        """Takes a client's embedding of an image (`image_embeds`; on the device, in the model's
+        dtype, its own storage) into the cache unless cached already, pinned for the request's
+        lifetime. ValueError (nothing pinned) if the key's entry has another token count."""
         key = self.cache_key(request, index)
         if self._lookup(request, index, key) is Lookup.UNCACHEABLE:  # a key collision
             raise ValueError(f"image {index + 1}: its embedding cache entry has another size")

@@ -55,10 +55,9 @@ class EncoderThread:
         all_threads: int,
         keep_alive: bool | None = None,
     ) -> None:
-        """`call(pixels, grids)`: the embeddings of the images (the patch maker and the
-        vision tower); on a CPU, `num_threads`: torch's intra-op threads for it while the
-        steps run, `all_threads` while they do not. `keep_alive`: one thread until
-        `close()`, not one per busy spell (None: on CUDA only; see the module's docstring)."""
+        """`call(pixels, grids)`: the images' embeddings (patch maker and vision tower); on a CPU,
+        `num_threads` torch threads for it while the steps run, `all_threads` while they do not.
+        `keep_alive`: one thread until `close()` (None: on CUDA only, see the module's docstring)."""
         if num_threads < 1:
             raise ValueError(f"the encoder needs at least one thread, got {num_threads}")
         self._call = call

@@ -100,9 +100,8 @@ async def serve_http(
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's graceful shutdown (stop accepting, let open requests finish), plus: at
-    `timeout` seconds, whatever still runs is aborted in the engine, so every stream ends
-    with a finish reason and `[DONE]` rather than being cut. The first line of a shutdown
-    is Iris's, saying what it waits for."""
+    `timeout` seconds what still runs is aborted in the engine, so every stream ends with a
+    finish reason and `[DONE]` rather than being cut."""
 
     def __init__(self, config: Any, serving: Any, timeout: float) -> None:
         super().__init__(config)
