@@ -14,9 +14,8 @@ DATE_FORMAT = "%m-%d %H:%M:%S"
 
 
 def configure_logging(level: str, process_name: str | None = None) -> None:
-    """Sets this process's root logger to Iris's format at `level` (a name such as
-    "info"); `process_name` renames the process in the lines (the main process's
-    default, `MainProcess`, says nothing)."""
+    """Sets this process's root logger to Iris's format at `level` (a name such as "info");
+    `process_name` renames the process in the lines (the default `MainProcess` says nothing)."""
     if process_name is not None:
         multiprocessing.current_process().name = process_name
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, datefmt=DATE_FORMAT, force=True)

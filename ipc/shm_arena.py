@@ -59,9 +59,7 @@ class ArenaError(RuntimeError):
 
 class ArenaFull(ArenaError):
     """No room even after evicting every unpinned entry: wait for pins to be released.
-
-    `nbytes` is the size of the tensor that found no room.
-    """
+    `nbytes` is the size of the tensor that found no room."""
 
     def __init__(self, message: str, nbytes: int) -> None:
         super().__init__(message)

@@ -42,9 +42,8 @@ class CoreSharing:
         self._no_hold_until = 0.0
 
     def step_threads(self, encoding: bool) -> int:
-        """The torch threads the next step runs with (0 on CUDA), `encoding`: whether a
-        vision-tower call is in flight on the encoder thread. Also the step pacer's key:
-        a step's costs depend on it."""
+        """The torch threads the next step runs with (0 on CUDA) while a vision-tower call is in
+        flight (`encoding`) or not; also the step pacer's key, as a step's costs depend on it."""
         if self.encoder is None or not encoding or self.encoder.parked:
             return self.cpu_threads
         return max(1, self.cpu_threads - self.encoder.num_threads)
@@ -63,15 +62,13 @@ class CoreSharing:
 
     @property
     def awaiting_park(self) -> bool:
-        """A hold is asked and the encoder thread has not parked yet: a step's decodes
-        go on alone, its prefill waits for the cores (a step without decodes takes a
-        paced chunk, see `lone_prefill_paced`)."""
+        """A hold is asked and the encoder thread has not parked yet: a step's decodes go on
+        alone, its prefill waits for the cores (or is paced, `lone_prefill_paced`)."""
         return self.encoder is not None and self.encoder.held and not self.encoder.parked
 
     def lone_prefill_paced(self, encoding: bool, now: float | None = None) -> bool:
-        """Whether a step without decodes takes a paced chunk instead of all the prefill
-        it can: the tower runs alongside it, and a hold could soon give the steps every
-        core."""
+        """Whether a step without decodes takes a paced chunk instead of all the prefill it can:
+        the tower runs alongside it, and a hold could soon give the steps every core."""
         if not self.hold_for_prefill or not encoding:
             return False
         assert self.encoder is not None

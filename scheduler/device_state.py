@@ -40,10 +40,9 @@ class DeviceState:
 
     @classmethod
     def build(cls, config: EngineConfig, tp: TPShard = SINGLE, replica: int = 0) -> DeviceState:
-        """Loads this rank's shard and sizes its KV cache; under tensor parallelism every
-        rank takes the smallest page count any rank can hold (a collective), so that page
-        ids mean the same on all of them. `replica`: the data-parallel replica the rank
-        belongs to (it picks the GPU). On CUDA the decode graphs are captured last, on
+        """Loads this rank's shard and sizes its KV cache; under tensor parallelism every rank
+        takes the smallest page count any rank can hold (a collective), so page ids mean the
+        same on all. `replica` picks the GPU. On CUDA the decode graphs are captured last, on
         every rank in the same order (their collectives are recorded too)."""
         device = rank_device(config.resolved_device(), replica * tp.size + tp.rank)
         dtype = config.resolved_dtype(device)
@@ -125,9 +124,8 @@ def _kv_sizing(device: torch.device) -> str:
 
 
 def rank_device(device: torch.device, index: int) -> torch.device:
-    """The `index`-th scheduler process of a server (replica * tensor-parallel size + rank)
-    on CUDA uses the `index`-th GPU after the one configured (`cuda` is `cuda:0`); on the
-    CPU all share it."""
+    """On CUDA, the `index`-th scheduler process of a server (replica * tensor-parallel size +
+    rank) uses the `index`-th GPU after the one configured; on the CPU all share it."""
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + index)

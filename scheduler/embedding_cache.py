@@ -135,9 +135,8 @@ class EmbeddingCache:
         self._evict()
 
     def release(self, request_id: str) -> None:
-        """Unpins every entry of a finished or aborted request; safe to call twice.
-
-        Entries nobody uses any more join the LRU in the order the request took them."""
+        """Unpins every entry of a finished or aborted request (safe twice); entries nobody uses
+        any more join the LRU in the order the request took them."""
         for key in self._keys_of.pop(request_id, ()):
             entry = self._entries[key]
             entry.users.discard(request_id)

@@ -57,7 +57,7 @@ class EncoderThread:
     ) -> None:
         """`call(pixels, grids)`: the images' embeddings (patch maker and vision tower); on a CPU,
         `num_threads` torch threads for it while the steps run, `all_threads` while they do not.
-        `keep_alive`: one thread until `close()` (None: on CUDA only, see the module's docstring)."""
+        `keep_alive`: one thread until `close()` (None: on CUDA only; see the module docstring)."""
         if num_threads < 1:
             raise ValueError(f"the encoder needs at least one thread, got {num_threads}")
         self._call = call

@@ -75,12 +75,10 @@ class ModelRunner(RequestResources):
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, images: list[ChunkImages]) -> Sampled:
-        """Runs the step, splicing in each chunk's `images` (parallel to `plan.chunks`);
-        returns one sampled token per chunk that completes its sequence.
-
-        Under tensor parallelism a failure after the other ranks were sent the step
-        leaves them inside collectives that rank 0 will never finish: it is raised as
-        `RanksOutOfStep`, which stops the scheduler instead of failing the step alone."""
+        """Runs the step, splicing in each chunk's `images` (parallel to `plan.chunks`); returns
+        one sampled token per chunk that completes its sequence. Under tensor parallelism a
+        failure after the other ranks were sent the step leaves them inside collectives rank 0
+        will never finish: it is raised as `RanksOutOfStep`, which stops the scheduler."""
         inputs = self.inputs(plan, images)
         if self.followers is None:
             logits = self.forward(inputs)

@@ -241,10 +241,9 @@ class Sampler:
 def token_logprobs(
     logits: torch.Tensor, wanted: Sequence[int | None]
 ) -> Callable[[torch.Tensor], list[TokenLogprob | None]] | None:
-    """Log-softmax of the rows whose request wants logprobs (`wanted[i]`: how many top
-    tokens, None: none), taken now, before sampling changes `logits`; returns the function
-    that, given the sampled tokens, reads each row's token and top-N in one host transfer
-    (None when no row wants any)."""
+    """Log-softmax of the rows whose request wants logprobs (`wanted[i]`: how many top tokens,
+    None: none), taken before sampling changes `logits`; returns the function that reads
+    each row's sampled token and top-N in one host transfer (None when no row wants any)."""
     rows = [i for i, n in enumerate(wanted) if n is not None]
     if not rows:
         return None

@@ -50,9 +50,8 @@ class ChatError(ValueError):
 @dataclass(frozen=True)
 class ImagePart:
     """One image part: its URL, the client's id, and where it is (`messages[i].content[j]`,
-    the `param` of an error about it). An `image_embeds` part has `embeds` (its
-    embeddings and grid, unchecked) instead of a URL; a part with neither is named by
-    its uuid alone."""
+    the `param` of an error about it). An `image_embeds` part has `embeds` (unchecked)
+    instead of a URL; a part with neither is named by its uuid alone."""
 
     url: str | None
     uuid: str | None
