@@ -160,7 +160,7 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 class SingleSequenceAttention:
-    """No cache: full causal attention over the tokens given, for tests and whole-prompt runs.
+    """No cache: full causal attention over the tokens given, for the model tests.
 
     By default all N tokens are one sequence. `seq_lens` splits the flat batch into
     several independent sequences (each causal over itself only).
