@@ -2,7 +2,8 @@
 step to step: per penalised request, the tokens it has seen and how often it has
 generated each. Rebuilding it every step from the token lists would cost host work, a
 copy and a dozen `[rows, vocab]` passes, comparable to a decode step at agent-length
-contexts; and Qwen2-VL's generation config asks every request for a penalty.
+contexts; and a checkpoint whose generation config sets a penalty (Qwen2-VL's,
+Qwen2.5-VL's) gives one to every request.
 
 Each running request that asks for a penalty holds one row, written once from its token
 lists and then extended on the device by each sampled token:

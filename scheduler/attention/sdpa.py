@@ -10,8 +10,8 @@ view that SDPA reads as it is (`free_pages.py` keeps runs few). Per sequence and
   shifted by the cached tokens; on the CPU, a chunk of at least `SPLIT_MIN_NEW_TOKENS`
   attends causally over its own new k/v and, unmasked, over each run of its history,
   merged by log-sum-exps: a mask makes the CPU kernel compute every block of the
-  rectangle, while the causal part skips those above the diagonal
-  (bench/results/chunk_attention_small.md).
+  rectangle, while the causal part skips those above the diagonal; below the bound the
+  mask is as fast or faster (bench/results/chunk_attention_small.md).
 
 A context over several runs (a shared prefix, a fragmented pool): a decode attends to
 each run on its own and merges the results by their log-sum-exps (CPU; elsewhere the

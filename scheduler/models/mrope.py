@@ -4,8 +4,9 @@ Text tokens advance all three axes together. An image's `t*h'*w'` tokens (h', w'
 merging) sit on a grid whose temporal, row and column positions start where the next
 text token would have; the text after it resumes at that start plus `max(h', w')`. A
 prompt with images therefore ends below its length, and every later token `i` sits at
-`i + rope_delta` on all three axes. Equal to transformers' `get_rope_index` of Qwen2-VL,
-Qwen2.5-VL and Qwen3-VL (which differs only in its frequency layout, `layers.mrope_cos_sin`).
+`i + rope_delta` on all three axes. Equal, for images, to transformers' `get_rope_index`
+of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (which differs only in its frequency layout,
+`layers.mrope_cos_sin`).
 """
 
 from __future__ import annotations
