@@ -395,9 +395,8 @@ class Engine:
     def _finish(
         self, request: Request, reason: FinishReason, error: Exception | None = None
     ) -> None:
-        """Ends a request, however it ends: every owner lets go of what it holds for it
-        (its pins wait in `pop_released_pins`); with an `error`, its client is told
-        through `pop_failed`."""
+        """Ends a request, however it ends: every owner lets go of what it holds for it (its pins
+        wait in `pop_released_pins`); with an `error`, its client is told through `pop_failed`."""
         request.finish_reason = reason
         for owner in self._owners:
             owner.release(request)

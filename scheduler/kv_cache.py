@@ -102,9 +102,8 @@ class PagePool:
         return page in self._content
 
     def allocate(self, count: int, after: int | None = None) -> list[int]:
-        """`count` pages, each with one reference: free pages first (those right after
-        page `after` when they are free, so a sequence grows in place), then LRU
-        evictions."""
+        """`count` pages, each with one reference: free pages first (those right after page
+        `after` when free, so a sequence grows in place), then LRU evictions."""
         if count > self.num_free:
             raise OutOfPages(f"asked for {count} pages, {self.num_free} free")
         pages = self._free.take(count, after)

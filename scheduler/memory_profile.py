@@ -65,9 +65,8 @@ def profile_activations(
 
 
 def largest_encoder_call(config: EngineConfig) -> int:
-    """Image tokens of the largest vision-tower call: the encoder budget, or one image
-    at the processor's largest size when that is more (an image over the budget is
-    encoded alone)."""
+    """Image tokens of the largest vision-tower call: the encoder budget, or one image at the
+    processor's largest size when that is more (an image over the budget goes alone)."""
     return max(config.max_num_encoder_tokens, _largest_image_tokens(Path(config.model)))
 
 

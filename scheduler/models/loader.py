@@ -169,9 +169,8 @@ def _names(names: list[str], limit: int = 20) -> str:
 
 
 class _Progress:
-    """Logs how far loading is, at most every `PROGRESS_SECONDS` (a 7B checkpoint takes
-    tens of seconds; a silent start-up looks hung), then once at the end if it took that
-    long."""
+    """Logs how far loading is, at most every `PROGRESS_SECONDS` (a silent start-up looks
+    hung), then once at the end if it took that long."""
 
     def __init__(self, total_bytes: int) -> None:
         self.total, self.loaded = total_bytes, 0

@@ -29,9 +29,8 @@ from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard, TPSplit
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[N, E]` logits -> (weights `[N, k]` in the logits' dtype, expert ids `[N, k]`).
-
-    As transformers: softmax in fp32, top-k, renormalised to sum 1, cast back."""
+    """`[N, E]` logits -> (weights `[N, k]` in the logits' dtype, expert ids `[N, k]`), as
+    transformers: softmax in fp32, top-k, renormalised to sum 1, cast back."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
