@@ -1,10 +1,6 @@
-"""A prompt handed from the tokenizer side to the engine inside one process.
-
-`iris generate`, the tests and the benchmarks' compute bound run the worker's
-`PromptBuilder` and the scheduler's `Engine` in one process. The descriptor is the same
-`Prompt` a served request carries; the pixels, which a served request leaves in the
-worker's shared-memory arena, travel beside it. Never sent: pixels do not go into a
-message (docs/design.md, "Pixels never cross ZMQ"), so this is a plain dataclass, not a wire struct.
+"""A prompt handed from the tokenizer side to the engine inside one process (`iris
+generate`, the tests, the benchmarks' compute bound): the same `Prompt` a served request
+carries, with the pixels beside it. Never sent, so a plain dataclass, not a wire struct.
 """
 
 from __future__ import annotations
@@ -19,14 +15,11 @@ from iris_serve.ipc.messages import ImageRef, Prompt
 
 @dataclass(frozen=True)
 class PromptInput:
-    """A prompt descriptor and each image's pixels, in the order of its images: the image
-    converted and resized as the checkpoint's processor does it, uint8 [H, W, 3] (the
-    engine makes the processor's `pixel_values` from them on its device).
+    """A prompt descriptor and each image's resized uint8 pixels `[H, W, 3]`, in order.
 
     The scheduler process builds one too, from an `EngineRequest` and views of the
     worker's arena; the engine takes nothing else. An image's pixels are None when it
-    came without them (named by its uuid, its pixels evicted): the engine serves it from
-    its embedding cache, or refuses the request."""
+    came without them: the engine serves it from its embedding cache, or refuses it."""
 
     prompt: Prompt
     pixels: tuple[torch.Tensor | None, ...] = field(default_factory=tuple)

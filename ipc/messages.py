@@ -10,21 +10,17 @@ One tagged union per socket direction (tags are ints, unique across all unions):
                                                          EngineStats 42, WorkerStats 43
     ToFollower            scheduler rank 0 → rank N      RankStep 50, StopRanks 51
 
-`ToServer` has two senders on purpose: the server binds one PULL socket, the scheduler
-sends tokens and per-request errors into it, and a tokenizer worker sends the errors of
+`ToServer` has two senders: the scheduler, and a tokenizer worker for the errors of
 requests that never reached the scheduler (an unreadable image, a prompt over the limit).
 
-Wire rules: structs are `array_like` (fields go by position, so only ever *append*
-fields, with defaults), and no pixel ever travels here — an image is a `ShmPointer`
-into a worker's arena. msgspec writes every field of an `array_like` struct, defaults
-included (jcrist/msgspec#720); `omit_defaults=True` is kept for the project convention
-and makes messages smaller for free if msgspec lifts that limit.
+Structs are `array_like`: fields go by position, so only ever *append* fields, with
+defaults. msgspec writes the defaults of an `array_like` struct anyway
+(jcrist/msgspec#720); `omit_defaults=True` is the project convention. No pixel travels
+here (`docs/design.md`, "Pixels never cross ZMQ").
 
 Token ids are `bytes` of little-endian int32, not `list[int]`: msgpack spends 5 bytes on
-every id above 65,535 (a Qwen vocabulary's image pad id is one, repeated for every image
-token), and the scheduler decodes a bytes field without a per-id loop; packing costs a
-worker a little more, in parallel with the other workers. The scheduler can hash or
-index the bytes as they are, or `unpack_token_ids` them.
+an id above 65,535 (a Qwen image pad id, repeated for every image token), and the
+scheduler reads bytes without a per-id loop.
 """
 
 from __future__ import annotations
@@ -65,11 +61,10 @@ class _Message(_Struct, tag_field="kind"):
 
 
 class StructuredOutput(_Frozen, frozen=True):
-    """A constraint on a request's output, enforced token by token by the scheduler's
-    grammar matcher (`scheduler.structured_output`): each step masks the tokens that
-    would break it. `spec`: the JSON schema as JSON text (json_schema), a regular
-    expression (regex), a JSON list of the allowed strings (choice), a Lark grammar
-    (grammar); json_object needs none."""
+    """A constraint on a request's output, enforced token by token by the scheduler
+    (`scheduler.structured_output`). `spec`: the JSON schema as JSON text (json_schema),
+    a regular expression (regex), a JSON list of the allowed strings (choice), a Lark
+    grammar (grammar); json_object needs none."""
 
     kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
     spec: str = ""
@@ -109,13 +104,10 @@ class ShmHandle(_Frozen, frozen=True):
 
 
 class ShmPointer(_Frozen, frozen=True):
-    """Where a tensor lies in a tokenizer worker's shared-memory arena.
-
-    `offset` is the first data byte inside `segment`. `generation` is unique per
+    """Where a tensor lies in a tokenizer worker's shared-memory arena: `offset` is the first
+    data byte inside `segment`, `dtype` a torch dtype name. `generation` is unique per
     allocation: the owner refuses a release whose generation is not the live one, and a
-    reader refuses to view an entry that was freed or reused since (use-after-free).
-    `dtype` is a torch dtype name ("float32", "bfloat16", "uint8", ...).
-    """
+    reader refuses to view an entry that was freed or reused since (use-after-free)."""
 
     worker_id: NonNegative
     segment: str
@@ -131,15 +123,10 @@ class ShmPointer(_Frozen, frozen=True):
 
 
 class ImageRef(_Frozen, frozen=True):
-    """One image of a prompt: its key, its token span and where its pixels are.
-
-    `key` is the 128-bit xxh3 of the encoded bytes and the processor settings; the
-    image's placeholder tokens are `token_ids[offset:offset + length]`. `pixels` is None
-    when the worker has no pixels for it (an image named by its uuid alone whose pixels
-    left the processor cache): the scheduler must hold its embedding, or refuse it.
-    `embeds`: `pixels` points at the client's embeddings `[length, width]` instead
-    (an `image_embeds` part), which the scheduler puts into its embedding cache.
-    """
+    """One image of a prompt: its key, its token span `token_ids[offset:offset + length]` and
+    where its pixels are. `pixels` is None when the worker has none for it (named by its
+    uuid alone, evicted): the scheduler must hold its embedding, or refuse it. `embeds`:
+    `pixels` points at the client's embeddings `[length, width]` instead (`image_embeds`)."""
 
     key: Key128
     offset: NonNegative
@@ -161,12 +148,10 @@ ImageCache = Literal["none", "processor", "embedding", "prefix"]
 
 
 class ImageReport(_Frozen, frozen=True):
-    """What the client is told about one image of its prompt (`usage.image_cache`).
-
-    `cache` is the deepest cache that served it: "prefix" (its KV pages were cached),
-    "embedding" (the vision tower's output was), "processor" (its pixels were: no decode
-    or resize) or "none". The worker fills in `part` (where in the messages), `uuid` and
-    "processor"; the scheduler the two deeper levels."""
+    """What the client is told about one image of its prompt (`usage.image_cache`): the
+    deepest cache that served it, "prefix" (its KV pages), "embedding" (the vision tower's
+    output), "processor" (its pixels: no decode or resize) or "none". The worker fills in
+    `part` (where in the messages), `uuid` and "processor"; the scheduler the deeper levels."""
 
     part: str
     uuid: str | None = None
@@ -174,13 +159,9 @@ class ImageReport(_Frozen, frozen=True):
 
 
 class Prompt(_Struct):
-    """The prompt descriptor a tokenizer worker hands the scheduler: expanded token ids
-    and its images, in order. The scheduler turns it into its own `Request`.
-
-    A served request carries the same fields in `EngineRequest` (token ids packed, every
-    image's pixels a `ShmPointer`); in one process (`ipc.local.PromptInput`) the pointers
-    are None and the pixels travel beside the descriptor.
-    """
+    """Expanded token ids and their images, in order, as the scheduler's `Request` is
+    built from. `EngineRequest` carries the same fields on the wire; in one process
+    (`ipc.local.PromptInput`) the pointers are None and the pixels travel beside it."""
 
     token_ids: list[int]
     images: list[ImageRef] = []
@@ -190,14 +171,10 @@ class Prompt(_Struct):
 
 
 class TokenizeRequest(_Message, tag=_TOKENIZE):
-    """A validated API request, before the chat template and image processing.
-
-    Exactly one of `messages` (chat completions: the OpenAI message list as received)
-    and `prompt` (completions: text or token ids) is set. `max_pixels`/`min_pixels`
-    override the processor's defaults for this request's images; `chat_template_kwargs`
-    are extra variables for the chat template (checked by the server); `tools` are the
-    OpenAI tool definitions the template renders into the prompt.
-    """
+    """A validated API request, before the chat template and image processing: exactly one of
+    `messages` (chat completions, as received) and `prompt` (completions: text or token ids).
+    `max_pixels`/`min_pixels` override the processor's defaults for this request's images;
+    `chat_template_kwargs` (checked by the server) and `tools` go to the chat template."""
 
     request_id: str
     sampling: Sampling
@@ -227,12 +204,9 @@ ServerToTokenizer: TypeAlias = TokenizeRequest | AbortRequest
 
 
 class EngineRequest(_Message, tag=_ENGINE_REQUEST):
-    """A prompt ready for the engine: expanded token ids and its images, in order.
-
-    Every `ImageRef.pixels` pointer is pinned once for this request; the scheduler
-    releases each (`ReleaseImages`) after the image's embedding is computed, or when the
-    request finishes or is aborted.
-    """
+    """A prompt ready for the engine. Every `ImageRef.pixels` pointer is pinned once for
+    this request, until the scheduler's `ReleaseImages` (`docs/design.md`, "Shared
+    memory has an owner and a lifetime")."""
 
     request_id: str
     token_ids: bytes  # little-endian int32, see `pack_token_ids`
@@ -407,12 +381,10 @@ class RankChunk(_Struct):
 class RankStep(_Message, tag=_RANK_STEP):
     """What every rank's forward pass reads, decided by rank 0 (tensor parallelism).
 
-    Token ids and positions are those of the step's tokens; `image_rows` are the `[start,
-    end)` rows that take image embeddings, whose values follow as one tensor broadcast
-    (`torch.distributed`) of `[sum of rows, hidden * (1 + DeepStack levels)]`: never
-    pixels. `logit_rows` are the rows whose logits are computed; `dropped` are requests
-    whose pages the followers forget. Bounded by the step's token budget and batch, not
-    by any image's size."""
+    `image_rows` are the `[start, end)` rows that take image embeddings, whose values
+    follow as one `torch.distributed` broadcast of `[sum of rows, hidden * (1 + DeepStack
+    levels)]`. `logit_rows` are the rows whose logits are computed; `dropped` are
+    requests whose pages the followers forget."""
 
     step: NonNegative
     input_ids: bytes  # little-endian int32, [N]
@@ -496,11 +468,6 @@ _INT32_LE = np.dtype("<i4")
 def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian int32 bytes (the `EngineRequest.token_ids` form)."""
     return np.asarray(token_ids, dtype=_INT32_LE).tobytes()
-
-
-def token_array(data: bytes) -> np.ndarray:
-    """Zero-copy read-only int32 array over packed token ids."""
-    return np.frombuffer(data, dtype=_INT32_LE)
 
 
 def unpack_token_ids(data: bytes) -> list[int]:

@@ -1,15 +1,12 @@
 """A PUSH socket owned by its own thread: `send` queues and returns at once.
 
 The scheduler's step loop must neither wait on a slow server nor drop what it produced
-(a lost `TokenBatch` is a request that never ends). So, as vLLM's engine core does with
-its output thread, the loop only encodes and enqueues; one sender thread takes the queue
-in order and sends each message with blocking sends, retried for as long as it takes.
-
-ZMQ sockets are not thread-safe: the thread creates, uses and closes the socket, and
-nothing else touches it. `close()` queues a stop after everything already queued, so
-what was sent before still goes out; if the peer takes nothing for `close_timeout`
-seconds the rest is dropped (logged) and the thread ends, so exit never hangs on a peer
-that is gone.
+(a lost `TokenBatch` is a request that never ends). So, as vLLM's engine core does, the
+loop only encodes and enqueues; one sender thread sends the queue in order, with
+blocking sends retried for as long as it takes. ZMQ sockets are not thread-safe: the
+thread creates, uses and closes the socket. `close()` queues a stop after everything
+already queued; if the peer takes nothing for `close_timeout` seconds the rest is
+dropped (logged), so exit never hangs on a peer that is gone.
 """
 
 from __future__ import annotations

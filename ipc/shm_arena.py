@@ -1,20 +1,19 @@
-"""One bounded shared-memory arena per tokenizer worker, and its readers.
+"""One bounded shared-memory arena per tokenizer worker, and its readers (`docs/design.md`,
+"Shared memory has an owner and a lifetime").
 
-The segment is a plain file in /dev/shm (tmpfs) mapped with mmap, not
+The segment is a plain file in /dev/shm mapped with mmap, not
 `multiprocessing.shared_memory`: on Python < 3.13 every process that *attaches* a
-SharedMemory registers it with its resource_tracker, which unlinks it (and warns) when
-that process exits — the scheduler would delete a live worker's arena. With a file we
-own the whole lifetime: the owner unlinks at close, `sweep(prefix)` removes what a
-killed process left, and `sweep_orphans()` removes arenas of dead server instances (the
-names and their sweeping: `shm_names`).
+SharedMemory registers it with its resource_tracker, which unlinks it when that process
+exits — the scheduler would delete a live worker's arena. With a file the owner unlinks
+at close and `shm_names` sweeps what dead processes left.
 
-Layout: a first-fit free list with coalescing over the segment. Every block's data is
-aligned and preceded by a 64-byte header (magic, generation, nbytes). Each allocation
-gets a fresh generation (random start, so a restarted worker never repeats one); the
-owner validates pins and releases against it, and a reader checks the header before it
-hands out a view, so a pointer to a freed or reused entry fails instead of reading
-someone else's pixels. Keyed entries stay after their last release, in an LRU that is
-evicted only when space is needed; pinned entries are never evicted or overwritten.
+Layout: a first-fit free list with coalescing. Every block's data is aligned and
+preceded by a 64-byte header (magic, generation, nbytes). Each allocation gets a fresh
+generation (random start, so a restarted worker never repeats one); the owner checks pins
+and releases against it, and a reader checks the header before it hands out a view, so a
+pointer to a freed or reused entry fails instead of reading someone else's pixels. Keyed
+entries stay after their last release, in an LRU evicted only when space is needed;
+pinned entries are never evicted or overwritten.
 
 Not thread-safe: one arena belongs to one worker thread.
 """
@@ -60,9 +59,7 @@ class ArenaError(RuntimeError):
 
 class ArenaFull(ArenaError):
     """No room even after evicting every unpinned entry: wait for pins to be released.
-
-    `nbytes` is the size of the tensor that found no room.
-    """
+    `nbytes` is the size of the tensor that found no room."""
 
     def __init__(self, message: str, nbytes: int) -> None:
         super().__init__(message)
@@ -163,11 +160,8 @@ class ShmArena:
     def allocate(
         self, dtype: str, shape: tuple[int, ...], *, key: bytes | None = None, meta: Any = None
     ) -> tuple[ShmPointer, torch.Tensor]:
-        """Reserve room for one tensor, pinned once; returns it and a writable view.
-
-        Write the view once, before sending the pointer. A keyed entry stays cached
-        after its last release; an anonymous one is freed then.
-        """
+        """Reserve room for one tensor, pinned once; returns it and a writable view, to write once,
+        before sending the pointer. A keyed entry stays cached after its last release."""
         if key is not None and key in self._by_key:
             raise KeyError(f"key {key.hex()} is already in arena {self.name}")
         shape = tuple(int(d) for d in shape)
@@ -190,11 +184,8 @@ class ShmArena:
     def put(
         self, key: bytes | None, array: np.ndarray | torch.Tensor, *, meta: Any = None
     ) -> ShmPointer:
-        """Copy `array` in, pinned once; a key already present is pinned and returned.
-
-        `meta` is kept with a keyed entry and handed back by `get` (e.g. the processor
-        cache's grid and token count, checked on a hit).
-        """
+        """Copy `array` in, pinned once; a key already present is pinned and returned. `meta` is
+        kept with a keyed entry and handed back by `get` (e.g. the processor cache's grid)."""
         if key is not None and (hit := self.get(key)) is not None:
             return hit.pointer
         dtype, shape, flat = _as_bytes(array)
@@ -367,13 +358,9 @@ class ShmReader:
     """The scheduler's side: attach workers' segments read-only and view tensors.
 
     `view` is zero-copy over read-only memory (writing to it kills the process with
-    SIGSEGV; `clone()` first). It is valid while the entry is pinned: copy it to the
-    device, or finish using it, before sending the `ReleaseImages` for it.
-
-    `on_map` sees every segment once, as it is mapped: on CUDA the scheduler registers
-    it as pinned host memory, so a view's copy to the device is a DMA straight from
-    shared memory, asynchronous, instead of a staged pageable copy.
-    """
+    SIGSEGV; `clone()` first), valid while the entry is pinned: copy it, or finish using it,
+    before sending the `ReleaseImages` for it. `on_map` sees every segment once, as it is
+    mapped (on CUDA the scheduler registers it as pinned host memory, `pinned_host.py`)."""
 
     def __init__(self, shm_dir: Path = SHM_DIR, on_map: MappingHook | None = None) -> None:
         self.shm_dir = shm_dir

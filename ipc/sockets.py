@@ -1,12 +1,12 @@
-"""Typed ZMQ PUSH/PULL sockets over `ipc://` paths in a private run folder.
+"""Typed ZMQ PUSH/PULL sockets over `ipc://` paths in a private run folder
+(`docs/design.md`, "Processes" and "No loop waits without a bound").
 
-Each socket carries one message union (`ipc.messages.Codec`). Every wait is bounded:
-`recv(timeout)` returns None when nothing came, `send` raises `TimeoutError` when no
-peer takes the message in time, and `close()` lingers at most `linger` seconds.
-The sync classes serve the worker and scheduler loops; the `Async*` ones the server's
-asyncio event loop. By default every PULL binds and every PUSH connects: a receiver
-owns its address, and any number of senders fan in. A process that reads several sockets registers their `.socket`
-with a `zmq.Poller` (or `zmq.asyncio.Poller`) and calls `recv(0)` on the ready ones.
+Each socket carries one message union (`ipc.messages.Codec`). `recv(timeout)` returns
+None when nothing came, `send` raises `TimeoutError` when no peer takes the message in
+time, and `close()` lingers at most `linger` seconds. The sync classes serve the worker
+and scheduler loops; the `Async*` ones the server's event loop. A process that reads
+several sockets registers their `.socket` with a `zmq.Poller` (or `zmq.asyncio.Poller`)
+and calls `recv(0)` on the ready ones.
 """
 
 from __future__ import annotations
@@ -133,10 +133,8 @@ class PullSocket(_Endpoint[T]):
         super().__init__(socket, codec, address, bind, linger, hwm)
 
     def recv(self, timeout: float) -> T | None:
-        """The next message, or None if none arrives within `timeout` seconds (0: poll).
-
-        Raises `MessageError` for bytes that are not a message of this socket's union.
-        """
+        """The next message, or None if none arrives within `timeout` seconds (0: poll); raises
+        `MessageError` for bytes that are not a message of this socket's union."""
         if not self.socket.poll(_ms(timeout), zmq.POLLIN):
             return None
         return self.codec.decode(self.socket.recv(zmq.NOBLOCK))

@@ -1,13 +1,11 @@
-"""The composition root: `iris` and its subcommands, the launcher of `iris serve`, and the
-flags derived from the roles' config dataclasses.
+"""The composition root (`docs/design.md`, "Packages and seams"): `iris` and its
+subcommands, the launcher of `iris serve`, and the flags derived from the roles' config
+dataclasses.
 
-The one package that may import every role, and only through each role's public surface
-(the names in its `__init__`'s `__all__`); no role imports it. Its own public surface,
-for the benchmarks: `main` (the `iris` command), `ServeArgs` and `parse_serve_args`
-(`iris serve`'s flags), `engine_config` and `worker_config` (the roles' settings those
-flags give), `usable_cores` (the CPUs the scheduler's threads are sized from).
-
-The names resolve on first use (PEP 562), so importing the package loads nothing.
+Its own public surface, for the benchmarks, resolved on first use: `main` (the `iris`
+command), `ServeArgs` and `parse_serve_args` (`iris serve`'s flags), `engine_config` and
+`worker_config` (the roles' settings those flags give), `usable_cores` (the CPUs the
+scheduler's threads are sized from).
 """
 
 from __future__ import annotations

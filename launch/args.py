@@ -1,10 +1,9 @@
 """`iris serve` flags. Names follow vLLM's where one exists.
 
 Every flag comes from a config dataclass field (`launch.config_flags`): the launcher's
-own in `ServeArgs`, the scheduler's in `EngineConfig`, the tokenizer workers' in
-`WorkerConfig`. Defaults and help are stated once, on the field; `ServeArgs.engine` and
-`ServeArgs.worker` hold only the fields whose flags were given, and the launcher builds
-the role configs from them, so everything else keeps the dataclass's default.
+own in `ServeArgs`, the scheduler's in `EngineConfig`, the workers' in `WorkerConfig`.
+`ServeArgs.engine` and `ServeArgs.worker` hold only the fields whose flags were given,
+so everything else keeps the dataclass's default.
 """
 
 from __future__ import annotations

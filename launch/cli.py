@@ -1,10 +1,6 @@
-"""`iris` command line: one subcommand per entry point, imported lazily.
-
-Lazy imports keep `iris --help` instant and let each subcommand pull in only what it
-needs (the generator needs transformers' model classes, `generate` needs the engine).
-
-Like the launcher and `generate`, it belongs to the composition root (`launch/`), the one
-package that may import every role, through their public surfaces only.
+"""`iris` command line: one subcommand per entry point, imported lazily, so `iris --help`
+is instant and each subcommand pulls in only what it needs (the generator transformers'
+model classes, `generate` the engine).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """`iris generate`: one prompt through the in-process engine, for a quick look.
 
-No server and no worker process: the tokenizer worker's `PromptBuilder` (chat template,
-image processor, one placeholder expanded per image) builds the prompt and the
-scheduler's `Engine` runs it, each through its role's public surface. Composing two
-roles in one process is the composition root's job, which is why this command lives here
-and not in either role.
+No server and no worker process: the worker's `PromptBuilder` builds the prompt and the
+scheduler's `Engine` runs it, each through its role's public surface. Composing two roles
+in one process is the composition root's job, hence this command lives here.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""`iris serve`: start the tokenizer workers and the scheduler, then serve HTTP.
+"""`iris serve`: start the tokenizer workers and the scheduler, then serve HTTP
+(`docs/design.md`, "Processes", the launcher).
 
-The launcher owns every process it starts. It waits until all children report ready,
-runs uvicorn in this process, and watches the children: if one dies, it logs which and
-how and exits non-zero. On SIGINT/SIGTERM or a child's death it stops every child and
-sweeps this instance's shared-memory segments and socket folder, so nothing is left.
-
-It imports each role's public surface only (`iris_serve.scheduler`,
-`iris_serve.tokenizer_worker`: the config dataclass and the `run_*` entry point). Both
-are light, and the HTTP side (fastapi, transformers' config, torch) is imported only
+It imports each role's public surface only (the config dataclass and the `run_*` entry
+point), which is light; the HTTP side (fastapi, transformers' config, torch) is imported
 once the children are started, so every process's imports run at once instead of one
 after the other (bench/results/server_startup_tiny.md).
 """
@@ -114,10 +109,9 @@ def shared_memory_needed(args: ServeArgs) -> int:
 
 
 def docker_shm_size(needed: int) -> str:
-    """The `docker run --shm-size` to give for `needed` bytes of arenas: whole GiB, plus
-    one for the rest of /dev/shm's users (multiprocessing's semaphores, NCCL's buffers
-    between tensor-parallel ranks). The Dockerfile and the README state it for the
-    defaults (tests/test_dockerfile.py holds them to it)."""
+    """The `docker run --shm-size` for `needed` bytes of arenas: whole GiB, plus one for
+    /dev/shm's other users (multiprocessing's semaphores, NCCL's buffers between ranks);
+    the Dockerfile and the README state it for the defaults (tests/test_dockerfile.py)."""
     return f"{-(-needed // 2**30) + 1}g"
 
 
@@ -265,10 +259,8 @@ class ReadyChannel:
 
 
 def scheduler_threads(args: ServeArgs) -> int:
-    """`--scheduler-threads`, or every core this process may run on. The scheduler's
-    torch is where a real model spends its time, so it gets every core rather than
-    leaving one to the server and the workers, which are mostly idle while it computes
-    (bench/results/scheduler_threads_*.md)."""
+    """`--scheduler-threads`, or every core this process may run on: the server and the
+    workers are mostly idle while the scheduler computes (bench/results/scheduler_threads_*.md)."""
     if args.scheduler_threads:
         return args.scheduler_threads
     return usable_cores()

@@ -1,7 +1,7 @@
 """The scheduler role: owns the device (model code, KV pages, caches, batching, sampling).
 
-Its public surface, the only names the composition root (`launch/`) and the benchmarks
-may import from it (`tests/test_import_boundaries.py` holds that):
+Its public surface (`docs/design.md`, "Packages and seams"), resolved on first use, so
+the server reads `EngineConfig` without importing torch or the model code:
 
 - `EngineConfig`: the engine's settings; `iris serve` derives its flags from the fields;
 - `SchedulerProcessConfig`, `run_scheduler`: the scheduler process, started by the
@@ -10,9 +10,6 @@ may import from it (`tests/test_import_boundaries.py` holds that):
   without the server: `bench.compute_bound`, `bench.gpu_roofline`, `bench.tensor_parallel`);
 - `StepBroadcaster`, `join_group`: a tensor-parallel first rank's side, which
   `bench.tensor_parallel` composes in process as `run_scheduler` does.
-
-The names resolve on first use (PEP 562), so importing the package loads nothing: the
-server process reads `EngineConfig` without importing torch or the model code.
 """
 
 from __future__ import annotations

@@ -1,36 +1,22 @@
-"""Continuous batching: which tokens of which requests run in the next step.
+"""Continuous batching: which tokens of which requests run in the next step
+(`docs/design.md`, "The engine's step", plan).
 
 Every request is "tokens computed so far" against "tokens it has" (prompt plus outputs);
-a step gives each scheduled request a chunk of the difference. A decode is a chunk of
-one token, a prefill chunk is up to the remaining step budget, so decodes and prefill
-chunks share a step and long prompts are split (chunked prefill).
+a step gives each scheduled request a chunk of the difference: one token for a decode,
+up to the remaining budget for a prefill. A preempted request is recomputed later from
+its prompt and the tokens it produced, so nothing it returned changes. A request being
+admitted (first time or after preemption) starts from its longest cached prefix.
 
-Running requests go first, oldest first; waiting requests join while budget, sequence
-slots and pages last. When a running request needs a page and none is free, the newest
-running request is preempted: its pages go back to the pool and it is recomputed later
-from its prompt and the tokens it already produced, so nothing it returned changes.
+The prefill a step carries is capped by a `PrefillPolicy`, asked once per step (`caps`)
+and told what was planned (`planned`): the engine's is `StepPolicy` (step_policy.py), a
+`PrefillCaps` fixed caps (`UNCAPPED`: none). A chunk runs only as far as `ready_until`
+allows (the encoder manager's, `thread` placement): a request whose next tokens are an
+image still encoding sits the step out, holding what it has; one waiting to be admitted
+lets those behind it in.
 
-With a prefix cache, a request being admitted (first time or after preemption) starts
-from the longest chain of cached full pages over its tokens, shared by reference; the
-pages a request fills are registered as it computes them and when it leaves.
-
-The prefill a step carries is capped by the planner's `PrefillPolicy`, asked once per
-step (`caps`) and told what was planned (`planned`). The engine's is `StepPolicy`
-(step_policy.py): with decodes in the step, a cap from measured step times, so a long
-prompt joining stretches the running streams' next token by a bounded factor instead of
-by its whole prefill (stall-free batching, as in Sarathi-Serve); without, a cap only
-while the steps wait for the cores the vision encoder holds. A `PrefillCaps` is the
-policy of fixed caps (`UNCAPPED`: none).
-
-A prefill chunk runs only as far as the request's image embeddings are ready
-(`ready_until`, from the encoder manager under the `thread` placement): a request whose
-next tokens belong to an image still being encoded sits the step out, holding what it
-has, and the others go on; one waiting to be admitted lets those behind it in.
-
-A request's pages and progress are its `PageTable`; the planner changes them (and the
-prefix cache its registration) through the table's methods. Progress advances here, as
-a chunk is planned, not when the step's results are accounted: admission and preemption
-set it here too, so all of it happens in one place (see page_table.py).
+Progress advances here, as a chunk is planned, not when the step's results are
+accounted, so that admission, preemption and planning change a request's `PageTable` in
+one place (see page_table.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The engine's settings: one frozen dataclass; `iris serve` derives its flags from it.
 
-A field's `metadata` names its command-line flag (vLLM's name where one exists), its
-help and, where the flag's unit differs from the field's, how to parse it; the server's
-`launch.config_flags` reads it, so the default and the help live here, once. The keys:
-`flag`, `help`, `parse` ("size": bytes with a unit; "gib": GiB as a float, to bytes),
-`min`, `min_error`, `metavar`, `group` (a help section). A bool that defaults to True
-gets a `--disable-...` flag that sets it False. Fields without `flag` have no flag.
+A field's `metadata` declares its command-line flag (vLLM's name where one exists) and
+its help, as `launch.config_flags` describes, so the default and the help live here,
+once. Fields without `flag` have no flag.
 
 torch is imported where a device or dtype is resolved, not at import: `iris serve`
 parses its flags (and `--help` answers) without loading torch.
@@ -254,11 +251,9 @@ class EngineConfig:
         return CPU_ITL_STRETCH if device.type == "cpu" else 0.0
 
     def resolved_mm_encoder_placement(self, device: torch.device) -> Literal["inline", "thread"]:
-        """`mm_encoder_placement`, by default a thread on a CPU and inline on CUDA. On a CPU
-        a large image takes seconds in the tower, and inline it stalls every stream that
-        long; on CUDA the thread traded request throughput and TTFT for TPOT
-        (bench/results/encoder_thread_h100.md), so inline is CUDA's default. Without
-        chunked encoding every image is encoded in its request's first chunk: inline."""
+        """`mm_encoder_placement`; `auto`: a thread on a CPU, where inline a large image stalls
+        every stream for seconds, and inline on CUDA (bench/results/encoder_thread_h100.md).
+        Without chunked encoding every image is encoded in its request's first chunk: inline."""
         if not self.chunked_mm_encoding:
             return "inline"
         if self.mm_encoder_placement != "auto":

@@ -1,22 +1,15 @@
-"""On a CPU, the cores split between the engine's steps and the encoder thread.
+"""On a CPU, the cores split between the engine's steps and the encoder thread (on CUDA
+nothing is split). `StepPolicy` (step_policy.py) drives it, once per step.
 
-While the encoder thread runs a vision-tower call, a step runs with the cores it leaves
-(`step_threads`); with no step to run, the encoder thread takes every core. On CUDA there
-is nothing to split (the encoder works on a side stream). `StepPolicy` (step_policy.py)
-drives it, once per step.
-
-Splitting suits decodes, not prefill. A decode step reads the weights once and barely
-gains from a second core, so the tower loses little by running alongside it; a prefill
-token is compute, several times slower with one thread alongside the tower (whose
+Splitting suits decodes, not prefill: a decode step barely gains from a second core, but
+a prefill token is several times slower with one thread alongside the tower (whose
 activations evict the step's caches) than with every core alone. So when a step plans
-prefill alongside a running tower call, the steps hold the encoder thread (`after_plan`): it
-parks before its next block part, a fraction of a second at most. Until it has, decodes
-go on alone (prefill alongside them would cost them the slow prefill) and a step without
-decodes takes a paced chunk (`lone_prefill_paced`); once it has, the steps run on every
-core and prefill at full speed, and the first step that plans no prefill gives the tower
-its core back. A hold lasts at most `MAX_HOLD_SECONDS`; the next one waits as long as it
-lasted, with prefill paced alongside the tower meanwhile as without holds, so a stream of
-prefill never takes more than half of the tower's time.
+prefill alongside a running tower call, the steps hold the encoder thread (`after_plan`)
+and it parks before its next block part. Until it has, decodes go on alone and a step
+without decodes takes a paced chunk (`lone_prefill_paced`); once it has, the steps
+prefill on every core, and the first step that plans no prefill gives the tower its core
+back. A hold lasts at most `MAX_HOLD_SECONDS` and the next one waits as long as it
+lasted, so a stream of prefill never takes more than half of the tower's time.
 """
 
 from __future__ import annotations
@@ -49,9 +42,8 @@ class CoreSharing:
         self._no_hold_until = 0.0
 
     def step_threads(self, encoding: bool) -> int:
-        """The torch threads the next step runs with (0 on CUDA), `encoding`: whether a
-        vision-tower call is in flight on the encoder thread. Also the step pacer's key:
-        a step's costs depend on it."""
+        """The torch threads the next step runs with (0 on CUDA) while a vision-tower call is in
+        flight (`encoding`) or not; also the step pacer's key, as a step's costs depend on it."""
         if self.encoder is None or not encoding or self.encoder.parked:
             return self.cpu_threads
         return max(1, self.cpu_threads - self.encoder.num_threads)
@@ -70,15 +62,13 @@ class CoreSharing:
 
     @property
     def awaiting_park(self) -> bool:
-        """A hold is asked and the encoder thread has not parked yet: a step's decodes
-        go on alone, its prefill waits for the cores (a step without decodes takes a
-        paced chunk, see `lone_prefill_paced`)."""
+        """A hold is asked and the encoder thread has not parked yet: a step's decodes go on
+        alone, its prefill waits for the cores (or is paced, `lone_prefill_paced`)."""
         return self.encoder is not None and self.encoder.held and not self.encoder.parked
 
     def lone_prefill_paced(self, encoding: bool, now: float | None = None) -> bool:
-        """Whether a step without decodes takes a paced chunk instead of all the prefill
-        it can: the tower runs alongside it, and a hold could soon give the steps every
-        core."""
+        """Whether a step without decodes takes a paced chunk instead of all the prefill it can:
+        the tower runs alongside it, and a hold could soon give the steps every core."""
         if not self.hold_for_prefill or not encoding:
             return False
         assert self.encoder is not None

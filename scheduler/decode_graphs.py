@@ -1,24 +1,21 @@
 """CUDA graphs for decode steps: one graph per batch size of a ladder, captured at start-up,
 replayed for every decode-only step.
 
-A decode step of a 7B model is hundreds of small kernels; launched one by one from
-Python, the launch gaps cost more than the kernels at small batches. A graph replays
-them all in one launch. What a graph reads must stay at fixed addresses: the token ids
-and M-RoPE positions live in buffers here, the attention metadata in the backend's
-`StaticDecode`, and the logits it writes in its own output. A step of `n` decodes runs
-the graph of the smallest captured size `>= n`; the rows past `n` are padding, whose KV
-is never written and whose logits are dropped.
+A decode step is hundreds of small kernels whose launch gaps from Python cost more than
+the kernels at small batches; a graph replays them in one launch. What a graph reads
+stays at fixed addresses: token ids and M-RoPE positions in buffers here, the attention
+metadata in the backend's `StaticDecode`, the logits in its own output. A step of `n`
+decodes runs the graph of the smallest captured size `>= n`; the rows past `n` are
+padding, whose KV is never written and whose logits are dropped.
 
-Only pure decode steps replay: every chunk one token after a cached history, each one
-sampling, no image rows. Anything else (prefill chunks, a step mixing both, a batch
-larger than the largest graph) runs eagerly, as does everything under `--enforce-eager`.
-Sampling is never captured: it runs on the logits, after the replay, as in eager steps.
+Only pure decode steps replay (every chunk one token after a cached history, no image
+rows); anything else, or a batch larger than the largest graph, runs eagerly, as does
+everything under `--enforce-eager`. Sampling runs after the replay, never captured.
 
 Capture (`CudaGraphCapture`) runs the step once on a side stream first, so Triton
-compiles and cuBLAS picks its kernels outside the capture, then records it; graphs are
-captured largest first into one memory pool, so the smaller ones reuse its blocks. Tests
-on the CPU capture with `EagerReplay`, which "replays" by running the same closure over
-the same fixed buffers: everything but the recording itself.
+compiles and cuBLAS picks its kernels outside the capture; graphs are captured largest
+first into one memory pool, so the smaller ones reuse its blocks. CPU tests capture with
+`EagerReplay`, which runs the same closure over the same fixed buffers.
 """
 
 from __future__ import annotations

@@ -40,10 +40,9 @@ class DeviceState:
 
     @classmethod
     def build(cls, config: EngineConfig, tp: TPShard = SINGLE, replica: int = 0) -> DeviceState:
-        """Loads this rank's shard and sizes its KV cache; under tensor parallelism every
-        rank takes the smallest page count any rank can hold (a collective), so that page
-        ids mean the same on all of them. `replica`: the data-parallel replica the rank
-        belongs to (it picks the GPU). On CUDA the decode graphs are captured last, on
+        """Loads this rank's shard and sizes its KV cache; under tensor parallelism every rank
+        takes the smallest page count any rank can hold (a collective), so page ids mean the
+        same on all. `replica` picks the GPU. On CUDA the decode graphs are captured last, on
         every rank in the same order (their collectives are recorded too)."""
         device = rank_device(config.resolved_device(), replica * tp.size + tp.rank)
         dtype = config.resolved_dtype(device)
@@ -125,9 +124,8 @@ def _kv_sizing(device: torch.device) -> str:
 
 
 def rank_device(device: torch.device, index: int) -> torch.device:
-    """The `index`-th scheduler process of a server (replica * tensor-parallel size + rank)
-    on CUDA uses the `index`-th GPU after the one configured (`cuda` is `cuda:0`); on the
-    CPU all share it."""
+    """On CUDA, the `index`-th scheduler process of a server (replica * tensor-parallel size +
+    rank) uses the `index`-th GPU after the one configured; on the CPU all share it."""
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + index)
@@ -175,12 +173,11 @@ def _kv_budget_bytes(
 def cuda_kv_budget(
     total: int, free: int, own: int, utilization: float, embedding_cache: int, activations: int
 ) -> int:
-    """This process's KV cache bytes on a GPU, with the model loaded (`own`: what torch
-    holds for it so far): its share, `utilization` × `total`, less what it holds, less
-    what it allocates later (the embedding cache at its bound, the profiled
-    `activations`, a headroom), and never more than is `free`. Memory of other processes
-    on the GPU is theirs, not counted against the share, so two servers at 0.45 each
-    share one GPU (as two vLLM instances do); it only bounds what is free."""
+    """This process's KV cache bytes on a GPU, with the model loaded (`own`: what torch holds
+    for it so far): `utilization` × `total`, less what it holds and will allocate (the
+    embedding cache at its bound, the profiled `activations`, a headroom), and never more
+    than is `free`. Other processes' memory is not counted against the share, so two servers
+    at 0.45 each share one GPU, as two vLLM instances do."""
     later = embedding_cache + activations + HEADROOM_BYTES
     budget = min(int(total * utilization) - own, free) - later
     if budget <= 0:

@@ -1,30 +1,25 @@
 """Per-image vision-tower outputs, shared by every request, LRU-bounded in bytes.
 
-Two parts, as with KV pages (and as vLLM's `EncoderCacheManager`): the bookkeeping — which
-requests use an entry, which entries nobody uses (the LRU), how many bytes — and the
-`dict[key, Tensor]` it describes. The bookkeeping knows an entry before its tensor exists: `lookup` of an
-absent key creates a *pending* entry that the caller fills with `put` in the same step,
-so a second request asking for the key in that step is a hit and the image is encoded
-once (dedupe).
+Two parts, as with KV pages (and as vLLM's `EncoderCacheManager`): the bookkeeping (which
+requests use an entry, the LRU of unused ones, the bytes) and the `dict[key, Tensor]` it
+describes. `lookup` of an absent key creates a *pending* entry that the caller fills with
+`put` in the same step, so a second request for the key in that step is a hit and the
+image is encoded once.
 
-Lifetime. A request pins an entry at its first `lookup` and keeps the pin until
-`release(request_id)` (the request finished or was aborted), preemption included, so a
-recomputed request never needs the image's pixels again. An entry nobody pins joins the
-tail of the LRU; eviction takes unpinned entries from its head whenever the bytes exceed
-the capacity, and never touches a pinned entry: **when every entry is pinned the cache
-goes over capacity rather than evict one**, and shrinks back as pins are released.
-Capacity 0 therefore keeps an entry exactly as long as some request uses it.
+A request pins an entry at its first `lookup` until `release(request_id)`, preemption
+included. An unpinned entry joins the tail of the LRU; eviction takes from its head while
+the bytes exceed the capacity and never touches a pinned entry: **when every entry is
+pinned the cache goes over capacity rather than evict one**. Capacity 0 therefore keeps
+an entry exactly as long as some request uses it.
 
 Why pins do not drop once the prefill has passed the image: a preempted request would
-then have to re-encode, so its pixels would have to stay pinned in shared memory until
-it ends — two resources held instead of one, and the pixels are the larger (per image
-token: 4 patches of 3·2·14·14 values against one hidden vector). One rule, "pinned
-from first use to finish/abort", lets the pixels go at first use.
+then re-encode, so its pixels (the larger: 4 patches of 3·2·14·14 values per image token
+against one hidden vector) would stay pinned in shared memory until it ends. Pinned from
+first use to the end, the pixels can go at first use.
 
-A hit is checked against the token count the caller expects (the image's span length):
-a mismatch means a key collision or a bug upstream, never a valid hit. It is logged and
-treated as a miss — the stale entry is replaced when nobody uses it, otherwise the caller
-gets `Lookup.UNCACHEABLE` and encodes the image for its request alone.
+A hit whose token count is not the caller's (`docs/design.md`, "One cache entry per
+image") is logged and treated as a miss: the entry is replaced when nobody uses it,
+otherwise the caller gets `Lookup.UNCACHEABLE` and encodes the image for its request alone.
 """
 
 from __future__ import annotations
@@ -140,9 +135,8 @@ class EmbeddingCache:
         self._evict()
 
     def release(self, request_id: str) -> None:
-        """Unpins every entry of a finished or aborted request; safe to call twice.
-
-        Entries nobody uses any more join the LRU in the order the request took them."""
+        """Unpins every entry of a finished or aborted request (safe twice); entries nobody uses
+        any more join the LRU in the order the request took them."""
         for key in self._keys_of.pop(request_id, ()):
             entry = self._entries[key]
             entry.users.discard(request_id)

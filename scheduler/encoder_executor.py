@@ -1,13 +1,7 @@
-"""Where the vision tower runs: the executor half of the image encoder.
-
-`EncoderManager` (encoder_manager.py) decides which images to encode and when; it hands
-each batch to an `EncoderExecutor`, which runs it and returns a future of the
-embeddings. There are two, one per placement (`EngineConfig.mm_encoder_placement`):
-
-- `inline`: `InlineExecutor` runs the call at once, inside the step that needs it (the
-  step, and every stream in it, waits for the tower);
-- `thread`: `EncoderThread` (encoder_thread.py) runs it in a thread of its own, on a
-  CUDA stream of its own on a GPU, while the steps go on.
+"""Where the vision tower runs: the executor half of the image encoder (`docs/design.md`,
+"The engine's step"). `EncoderManager` hands each batch to an `EncoderExecutor`, which
+returns a future of the embeddings: `InlineExecutor` (`inline`) runs the call at once,
+inside the step; `EncoderThread` (`thread`, encoder_thread.py) in a thread of its own.
 
 Both run the same `Tower`: patches from the uint8 pixels, then the vision tower, each
 call timed (the scheduler's encoder-duration histogram).

@@ -1,53 +1,32 @@
-"""Lazy, chunk-aware image encoding ("Lazy and chunk-aware", docs/design.md): the
-manager half of the image encoder, as vLLM V1 keeps its `EncoderCacheManager` apart from
-the model runner. It decides what is encoded and when; an `EncoderExecutor`
-(encoder_executor.py) runs the vision tower, inline or in a thread.
+"""The manager half of the image encoder (`docs/design.md`, "The engine's step" and
+"Lazy and chunk-aware"): it decides what is encoded and when; an `EncoderExecutor`
+(encoder_executor.py) runs the vision tower.
 
-The manager owns what a request's images hold in the scheduler beyond their pixels: the
-embedding-cache pins (through `EmbeddingCache`) and the embeddings a request has in hand
-for its later chunks. `release(request)` lets go of them when the request ends;
-`preempt(request)` drops only the embeddings in hand (its cache pins stay, so nothing is
-re-encoded). The pixels and their shared-memory pins are `PixelStore`'s; the manager
-drops an image's pixels as soon as the request holds its embedding.
+It owns the embedding-cache pins (through `EmbeddingCache`) and the embeddings a request
+holds for its later chunks: `release(request)` lets go of both, `preempt(request)` only of
+the embeddings in hand (the pins stay, so nothing is re-encoded). Once a request pins an
+image's entry its pixels are dropped (`PixelStore.drop`); an image it never needs (prefix
+cache) or whose key hit an entry of another token count keeps them until it ends.
 
-For each step, `encode(chunks)` gets the embedding of every image a prefill chunk needs:
-with chunked encoding the images whose spans overlap the chunk, otherwise every image
-from the chunk on (all of them in the first chunk). An image whose entry is cached, or
-already being encoded for another request in this step, costs a pin; the rest go through
-the vision tower in calls of at most `max_num_encoder_tokens` image tokens (an image
-larger than that goes alone). It returns, per chunk, the images the chunk overlaps with
-their embeddings, and keeps the rest for the request's later chunks.
+`encode(chunks)` returns, per chunk, the images it overlaps with their embeddings (with
+chunked encoding the overlapping images, otherwise every image from the chunk on). A
+cached image, or one another request is encoding this step, costs a pin; the rest go
+through the vision tower in calls of at most `max_num_encoder_tokens` image tokens (a
+larger image goes alone).
 
-Pixels. Once a request pins an image's entry, the entry outlives any preemption of the
-request (see `EmbeddingCache`), so the request's pixels of that image are dropped at once
-(`PixelStore.drop`: the scheduler process releases the shared-memory pin after the
-step). An image a request never needs (its tokens came from the prefix cache) keeps its
-pixels until the request finishes or is aborted, and so does one whose key hit an entry
-of another token count (encoded for its request alone).
+An image that came without pixels is served only from the cache: `hold_cached` pins its
+entry at admission, so no eviction takes it before the prefill reads it.
+`embedding_hits` remembers what each image's first lookup found, for the client's report.
 
-An image that came without pixels (a client named it by its uuid after the worker
-evicted its pixels) is served only from the cache: `hold_cached` pins its entry when the
-request is admitted, so no eviction can take it before the prefill reads it, or says
-there is none (the engine then refuses the request). For the client's report, the
-manager remembers which of a request's images its first lookup found in the cache
-(`embedding_hits`).
+With the `thread` placement, `collect()` takes the calls the executor finished and
+`prefetch(...)` starts the next; the planner schedules a chunk only up to `ready_until`.
+The encoder works ahead by at most the encoder budget (image tokens encoding or held and
+not yet consumed; at least one image when none is encoding), and a call takes at most the
+executor's `call_tokens`.
 
-The `thread` placement. The vision tower does not run inside a step: at the start of
-each step the engine calls `collect()`, which takes the calls the executor has finished
-(their embeddings go into the cache and into the hands of the requests waiting for
-them), then `prefetch(...)`, which starts the next ones, and the planner schedules a
-prefill chunk only as far as `ready_until` allows: up to the first image the request
-does not hold yet. A request waiting for an image waits alone; decodes and other
-prefills go on. How far ahead of the prefills the encoder works is bounded by the
-encoder budget (`max_num_encoder_tokens` image tokens encoding or held and not yet
-consumed; at least one image when none is encoding), so memory stays flat in the number
-of images, as with the `inline` placement. A call takes at most the executor's
-`call_tokens` (on a CPU one image already keeps the cores busy).
-
-Without a shared cache (`enable_mm_embedding_cache=False`) entries are keyed by
-(request id, image key) in a cache of capacity 0, so an embedding lives exactly as long
-as the request that computed it; "request" granularity is applied earlier, by re-keying
-images (`request_scoped_keys`).
+Without a shared cache (`enable_mm_embedding_cache=False`) entries are keyed by (request
+id, image key) in a cache of capacity 0, so an embedding lives as long as its request;
+"request" granularity re-keys images earlier (`request_scoped_keys`).
 """
 
 from __future__ import annotations
@@ -138,10 +117,9 @@ class EncoderManager(RequestResources):
         return found is Lookup.HIT
 
     def hold_given(self, request: Request, index: int, embedding: torch.Tensor) -> None:
-        """Takes a client's embedding of an image (`image_embeds`; on the device, in the
-        model's dtype, its own storage) into the cache, pinned for the request's lifetime,
-        unless the same is cached already. Raises ValueError (nothing pinned for it) if
-        the key's entry has another token count."""
+        """Takes a client's embedding of an image (`image_embeds`; on the device, in the model's
+        dtype, its own storage) into the cache unless cached already, pinned for the request's
+        lifetime. ValueError (nothing pinned) if the key's entry has another token count."""
         key = self.cache_key(request, index)
         if self._lookup(request, index, key) is Lookup.UNCACHEABLE:  # a key collision
             raise ValueError(f"image {index + 1}: its embedding cache entry has another size")
@@ -200,12 +178,9 @@ class EncoderManager(RequestResources):
         return request.num_tokens
 
     def prefetch(self, wanted: Iterable[tuple[Request, int]]) -> None:
-        """Starts encoding the images that coming prefill chunks overlap (`thread`
-        placement; inline, nothing): for each (request, first uncomputed token) in
-        priority order, its images from there on, in order, while fewer than
-        `max_num_encoder_tokens` image tokens are ahead of the prefills (encoding, or held
-        and not yet consumed); one image at least when none is encoding. A cached image
-        costs a pin, one already encoding a place among its waiters."""
+        """Starts encoding, within the encoder budget (`thread` placement; inline,
+        nothing), the images from each (request, first uncomputed token) on, in priority
+        order. A cached image costs a pin, one already encoding a place among its waiters."""
         if not self._ahead:
             return
         ahead = self.tokens_ahead()
@@ -369,11 +344,8 @@ def _batches(jobs: list[_Job], budget: int) -> Iterator[list[_Job]]:
 
 
 def request_scoped_keys(keys: list[bytes]) -> list[bytes]:
-    """Per-request granularity: image i's key becomes xxh3_128(all keys in order ‖ i).
-
-    Combines the 16-byte keys (never the pixels), so adding an image to a conversation
-    changes every image's key: the baseline that per-image keys improve on.
-    """
+    """Per-request granularity: image i's key becomes xxh3_128(all keys in order ‖ i), so
+    adding an image to a conversation changes every image's key (the baseline)."""
     prefix = xxhash.xxh3_128()
     prefix.update(len(keys).to_bytes(8, "little"))
     for key in keys:

@@ -1,45 +1,29 @@
-"""The `thread` placement of the vision tower: its calls run in a thread of their own.
-
-A call through the vision tower takes seconds on a CPU and tens of milliseconds on a GPU;
-made inside a step (the `inline` placement, encoder_executor.py), it stalls every running
-stream for that long. Here the encoder manager hands each batch of images to one thread
-and the steps go on; the planner schedules a chunk that overlaps an image only once its
-embedding is ready (see encoder_manager.py).
+"""The `thread` placement of the vision tower (`docs/design.md`, "The engine's step"): the
+encoder manager hands each batch of images to one thread and the steps go on.
 
 - On a CPU the cores are shared, never oversubscribed (more OpenMP threads than cores
   spin-wait on each other). torch's thread count is per calling thread: while the steps
-  run, the encoder thread uses `--encoder-threads` of the cores and the steps the rest
-  (`CoreSharing.share`); while the steps have nothing to run (every request waits for
-  an image), the encoder takes every core. It looks before each part of each vision
-  block (`adapt_threads`, a forward pre-hook on its attention, MLP and norms), so it
-  follows the steps within a fraction of a block. There too it parks while the steps
-  hold it (`hold`/`release`, asked by `CoreSharing` so that a prefill gets every core);
-  a call that has not started parks before it starts. A call takes images up to
-  `CPU_CALL_TOKENS` only: one large image already keeps the cores busy, and batching
-  more only makes the first image's request wait for the others' before any can prefill.
-- On CUDA the thread launches on a stream of its own, so the device runs the tower
-  concurrently with the steps' kernels; a call's result is handed over once its work
-  has finished on the device (an event), and is marked as used by the main stream, so
-  the caching allocator never recycles it under a step still reading it. It is not the
-  default placement there (`EngineConfig.resolved_mm_encoder_placement`; the measurements
-  are in bench/results/encoder_thread_h100.md).
+  run, the encoder uses `--encoder-threads` of the cores (`CoreSharing.share`); while
+  they have nothing to run, every core. It looks before each part of each vision block
+  (`adapt_threads`, a forward pre-hook), so it follows the steps within a fraction of a
+  block, and parks there while `CoreSharing` holds it (`hold`/`release`) so that a
+  prefill gets every core. A call takes at most `CPU_CALL_TOKENS` image tokens: one large
+  image already keeps the cores busy, and batching more makes the first image's request
+  wait for the others'.
+- On CUDA the thread runs on a stream of its own; a result is handed over once an event
+  says its work finished, and is marked as used by the main stream, so the caching
+  allocator never recycles it under a step still reading it.
 
-A submitted call owns its pixels: the caller's tensors (views of a worker's shared
-memory, whose pin a finished or aborted request gives back at any time) are copied first,
-before `submit` returns: on a CPU into the process's memory, on CUDA straight to the
-device on the encoder's stream (a DMA from the segment, which the scheduler registered as
-pinned: `pinned_host.py`), waited for so that no pin goes back while the copy reads it.
-Calls run one at a time, in submission order, so the tower's activations are those of one
-call at the encoder budget, as inline.
+A submitted call owns its pixels: the caller's views of a worker's shared memory (whose
+pin an ended request gives back at any time) are copied before `submit` returns, on CUDA
+by a DMA from the pinned segment (`pinned_host.py`), waited for. Calls run one at a time,
+in order, so the tower's activations are those of one call, as inline.
 
 On CUDA the thread lives as long as the encoder: torch keeps cuDNN's attention graphs
-per thread, and a new thread per call would rebuild them for every call.
-
-On a CPU the thread exits as soon as no call is queued, and the next call starts a new
-one. The OpenMP runtime (libgomp) keeps a pool of worker threads for every thread that ran a
-parallel region, until that thread exits; with more of them than cores it stops letting
-idle workers spin and puts them to sleep at once, so each of the hundreds of parallel
-regions of a step would pay a futex wake-up for as long as an idle encoder thread lived.
+per thread. On a CPU it exits as soon as no call is queued: libgomp keeps a pool of
+workers for every thread that ran a parallel region until that thread exits, and with
+more of them than cores puts idle workers to sleep at once, so each parallel region of a
+step would pay a futex wake-up for as long as an idle encoder thread lived.
 """
 
 from __future__ import annotations
@@ -71,10 +55,9 @@ class EncoderThread:
         all_threads: int,
         keep_alive: bool | None = None,
     ) -> None:
-        """`call(pixels, grids)`: the embeddings of the images (the patch maker and the
-        vision tower); on a CPU, `num_threads`: torch's intra-op threads for it while the
-        steps run, `all_threads` while they do not. `keep_alive`: one thread until
-        `close()`, not one per busy spell (None: on CUDA only; see the module's docstring)."""
+        """`call(pixels, grids)`: the images' embeddings (patch maker and vision tower); on a CPU,
+        `num_threads` torch threads for it while the steps run, `all_threads` while they do not.
+        `keep_alive`: one thread until `close()` (None: on CUDA only; see the module docstring)."""
         if num_threads < 1:
             raise ValueError(f"the encoder needs at least one thread, got {num_threads}")
         self._call = call

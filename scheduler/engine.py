@@ -1,17 +1,10 @@
-"""The in-process engine: add requests, step, read outputs.
+"""The in-process engine: add requests, step, read outputs (`docs/design.md`, "The
+engine's step").
 
-`step()` reads as the whole loop: collect (the encoder thread's finished images in, the
-next ones started), plan, encode, forward and sample, account. The scheduler process
-drives exactly this object from its socket loop; `iris generate`, the tests and the
-benchmarks call it directly. When encoding, the forward or sampling raises, only the
-requests concerned fail (they come out of `pop_failed`) and the engine goes on with the
-rest (see step_faults.py).
-
-The parts, each with one job: the `BatchPlanner` (queues, KV pages, preemption) plans
-within the `StepPolicy`'s caps (prefill pacing and CPU core sharing, step_policy.py);
-the `EncoderManager` decides which images to encode and holds their embeddings, and its
-`EncoderExecutor` runs the vision tower inline or in a thread (the placement); the
-`ModelRunner` runs the forward and samples. A request ends in one place, `_finish`.
+The scheduler process drives exactly this object from its socket loop; `iris generate`,
+the tests and the benchmarks call it directly. When encoding, the forward or sampling
+raises, only the requests concerned fail (they come out of `pop_failed`) and the engine
+goes on with the rest (see step_faults.py). A request ends in one place, `_finish`.
 """
 
 from __future__ import annotations
@@ -357,10 +350,9 @@ class Engine:
         return outputs
 
     def _collect_images(self) -> None:
-        """Takes the encoder thread's finished calls (failing the requests of one that
-        raised) and starts the next: running requests' images first, then the waiting
-        ones', each from its first token not computed (or, waiting, not cached). Under
-        the inline placement there is nothing to take or start."""
+        """Takes the encoder thread's finished calls (failing the requests of one that raised)
+        and starts the next: running requests' images first, then the waiting ones', each from
+        its first token not computed (or, waiting, not cached). Inline: nothing to do."""
         manager = self.encoder_manager
         failed: dict[str, tuple[Request, Exception]] = {}
         for request, error in manager.collect():
@@ -403,9 +395,8 @@ class Engine:
     def _finish(
         self, request: Request, reason: FinishReason, error: Exception | None = None
     ) -> None:
-        """Ends a request, however it ends: every owner lets go of what it holds for it
-        (its pins wait in `pop_released_pins`); with an `error`, its client is told
-        through `pop_failed`."""
+        """Ends a request, however it ends: every owner lets go of what it holds for it (its pins
+        wait in `pop_released_pins`); with an `error`, its client is told through `pop_failed`."""
         request.finish_reason = reason
         for owner in self._owners:
             owner.release(request)

@@ -1,10 +1,9 @@
 """The scheduler's process entry points, light to import.
 
-The launcher hands these to `multiprocessing` (spawn), which pickles a target by its
-module's name, so the launcher imports the module that defines it. Here that costs
-nothing: the engine (torch, transformers, the model code; seconds of a core) is imported
-inside the spawned process only, so the launcher starts every child at once and the
-children's imports overlap instead of following the launcher's own.
+`multiprocessing` (spawn) pickles a target by its module's name, so the launcher imports
+this module; the engine (torch, transformers, the model code) is imported inside the
+spawned process only, so the children's imports overlap instead of following the
+launcher's own.
 """
 
 from __future__ import annotations

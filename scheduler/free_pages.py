@@ -1,8 +1,7 @@
 """The free KV pages, handed out so that a sequence's pages stay consecutive.
 
-Attention on the CPU reads a sequence's K/V in place, one strided view per run of
-consecutive pages (`scheduler/attention/sdpa.py`); every extra run is another kernel
-call or a copy. So allocation is placement, as in a memory allocator:
+Attention reads a sequence's K/V in place, one strided view per run of consecutive pages
+(`scheduler/attention/sdpa.py`); every extra run is another kernel call or a copy. So:
 
 - a growing sequence takes the pages right after its last one while they are free;
 - a new sequence (or one that cannot grow in place) starts inside the largest free

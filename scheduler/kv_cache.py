@@ -59,19 +59,12 @@ class OutOfPages(RuntimeError):
 class PagePool:
     """Page ids with reference counts; full pages may outlive their requests as a cache.
 
-    Every page is in exactly one of three states:
-
-    - *held*: referenced by one or more running requests (`refcount > 0`); a cached
-      page can be held by several requests at once (a shared prefix);
-    - *evictable*: unreferenced but cached under a content key (the prefix cache), kept
-      in least-recently-released order until an allocation needs the space;
-    - *free*: unreferenced and holding nothing worth keeping.
-
-    `allocate` takes free pages first, placed so a sequence's pages stay consecutive
-    (`free_pages.py`), then evicts the least recently used evictable page (dropping its
-    key). `num_free` counts both, i.e. what `allocate` can hand out,
-    so `num_free == num_pages` still means "no request holds a page".
-    """
+    A page is *held* (`refcount > 0`; a cached page by several requests at once, a shared
+    prefix), *evictable* (unreferenced but cached under a content key, in
+    least-recently-released order) or *free*. `allocate` takes free pages first, placed so
+    a sequence's pages stay consecutive (`free_pages.py`), then evicts the least recently
+    used evictable page. `num_free` counts both, so `num_free == num_pages` still means "no
+    request holds a page"."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 1:
@@ -109,9 +102,8 @@ class PagePool:
         return page in self._content
 
     def allocate(self, count: int, after: int | None = None) -> list[int]:
-        """`count` pages, each with one reference: free pages first (those right after
-        page `after` when they are free, so a sequence grows in place), then LRU
-        evictions."""
+        """`count` pages, each with one reference: free pages first (those right after page
+        `after` when free, so a sequence grows in place), then LRU evictions."""
         if count > self.num_free:
             raise OutOfPages(f"asked for {count} pages, {self.num_free} free")
         pages = self._free.take(count, after)
@@ -169,11 +161,8 @@ class PagePool:
 
 
 class KVCache:
-    """K and V for every layer: `[num_layers, 2, kv_heads, num_pages * page_size, head_dim]`.
-
-    Head-major, so a run of consecutive pages is one strided view `[kv_heads, tokens,
-    head_dim]` per layer that attention kernels read in place (`scheduler/attention/`).
-    """
+    """K and V for every layer: `[num_layers, 2, kv_heads, num_pages * page_size, head_dim]`,
+    head-major, so a run of consecutive pages is one strided view per layer."""
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
         self.layout = layout

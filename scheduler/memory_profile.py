@@ -1,15 +1,12 @@
 """What the largest step and the largest vision-tower call take on the device, measured
-once at start-up, before the KV cache is sized (vLLM's profile run).
+once at start-up, before the KV cache is sized (vLLM's profile run;
+`device_state.cuda_kv_budget`).
 
-On a GPU the KV cache gets what is left of the server's share once the weights, the
-embedding cache and the activations are counted (`device_state.cuda_kv_budget`). The
-activations are not a guess: one prefill chunk of `max_num_batched_tokens` dummy tokens
-(its logits for `max_num_seqs` rows, as a decode batch samples them) and one vision-tower
-call over the largest image the engine may encode in one call run here, and the peak of
-each above what was allocated before is read from the allocator. The two are summed: on
-CUDA the encoder runs on a stream of its own, beside the steps.
-
-The passes run on any device (the tests run them on the CPU); only CUDA reports a peak.
+One prefill chunk of `max_num_batched_tokens` dummy tokens (its logits for
+`max_num_seqs` rows) and one vision-tower call over the largest image the engine may
+encode in one call run here, and the peak of each above what was allocated before is
+read from the allocator. The two are summed: on CUDA the encoder thread runs on a stream
+of its own, beside the steps. The passes run on any device; only CUDA reports a peak.
 """
 
 from __future__ import annotations
@@ -68,9 +65,8 @@ def profile_activations(
 
 
 def largest_encoder_call(config: EngineConfig) -> int:
-    """Image tokens of the largest vision-tower call: the encoder budget, or one image
-    at the processor's largest size when that is more (an image over the budget is
-    encoded alone)."""
+    """Image tokens of the largest vision-tower call: the encoder budget, or one image at the
+    processor's largest size when that is more (an image over the budget goes alone)."""
     return max(config.max_num_encoder_tokens, _largest_image_tokens(Path(config.model)))
 
 

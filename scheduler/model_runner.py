@@ -1,11 +1,8 @@
 """Turns a step plan and its image embeddings into one forward pass: inputs, attention,
-sampling. The embeddings come ready from the encoder manager (`Engine.step`).
-
-A step is built in two halves so that tensor-parallel ranks can share the second:
-`inputs` (rank 0: token ids, positions, attention chunks, the image rows and their
-embeddings) and `forward` (every rank: the model, then the logits of the rows that
-sample). Under tensor parallelism rank 0 sends each step's `StepInputs` to the other
-ranks (`tensor_parallel.StepBroadcaster`) between the two.
+sampling. A step is built in two halves so that tensor-parallel ranks can share the
+second: `inputs` (rank 0: token ids, positions, attention chunks, the image rows and
+their embeddings) and `forward` (every rank: the model, then the logits of the rows that
+sample); rank 0 sends each step's `StepInputs` to the other ranks between the two.
 """
 
 from __future__ import annotations
@@ -78,12 +75,10 @@ class ModelRunner(RequestResources):
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, images: list[ChunkImages]) -> Sampled:
-        """Runs the step, splicing in each chunk's `images` (parallel to `plan.chunks`);
-        returns one sampled token per chunk that completes its sequence.
-
-        Under tensor parallelism a failure after the other ranks were sent the step
-        leaves them inside collectives that rank 0 will never finish: it is raised as
-        `RanksOutOfStep`, which stops the scheduler instead of failing the step alone."""
+        """Runs the step, splicing in each chunk's `images` (parallel to `plan.chunks`); returns
+        one sampled token per chunk that completes its sequence. Under tensor parallelism a
+        failure after the other ranks were sent the step leaves them inside collectives rank 0
+        will never finish: it is raised as `RanksOutOfStep`, which stops the scheduler."""
         inputs = self.inputs(plan, images)
         if self.followers is None:
             logits = self.forward(inputs)

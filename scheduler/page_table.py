@@ -1,21 +1,19 @@
 """One request's KV state: its pages, how many of its tokens they hold, its prefix keys.
 
 The `BatchPlanner` and the `PrefixCache` are the only writers, through the methods
-below; the model runner and the attention code only read `pages`. Page ids are plain
-ints into the one preallocated KV tensor (`kv_cache.py`); a page's references are the
-`PagePool`'s, the table only lists the pages this request holds one on.
+below; the model runner and the attention code only read `pages`. A page's references
+are the `PagePool`'s; the table lists the pages this request holds one on.
 
 `num_computed_tokens` counts the tokens whose KV is in the pages *once the planned step
 has run*: the planner advances it when it plans a chunk, and the step runs before the
 next `schedule`, so between steps it is exact. A step that raises is taken back
 (`rewind`) before its requests are released, so the prefix cache never registers a page
-whose KV that step was to write. The planner is the one place that sets
-progress because it is also where progress is reset: a prefix-cache hit starts it at
-the cached tokens, a preemption drops it to zero with the pages.
+whose KV that step was to write. The planner sets progress because it also resets it:
+a prefix-cache hit starts it at the cached tokens, a preemption drops it to zero.
 
 The table lives as long as its request, across preemptions, so per-sequence state that
-only grows with it (the prefix key chain now; a slot mapping extended per step later)
-can be kept here rather than rebuilt: the runs of consecutive pages are.
+only grows with it (the prefix key chain, the runs of consecutive pages) is kept here
+rather than rebuilt.
 """
 
 from __future__ import annotations

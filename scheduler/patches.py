@@ -1,20 +1,17 @@
-"""The image processor's `pixel_values`, made on the device from the worker's uint8 pixels.
+"""The image processor's `pixel_values`, made on the device from the worker's uint8 pixels
+`[H, W, 3]` (`tokenizer_worker/image_resize.py`): 3 bytes per pixel in shared memory and
+across the host-to-device copy, 8x less than the processor's float32 rows.
 
-The tokenizer worker stores each image converted and resized, in uint8 `[H, W, 3]`
-(tokenizer_worker/image_resize.py): 3 bytes per pixel in shared memory and across the
-host-to-device copy, 8x less than the processor's float32 rows. What the processor does
-after resizing happens here, right before the vision tower:
-
-- rescale and normalise: per channel, each of the 256 levels maps to one float32 value.
-  The table of those 768 values is computed once, by the processor's own `rescale` and
+- rescale and normalise: per channel, each of the 256 levels maps to one value. The
+  table of those 768 values is computed once, by the processor's own `rescale` and
   `normalize` on an image holding every level, so a lookup reproduces its arithmetic
-  bit for bit (float64 rescale, float32 subtract-then-divide), whatever the formula;
+  bit for bit, whatever the formula;
 - patchify: rows of C·T·P·P in the raster order of the merge blocks (4 rows per LLM
   token), the single frame repeated T times, as the processor's `patchify` lays them out.
 
-Both are a gather from the table and one copy into the row layout. The table is kept in the
-model's dtype: a lookup of rounded values equals rounding the looked-up value, so a bf16
-model gets the processor's values cast to bf16, never values computed in bf16.
+Both are a gather from the table and one copy into the row layout. The table is kept in
+the model's dtype: a bf16 model gets the processor's values cast to bf16, never values
+computed in bf16.
 """
 
 from __future__ import annotations

@@ -1,28 +1,23 @@
 """What the repetition, frequency and presence penalties read, kept on the device from
 step to step: per penalised request, the tokens it has seen and how often it has
-generated each.
+generated each. Rebuilding it every step from the token lists would cost host work, a
+copy and a dozen `[rows, vocab]` passes, comparable to a decode step at agent-length
+contexts; and a checkpoint whose generation config sets a penalty (Qwen2-VL's,
+Qwen2.5-VL's) gives one to every request.
 
-Rebuilding all of it every step from the token lists would cost O(prompt + output) host
-work, a host-to-device copy and a dozen `[rows, vocab]` passes per step, comparable to a
-decode step itself at agent-length contexts. And every request asks for a penalty where
-the checkpoint's `generation_config.json` does, as Qwen2-VL's and Qwen2.5-VL's
-(repetition_penalty 1.05).
-
-Here each running request that asks for a penalty holds one row of these tables, written
-once from its token lists and then extended on the device by each sampled token:
+Each running request that asks for a penalty holds one row, written once from its token
+lists and then extended on the device by each sampled token:
 
 - `seen_ids` `[rows, width]`: its distinct prompt tokens, then every output token. The
   repetition penalty gathers the logits there, rescales them and scatters them back, as
-  transformers' `RepetitionPenaltyLogitsProcessor` does over the whole sequence (a
-  repeated id gets the same value twice). A row's unused columns repeat its first id.
+  transformers' `RepetitionPenaltyLogitsProcessor` does (a repeated id gets the same
+  value twice). A row's unused columns repeat its first id.
 - `first_output` `[rows, width]`: whether an output column holds its token's first
-  occurrence among the outputs. The frequency and presence penalties add, at each first
-  occurrence, `-(frequency × count + presence)` (the count read from `output_counts`
-  `[rows, vocab]`), and 0 at the others: sums that do not depend on the order a device
-  adds them in.
+  occurrence among the outputs. The frequency and presence penalties add there
+  `-(frequency × count + presence)` (the count from `output_counts` `[rows, vocab]`),
+  and 0 elsewhere: sums that do not depend on the order a device adds them in.
 
-A step's host work is O(penalised rows), its device work O(rows × seen tokens): no pass
-over the vocabulary.
+A step's host work is O(penalised rows), its device work O(rows × seen tokens).
 """
 
 from __future__ import annotations

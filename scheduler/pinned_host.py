@@ -1,13 +1,11 @@
 """Workers' shared-memory segments as pinned host memory on CUDA.
 
-A cache-miss image goes to the device as uint8 pixels read straight from the worker's
-arena (`ipc.shm_arena.ShmReader.view`). From pageable memory, CUDA copies through a
-staging buffer and the copy blocks the calling thread; from memory registered with
-`cudaHostRegister` it is one DMA, asynchronous on the stream (`non_blocking=True`). The
-scheduler registers each segment once, as it maps it (read-only: the mapping is), and
-unregisters it before unmapping. The copy is complete before the entry's pin can go back
-to the worker: with the `thread` encoder placement the encoder thread's `submit` waits
-for it, with `inline` the step's own sync (its sampled ids) does.
+From pageable memory, CUDA copies through a staging buffer and the copy blocks the
+calling thread; from memory registered with `cudaHostRegister` it is one asynchronous
+DMA. The scheduler registers each segment once, as it maps it (read-only, as the mapping
+is), and unregisters it before unmapping. The copy is complete before the entry's pin can
+go back to the worker: under the `thread` placement `EncoderThread.submit` waits for it,
+under `inline` the step's own sync (its sampled ids) does.
 """
 
 from __future__ import annotations

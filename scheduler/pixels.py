@@ -1,14 +1,9 @@
-"""The one owner of every admitted image's pixels and of the pin that keeps them readable.
-
-A served request's pixels are views of a tokenizer worker's shared-memory arena, pinned
-for the request until the scheduler releases them ("Shared memory has an owner",
-docs/design.md); in one process they are plain tensors with no pin. Either way they are
-held here from admission until no step will read them again:
-
-- `drop(request_id, index)` once the request holds the image's embedding (the encoder
-  manager calls it, see encoder_manager.py), and
-- `release(request)` when the request ends, however it ends (`RequestResources`); a
-  preemption keeps them.
+"""The one owner of every admitted image's pixels and of the pin that keeps them readable
+(`docs/design.md`, "Shared memory has an owner and a lifetime"); in one process they
+are plain tensors with no pin. They are held here from admission until no step will
+read them again: `drop(request_id, index)` once the request holds the image's embedding
+(the encoder manager calls it), `release(request)` when the request ends, however it
+ends; a preemption keeps them.
 
 A dropped image's pin (if it has one) is queued exactly once; the scheduler process
 sends what `pop_released()` returns back to the owning workers after every step.

@@ -1,17 +1,15 @@
 """The image-aware prefix cache: full KV pages found again by their content.
 
-A full page's key is a hash chain ("Image-aware prefix cache", docs/design.md):
+A full page's key is a hash chain (`docs/design.md`, "Image-aware prefix cache"):
 
     key(page i) = xxh3_128(key(page i-1) ‖ its token ids as int32 ‖ for every image whose
                            tokens overlap the page: the image's 128-bit key and the
                            overlap's start and end relative to the image)
 
 with every variable-length part length-prefixed, so two different inputs never feed the
-hasher the same stream. Image placeholder tokens are all the same id; the image keys
-(computed by the tokenizer worker from the encoded bytes and processor settings; the
-scheduler never hashes pixels) are what tell two images apart. Because a key covers the
-whole prefix, tokens and image grids included, the KV a page holds (M-RoPE positions
-too) is a function of its key, and reusing it is exact.
+hasher the same stream. Because a key covers the whole prefix, tokens and image grids
+included, the KV a page holds (M-RoPE positions too) is a function of its key, and
+reusing it is exact.
 
 `PrefixCache` is the policy on top of `PagePool`, which stores key -> page and evicts:
 at admission `match` finds the longest chain of cached pages over a request's tokens

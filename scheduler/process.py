@@ -1,19 +1,14 @@
-"""The scheduler process: drives the engine from its sockets.
+"""The scheduler process: drives the engine from its sockets (`docs/design.md`, "The
+engine's step" and "Life of an image").
 
     receive → admit (pixels stay in shared memory) → step → send tokens → release pins
 
-Every tokenizer worker pushes `EngineRequest`s and `AbortEngineRequest`s into one PULL
-socket; a worker forwards an abort after the request it aborts, so the two never race.
 An `EngineRequest` becomes the engine's prompt descriptor plus zero-copy views of the
-owning worker's arena, and the engine holds each image's pin (its `ShmPointer`) from then
-on (`scheduler.pixels.PixelStore`). What `Engine.pop_released_pins` hands back after every
-step or abort goes to the owning worker as `ReleaseImages`: an image's pin as soon as the
-request holds its embedding, whatever is left when the request finishes or is aborted.
-
-What goes to the server (tokens, per-request errors, stats) is queued on a `PushThread`:
-its own thread sends it in order, so a step never waits on a slow server and nothing is
-dropped while it catches up. A step that raises fails only its requests (`Engine.step`):
-each gets a 500 `RequestError`, and the loop serves the rest.
+owning worker's arena, whose pins the engine holds from then on (`PixelStore`). What
+`Engine.pop_released_pins` hands back after every step or abort goes to the owning
+worker as `ReleaseImages`. What goes to the server (tokens, per-request errors, stats)
+is queued on a `PushThread`, so a step never waits on a slow server and nothing is
+dropped. A step that raises fails only its requests, each with a 500 `RequestError`.
 """
 
 from __future__ import annotations
@@ -165,12 +160,10 @@ class SchedulerLoop:
             )
 
     def _send_stats(self) -> None:
-        """Gauges for /metrics: sent when they change, at most every 0.2 s while busy,
-        and always once the engine is idle (so a test sees the settled values).
-
-        Encoder timings are buffered until a message actually goes out, so none is lost
-        to the rate limit; they are left out of the change check, and so is device memory
-        (read only for a message that goes out: it changes at every step)."""
+        """Gauges for /metrics: sent when they change, at most every 0.2 s while busy, and always
+        once the engine is idle (so a test sees the settled values). Encoder timings wait for a
+        message that goes out, so none is lost to the rate limit; they are left out of the
+        change check, and so is device memory (it changes at every step)."""
         engine = self.engine
         self._encoder_seconds.extend(engine.drain_encoder_seconds())
         stats = EngineStats(**dataclasses.asdict(engine.stats()), replica=self.replica)

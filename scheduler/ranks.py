@@ -1,5 +1,5 @@
 """Tensor parallelism across processes: the process group, rank 0's per-step message,
-and the follower ranks' loop.
+and the follower ranks' loop (`docs/scale-out.md`, "Tensor parallelism", the step).
 
     rank 0 (the scheduler)                          rank r > 0 (a follower)
     plan → encode images → StepInputs
@@ -8,17 +8,10 @@ and the follower ranks' loop.
     forward ◄──── all-reduce / all-gather ────────► forward
     sample
 
-Rank 0 alone plans, owns the caches (prefix, embedding), reads the workers' shared memory
-and samples; a follower holds its shard of the model, its share of every KV page and the
-page lists of the running sequences, which it keeps as rank 0 tells it (`RankChunk`: the
-pages gained since the step that last named the sequence, or all of them after a
-preemption). Nothing on a follower can drift from rank 0: it decides nothing.
-
-The step message travels over ZMQ rather than a collective so an idle follower waits in
-a poll, never inside a collective with a timeout. The image embeddings of a step (only
-the rows its chunks cover) follow as one `broadcast` over the process group (NCCL on
-GPUs, gloo on CPUs). Vision towers run on rank 0 only: every image is encoded once, by
-the rank whose embedding cache keeps it.
+A follower decides nothing: it keeps the page lists of the running sequences as rank 0
+tells it (`RankChunk`), so nothing on it can drift. The step message travels over ZMQ
+rather than a collective so an idle follower waits in a poll, never inside a collective
+with a timeout.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A request as the scheduler sees it: token ids, image spans, sampling, outputs, status.
 
-Its KV state (pages, progress, prefix keys) is its `PageTable`, written only by the
-planner and the prefix cache (see page_table.py). Everything else a request holds in the
-scheduler has one owner, keyed by request id, that lets go of it (`RequestResources`):
-its KV pages the batch planner, its embedding-cache pins and embeddings in hand the
-encoder manager, its pixels and their shared-memory pins the `PixelStore`, its sampler
-state the model runner."""
+Its KV state is its `PageTable` (page_table.py); everything else it holds in the
+scheduler has one owner that lets go of it (`RequestResources`; `docs/design.md`, "Each
+per-request resource has one owner that releases it").
+"""
 
 from __future__ import annotations
 
@@ -21,11 +19,9 @@ from iris_serve.scheduler.structured_output import GrammarMatcher
 
 
 class RequestResources:
-    """An owner of per-request state in the scheduler. The engine lists every owner once
-    (`Engine._owners`) and calls `release` when a request ends, however it ends (finished,
-    aborted, failed), and `preempt` when the planner preempts it (it is recomputed later
-    from its tokens). A new kind of per-request state is a new owner in that list, not a
-    new release site."""
+    """An owner of per-request state in the scheduler, listed once in `Engine._owners`:
+    `release` when a request ends, however it ends, and `preempt` when the planner preempts
+    it (it is recomputed later from its tokens)."""
 
     def preempt(self, request: Request) -> None:
         """The request was preempted: let go of what its recompute does not need kept

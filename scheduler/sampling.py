@@ -1,14 +1,13 @@
 """The check on sampling parameters (the wire `Sampling`, run as it is) and the batched sampler.
 
 Every request in a step is sampled in one pass over a `[batch, vocab]` logits tensor, in
-vLLM's order: the grammar mask of the rows with structured output, logit bias, min_tokens suppression, repetition penalty (prompt and output
-tokens, as transformers' `RepetitionPenaltyLogitsProcessor`), frequency and presence
-penalties (output tokens, OpenAI's definition; what they read stays on the device between
-steps, `penalties.py`); then greedy rows take the argmax and the
-others go through temperature, top-k, top-p and min-p masks and an exponential-race draw
-(`argmax(p / q)` with `q ~ Exp(1)` is a sample from `p`).
-The race lets a request with a `seed` draw its noise from its own generator, so its
-tokens do not depend on which other requests share the batch.
+vLLM's order: the grammar mask of the rows with structured output, logit bias, min_tokens
+suppression, repetition penalty (prompt and output tokens, as transformers'), frequency
+and presence penalties (output tokens, OpenAI's definition; their state stays on the
+device, `penalties.py`); then greedy rows take the argmax and the others go through
+temperature, top-k, top-p and min-p masks and an exponential-race draw (`argmax(p / q)`
+with `q ~ Exp(1)` is a sample from `p`). The race lets a request with a `seed` draw its
+noise from its own generator, so its tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ from iris_serve.scheduler.structured_output import GrammarMatcher, apply_bitmask
 
 
 def check_sampling(params: Sampling) -> None:
-    """Raises ValueError for parameters the sampler cannot honour.
-
-    The wire type carries no validation of its own: the server validates the API request,
-    and `max_tokens=0` there means "as many as the context allows" until the scheduler
-    fills it in at admission; this is the check the engine applies to what it runs."""
+    """Raises ValueError for parameters the sampler cannot honour: the check the engine applies
+    to what it runs (the wire type has none; `max_tokens=0` from the server means "as many as
+    the context allows" until the scheduler fills it in at admission)."""
     if params.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
     if params.temperature < 0:
@@ -244,10 +241,9 @@ class Sampler:
 def token_logprobs(
     logits: torch.Tensor, wanted: Sequence[int | None]
 ) -> Callable[[torch.Tensor], list[TokenLogprob | None]] | None:
-    """Log-softmax of the rows whose request wants logprobs (`wanted[i]`: how many top
-    tokens, None: none), taken now, before sampling changes `logits`; returns the function
-    that, given the sampled tokens, reads each row's token and top-N in one host transfer
-    (None when no row wants any)."""
+    """Log-softmax of the rows whose request wants logprobs (`wanted[i]`: how many top tokens,
+    None: none), taken before sampling changes `logits`; returns the function that reads
+    each row's sampled token and top-N in one host transfer (None when no row wants any)."""
     rows = [i for i, n in enumerate(wanted) if n is not None]
     if not rows:
         return None

@@ -1,21 +1,18 @@
-"""What a step that raises costs: the requests in it, not the scheduler.
+"""What a step that raises costs: the requests in it, not the scheduler (`docs/design.md`,
+"Bad input is the client's error").
 
-An exception out of the image encoder, the forward or the sampler of one step fails the
-requests that had a chunk in that step (`Engine.step`): each ends with a `FailedRequest`,
-which the scheduler process sends to the server as a 500 `RequestError`. Their pages,
-pins and image state go back as on an abort, and the scheduler goes on with the others.
-
-Two kinds of errors are not isolated this way:
+An exception out of the image encoder, the forward or the sampler of one step ends each
+request that had a chunk in it with a `FailedRequest` (a 500 for its client), releasing
+what it held as on an abort. Not isolated this way:
 
 - `torch.AcceleratorError` (an illegal address, a device-side assert, a launch failure):
   CUDA keeps the context poisoned, so every later step would fail too. It propagates,
-  the scheduler process exits non-zero, and the launcher stops the server (a supervisor
-  restarts it). Serving errors for hours from a dead context is the failure to avoid.
+  the scheduler process exits non-zero and the launcher stops the server, rather than
+  serve errors for hours from a dead context.
 - Anything that is not an `Exception` (KeyboardInterrupt, SystemExit).
 
-`torch.OutOfMemoryError` is recoverable: after the failed step's tensors are gone the
-caching allocator's free blocks go back to the device (`release_device_memory`), so the
-next, smaller, step can allocate them.
+`torch.OutOfMemoryError` is recoverable: once the failed step's tensors are gone the
+caching allocator's free blocks go back to the device (`release_device_memory`).
 """
 
 from __future__ import annotations

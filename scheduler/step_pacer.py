@@ -1,26 +1,23 @@
 """How many prefill tokens a step may carry beside decodes, from measured step times.
 
-A running stream's next token waits for the whole step it is in. A step with decodes
-only takes `decode` seconds; a prefill chunk of `n` tokens beside them adds about
-`n × per_token`. On a GPU a chunk of hundreds of tokens costs little more than a decode
-step; on a CPU prefill is compute-bound, so a long prompt joining in one step makes
-every running stream wait for its whole prefill for one token.
-Capping the prefill of a step that has decodes at
+A running stream's next token waits for the whole step it is in: `decode` seconds for a
+step of decodes only, plus about `n × per_token` for a prefill chunk of `n` tokens beside
+them. On a CPU prefill is compute-bound, so a long prompt joining in one step makes every
+running stream wait for its whole prefill. Capping the prefill of a step with decodes at
 
     (stretch − 1) × decode ÷ per_token
 
-tokens keeps each inter-token latency within about `stretch` × a decode step while the
-prompt goes on in chunks (the token budget of Sarathi-Serve's stall-free batching, sized
-from a latency target by measurement instead of offline profiling). Steps without
-decodes are not capped: no stream waits on them.
+tokens keeps each inter-token latency within about `stretch` × a decode step (the token
+budget of Sarathi-Serve's stall-free batching, sized by measurement instead of offline
+profiling). Steps without decodes are not capped: no stream waits on them.
 
 Both costs are exponential moving averages of the steps' own times, kept per `key` (on
-a CPU the steps' thread count, which changes while the vision encoder shares the cores).
-A key without a decode-only step yet borrows another key's decode time (it varies little
-with the thread count; the prefill cost does). Until a key's prefill cost is measured, a
-step with decodes carries `min_tokens` of prefill, and measures it; a prefill-only step
-measured before any decode step counts its whole time against its tokens (an
-overestimate, so a smaller cap, until decode steps refine it).
+a CPU the steps' thread count, which changes while the encoder shares the cores). A key
+without a decode-only step yet borrows another key's decode time (it varies little with
+the thread count; the prefill cost does). Until a key's prefill cost is measured, a
+step with decodes carries `min_tokens` of prefill; a prefill-only step measured before
+any decode step counts its whole time against its tokens (an overestimate, so a smaller
+cap, until decode steps refine it).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """How much prefill a step carries and on how many cores it runs: the engine's one
-policy, handed to the batch planner (`PrefillPolicy`, batch_planner.py).
-
-It joins two mechanisms:
-
-- `StepPacer` (step_pacer.py): the prefill a step with decodes may carry, from measured
-  step times, so that a joining prompt stretches the running streams' next token by a
-  bounded factor;
-- `CoreSharing` (core_sharing.py): on a CPU under the `thread` placement, the cores
-  split between the steps and the encoder thread; a step's prefill may hold the encoder
-  thread to have every core, and while it waits for that the caps change (decodes go on
-  alone; a step without decodes takes a paced chunk).
+policy, handed to the batch planner (`PrefillPolicy`, batch_planner.py). It joins
+`StepPacer` (step_pacer.py: the prefill a step with decodes may carry, from measured step
+times) and `CoreSharing` (core_sharing.py: on a CPU under the `thread` placement, the
+cores split between the steps and the encoder thread, which a step's prefill may hold;
+while it waits for that the caps change).
 
 The planner asks `caps()` as it starts planning a step and tells `planned(plan)` what it
 planned (the policy then holds or releases the encoder thread and sets the step's

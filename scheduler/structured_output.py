@@ -1,18 +1,15 @@
 """Structured output: a grammar per constrained request, a token mask per step.
 
 A request whose `Sampling.structured` is set gets a `GrammarMatcher` at admission (an
-invalid grammar is refused there, as any bad sampling parameter). Each step, the
-sampler fills one bitmask row per constrained request (`fill_bitmask`) and masks the
-disallowed tokens of those rows only (`apply_bitmask`), so requests without a grammar
-pay nothing; after sampling, the engine advances each matcher by its token. A complete
-grammar allows only EOS, so a constrained request ends as any other, on EOS.
+invalid grammar is refused there). Each step the sampler fills and applies one bitmask
+row per constrained request only (`fill_bitmask`, `apply_bitmask`); after sampling, the
+engine advances each matcher by its token. A complete grammar allows only EOS, so a
+constrained request ends as any other, on EOS.
 
-The engine is llguidance (chosen by measurement against xgrammar,
-`bench/results/grammar_engines.md`): a small wheel with no dependencies where xgrammar
-requires torch and triton (a CPU install would pull GPU packages); its schema
-compilation and per-token masks are negligible next to a forward. Its tokenizer view of
-a Qwen-sized vocabulary takes long to build, so it is built once, in a thread started
-with the engine, and the first constrained request does not stall every running one.
+The engine is llguidance (`bench/results/grammar_engines.md`): a small wheel with no
+dependencies where xgrammar requires torch and triton. Its tokenizer view of a
+Qwen-sized vocabulary takes long to build, so it is built once, in a thread started with
+the engine, and the first constrained request does not stall every running one.
 
 JSON is generated compact (no free whitespace between tokens): a model with random
 weights, or a confused one, cannot loop on whitespace until `max_tokens`.

@@ -1,16 +1,13 @@
-"""The HTTP role: the OpenAI-compatible API (chat completions, completions, models,
-health, metrics), streaming, detokenization, tool calls and structured-output checks.
+"""The HTTP role: the OpenAI-compatible API, streaming, detokenization, tool calls and
+structured-output checks.
 
-Its public surface, the only names the composition root (`launch/`) and the benchmarks
-may import from it (`tests/test_import_boundaries.py` holds that):
+Its public surface (`docs/design.md`, "Packages and seams"), resolved on first use:
 
 - `HttpServerConfig`, `serve_http`: the HTTP process body, run by the launcher once the
   children are ready; `import_http_side`: its heavy imports, done while they start;
 - `AppSettings`: what the API serves (model names, limits, sampling defaults);
 - `sampling_defaults`: `--generation-config`'s defaults, read before start-up so a bad
   value fails at once.
-
-The names resolve on first use (PEP 562), so importing the package loads nothing.
 """
 
 from __future__ import annotations

@@ -3,13 +3,11 @@
     app = create_app(AppSettings(model_path, ("my-model",), max_model_len=4096), client)
     uvicorn.run(app, host=..., port=...)
 
-The app owns HTTP only (docs/design.md, "Processes"): parsing and validation (`server.protocol`), request
-ids, streaming, detokenization and stop strings (`server.serving`), usage, client
-disconnects, and /metrics (`server.metrics`: the client's `MetricsBoard` when it has one,
-fed with the other processes' stats; else a board of the server's own histograms only).
-Images stay URLs; the tokenizer worker fetches and decodes them. When the client has
-`start()`/`close()` (`ZmqEngineClient`; both idempotent), the app's lifespan calls them on
-the server's own event loop.
+The app owns HTTP only (`docs/design.md`, "Processes"). /metrics renders the client's
+`MetricsBoard` when it has one, fed with the other processes' stats, else a board of the
+server's own histograms only. When the client has `start()`/`close()`
+(`ZmqEngineClient`; both idempotent), the app's lifespan calls them on the server's own
+event loop.
 """
 
 from __future__ import annotations
@@ -177,11 +175,9 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
 
 
 class BearerAuth:
-    """401 on /v1/* unless `Authorization: Bearer <api_key>`; other paths stay open.
-
-    A plain ASGI middleware (not `BaseHTTPMiddleware`), so streaming responses and
-    disconnect detection pass through untouched, and it answers before the body is read.
-    """
+    """401 on /v1/* unless `Authorization: Bearer <api_key>`; other paths stay open. A plain
+    ASGI middleware (not `BaseHTTPMiddleware`), so streaming responses and disconnect
+    detection pass through untouched, and it answers before the body is read."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

@@ -1,15 +1,13 @@
 """Token ids to text, incrementally: never half a character, never past a stop string.
 
 `IncrementalDetokenizer` keeps vLLM's two offsets into the ids: text is released up to
-`read`, and each step re-decodes only `ids[prefix:]`, a window that starts where the
-last released text began. Byte-level BPE splits one character over several tokens, so
-while the decoded window ends in U+FFFD (an unfinished UTF-8 sequence) nothing is
-released and the window grows; once the character is whole, both offsets move up. The
-window stays a few tokens long, so a step costs O(1) in the length of the output.
+`read`, and each step re-decodes only `ids[prefix:]`, from where the last released text
+began. While the decoded window ends in U+FFFD (byte-level BPE split a character over
+several tokens) nothing is released and the window grows. The window stays a few tokens
+long, so a step costs O(1) in the length of the output.
 
-`TextStream` adds what the API promises on top: stop strings are cut exactly (the stop
-string and everything after it dropped), and while a stream runs, a tail that could
-still become a stop string is held back, so no client ever sees text past a stop.
+`TextStream` cuts stop strings exactly (the stop string and everything after it dropped)
+and, while a stream runs, holds back a tail that could still become a stop string.
 """
 
 from __future__ import annotations
@@ -61,12 +59,9 @@ class IncrementalDetokenizer:
 
 
 class TextStream:
-    """One completion's text: incremental detokenization plus exact stop strings.
-
-    Feed each engine output to `update`; it returns the text that may be sent now.
-    After a stop string is found `stopped` is True and the text is final: the caller
-    ends the response with finish_reason "stop" and aborts the request in the engine.
-    """
+    """One completion's text: feed each engine output to `update`; it returns the text that may
+    be sent now. Once a stop string is found `stopped` is True and the text is final: the
+    caller ends the response with finish_reason "stop" and aborts the request in the engine."""
 
     def __init__(
         self,

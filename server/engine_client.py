@@ -1,22 +1,12 @@
-"""The server's bridge to the engine: requests out to tokenizer workers, tokens back.
+"""The server's bridge to the engine: requests out to tokenizer workers, tokens back
+(`docs/design.md`, "Processes" and "Life of a request").
 
-    server ──PUSH tokenizer-{i}──► worker i ──► scheduler
-       ▲                                           │
-       └──────────── PULL server ◄─────────────────┘  TokenBatch, RequestError
-
-The server binds one PULL socket (`server`) that the scheduler and every worker
-connect to, and connects one PUSH per worker (`tokenizer-{i}`, bound by the worker).
-
-Routing is cache-affine (`server.image_router`): each worker has its own processor
-cache, so a request with images goes to the worker most of its images were sent to
-before (every turn of a chat, every step of an agent's sliding window of screenshots),
-a new conversation to the worker its first image's hash picks, and a text-only request
-to the worker with the fewest requests in flight. A request's abort goes to the same
-worker, after it on the same socket, so a worker never sees an abort before its
-request. One background task reads the PULL socket and hands each output to its
-request's queue; outputs for requests no longer in flight (finished or aborted) are
-dropped. The gauges the processes send (`EngineStats`, `WorkerStats`)
-land in `metrics`, which the app renders at /metrics.
+The server binds one PULL socket (`server`) that the scheduler and every worker connect
+to, and connects one PUSH per worker (`tokenizer-{i}`, bound by the worker). Routing is
+`server.image_router`'s. A request's abort goes to the same worker, after it on the same
+socket, so it never overtakes its request. One background task reads the PULL socket and
+hands each output to its request's queue; outputs for requests no longer in flight are
+dropped. The gauges (`EngineStats`, `WorkerStats`) land in `metrics`, rendered at /metrics.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure
+(`docs/design.md`, "Bad input is the client's error").
 
 Every route raises `APIError` (or lets FastAPI raise a validation error); the handlers
-installed here turn each into that body, so a client always reads the same shape and
-the server goes on to the next request (docs/design.md, "Bad input is the client's
-error"). Request validation errors are 400s with `param` set to the offending top-level
-field, not FastAPI's default 422.
+installed here turn each into that body. Request validation errors are 400s with `param`
+set to the offending top-level field, not FastAPI's default 422.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The model's own sampling defaults, applied as vLLM applies them.
 
-A checkpoint's `generation_config.json` says how its authors sample it (Qwen2.5-VL-7B-
-Instruct: temperature 0.1, top_k 1, top_p 0.001, repetition_penalty 1.05; Qwen3-VL:
-temperature 0.7, top_k 20, top_p 0.8). vLLM uses them as the defaults of every request
-that does not set the field (`--generation-config auto`, its default); without them a
-real Qwen checkpoint samples differently from vLLM and transformers. `--generation-config
-vllm` ignores the file (the OpenAI defaults: temperature 1, no top-k/top-p, no penalty);
-`--generation-config DIR` reads `DIR/generation_config.json` instead.
+A checkpoint's `generation_config.json` says how its authors sample it (Qwen3-VL:
+temperature 0.7, top_k 20, top_p 0.8). vLLM makes them the defaults of every request
+field left unset (`--generation-config auto`, its default); without them a real Qwen
+checkpoint samples differently from vLLM and transformers. `--generation-config vllm`
+ignores the file (the OpenAI defaults); `--generation-config DIR` reads
+`DIR/generation_config.json` instead.
 """
 
 from __future__ import annotations

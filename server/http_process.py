@@ -1,10 +1,7 @@
 """The HTTP role's process body: connect to the tokenizer workers, serve the OpenAI API
 with uvicorn until told to stop, drain what still runs, and log throughput meanwhile.
-
-The launcher runs it in its own process once every child is ready (`serve_http`), after
-importing the heavy half early (`import_http_side`) so that it overlaps the children's
-start-up. Whether a child has died is the launcher's knowledge: it hands in `dead_child`,
-and a death stops the server with status 1.
+The launcher runs it (`serve_http`) once every child is ready and hands in `dead_child`:
+a child's death stops the server with status 1.
 """
 
 from __future__ import annotations
@@ -103,9 +100,8 @@ async def serve_http(
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's graceful shutdown (stop accepting, let open requests finish), plus: at
-    `timeout` seconds, whatever still runs is aborted in the engine, so every stream ends
-    with a finish reason and `[DONE]` rather than being cut. The first line of a shutdown
-    is Iris's, saying what it waits for."""
+    `timeout` seconds what still runs is aborted in the engine, so every stream ends with a
+    finish reason and `[DONE]` rather than being cut."""
 
     def __init__(self, config: Any, serving: Any, timeout: float) -> None:
         super().__init__(config)

@@ -1,33 +1,24 @@
-"""Which tokenizer worker gets a request: the one that already holds its images.
+"""Which tokenizer worker gets a request (`docs/design.md`, "Life of a request", routing).
 
-Each tokenizer worker has its own processor cache, so a request should go where its
-images were processed before. The server cannot see those caches, but it knows where it
-sent every image: `ImageRouter` keeps a bounded table, image URL hash → the worker it
-last went to, and sends a request to the worker that most of its known images went to.
-That covers both shapes of repeated images:
+Each worker has its own processor cache, which the server cannot see; it knows where it
+sent every image. `ImageRouter` keeps a bounded table, image URL hash → the worker it
+last went to, and sends a request to the worker most of its known images went to. That
+covers a multi-turn chat (every earlier image re-sent, all pointing at one worker) and an
+agent's sliding window of screenshots (the first image changes at every step, the other
+nine point at the last step's worker). A wrong guess costs one preprocessing, never a
+wrong answer.
 
-- a multi-turn chat re-sends every earlier image: all of them point at one worker;
-- an agent's sliding window of screenshots drops the oldest and adds one: the first
-  image changes at every step, but the other nine point at the worker of the last step.
+No image known: the worker the first image's hash picks (even spread, the same after a
+restart). Text only: the fewest requests in flight (ties round-robin). Affinity yields
+when the preferred worker has more than `IMBALANCE_MIN_GAP` requests in flight above the
+least loaded one and more than `IMBALANCE_RATIO` times as many (SGLang's cache-aware
+router's rule).
 
-A request none of whose images is known goes to the worker its first image's hash picks,
-so independent sessions spread evenly, and the choice is the same on every server
-restart. A text-only request goes to the worker with the fewest requests in flight (ties
-round-robin). Affinity yields to balance when it would pile work onto one worker: if the
-preferred worker has more than `IMBALANCE_MIN_GAP` requests in flight above the least
-loaded one and more than `IMBALANCE_RATIO` times as many, the least loaded one gets it
-(the rule of SGLang's cache-aware router).
-
-The table remembers where an image was *sent*, not whether that worker still caches it:
-a wrong guess costs one preprocessing, never a wrong answer.
-
-Image uuids (`uuid` on an image part) are another matter: a worker binds a uuid sent
-with its image's data, and only that worker can serve a later part that sends the uuid
-alone (`tokenizer_worker.image_uuids`). So a second table keeps uuid → the worker its
-data went to, and a request with a uuid-only part known there goes to that worker
-whatever the load (several such parts: the worker most of them name; the others get a
-400 asking for their data). A uuid-only part the router does not know goes where its
-uuid's hash points, which answers the 400 (an unknown uuid).
+Only the worker that bound a uuid (sent with its data) can serve a part that sends the
+uuid alone (`tokenizer_worker.image_uuids`), so a second table keeps uuid → that worker,
+and a request with a known uuid-only part goes there whatever the load (several: the
+worker most of them name; the others get a 400 asking for their data). An unknown one
+goes where its hash points, which answers the 400.
 """
 
 from __future__ import annotations
@@ -167,10 +158,9 @@ def image_urls(messages: list[dict[str, Any]]) -> list[str]:
 
 
 def affinity_hash(url: str) -> int:
-    """A 64-bit hash of an image URL that costs microseconds on the event loop: a long
-    URL (a data: URL of megabytes) is hashed on its first and last
-    `AFFINITY_EDGE_CHARS` characters and its length. Two images that differ only in the
-    middle share a table entry; that costs a cache miss at worst, never correctness."""
+    """A 64-bit hash of an image URL that costs microseconds on the event loop: a long URL
+    (data:) is hashed on its first and last `AFFINITY_EDGE_CHARS` characters and its length.
+    Two images that differ only in the middle share an entry: a cache miss at worst."""
     hasher = xxhash.xxh3_64()
     if len(url) <= 2 * AFFINITY_EDGE_CHARS:
         hasher.update(url.encode("utf-8", "surrogatepass"))

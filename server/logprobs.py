@@ -1,12 +1,9 @@
-"""Logprobs in the two shapes the OpenAI API gives them.
-
-The engine sends, per sampled token, its log-probability under the model and the N most
-likely tokens' (`ipc.TokenLogprob`: log-softmax of the model's logits, before any sampling
-parameter, as vLLM's default `raw_logprobs`). Here they become chat's
-`logprobs.content[{token, logprob, bytes, top_logprobs}]` or completions'
-`logprobs{tokens, token_logprobs, top_logprobs, text_offset}`. A token's text is what it
-decodes to alone, and `bytes` that text's UTF-8 (a token holding part of a multi-byte
-character reads as U+FFFD, whose bytes are not the token's: a known limit).
+"""Logprobs in the two shapes the OpenAI API gives them: chat's
+`logprobs.content[{token, logprob, bytes, top_logprobs}]` and completions'
+`logprobs{tokens, token_logprobs, top_logprobs, text_offset}`, from the engine's
+`ipc.TokenLogprob`s (raw log-softmax, as vLLM's default `raw_logprobs`). A token's text
+is what it decodes to alone, and `bytes` that text's UTF-8 (a token holding part of a
+multi-byte character reads as U+FFFD, whose bytes are not the token's: a known limit).
 """
 
 from __future__ import annotations

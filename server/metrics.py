@@ -3,27 +3,21 @@ the histograms the server observes. Iris's own series are `iris_*`; next to them
 `vllm:*` series a vLLM Grafana dashboard and the Kubernetes inference gateway read, with
 vLLM's names, buckets and meaning (`vllm/v1/metrics/loggers.py`).
 
-The scheduler and every tokenizer worker push `EngineStats` / `WorkerStats` when their
-values change; the board keeps the latest of each, and a collector reads them at
-scrape time, so a scrape never waits on another process. Their counters arrive as
-totals since start and are exposed as they are (worker totals summed across workers):
-nothing is added up here, so nothing is counted twice. Histograms are observed here:
-`iris_mm_encoder_seconds` from the encoder timings each `EngineStats` carries (those
-since the previous one); the per-request ones by the HTTP handlers, the time to first
-token when it arrives (`observe_first_token`), the rest when the request ends with a
-finish reason (`observe_finished`). A request whose client left, or that failed, counts
-in the time to first token only.
+The board keeps the latest `EngineStats` / `WorkerStats` of each process, read by a
+collector at scrape time, so a scrape never waits on another process. Their counters are
+totals since start, exposed as they are (worker totals summed): nothing is added up
+here, so nothing is counted twice. Histograms are observed here: the encoder timings
+each `EngineStats` carries, and per request, by the HTTP handlers, the time to first
+token (`observe_first_token`) and the rest at a finish reason (`observe_finished`); a
+request whose client left, or that failed, counts in the time to first token only.
 
-Every series is labelled `model_name`: the first served name, as /v1/models lists it
-(vLLM's label). With data-parallel replicas (`num_replicas > 1`) every `iris_*` engine
-metric has one sample per replica, labelled `replica="r"`; a single scheduler's carry no
-replica label. The `vllm:*` engine series always carry vLLM's `engine="r"` label
-("0" for a single scheduler). The per-request series are the server's, over all
-replicas: the server does not know which replica ran a request.
-
-`vllm:request_queue_time_seconds` is the scheduler's own figure (from its admission of a
-request to the request's first step), carried by the first output. Not exposed: vLLM's
-prefill, decode and inference times.
+Every series is labelled `model_name` (the first served name, vLLM's label). With
+data-parallel replicas every `iris_*` engine metric has one sample per replica,
+`replica="r"`; a single scheduler's carry none. The `vllm:*` engine series always carry
+vLLM's `engine="r"`. Per-request series cover all replicas: the server does not know
+which replica ran a request. `vllm:request_queue_time_seconds` is the scheduler's own
+figure, carried by the first output; vLLM's prefill, decode and inference times are not
+exposed.
 
 Every board has its own `CollectorRegistry`, so several apps in one process (tests)
 never clash. Before the first stats arrive, every value reads zero.
@@ -241,14 +235,11 @@ class MetricsBoard:
         received: Sequence[tuple[float, int]],
     ) -> None:
         """A request ended with `finish_reason` now: its token counts, its arrival, and
-        `(when, how many tokens)` of each of its outputs that carried tokens (times are
-        `time.perf_counter()`).
+        `(when, how many tokens)` of each of its outputs that carried tokens (`perf_counter`).
 
-        Inter-token latencies: one per token after the first, as vLLM observes one per
-        engine step (Iris's engine samples one token per step). The engine client merges
-        outputs that queued up while the server was busy, so an output of k tokens
-        splits its gap from the previous output into k equal latencies (the sum stays
-        exact); tokens that came with the first token count 0."""
+        One inter-token latency per token after the first, as vLLM observes one per engine step.
+        An output of k tokens (merged while the server was busy) splits its gap from the previous
+        output into k equal latencies; tokens that came with the first token count 0."""
         series = self.observed
         series.success.labels(self.model_name, finish_reason).inc()
         series.e2e.observe(time.perf_counter() - arrival)

@@ -1,11 +1,9 @@
 """A request's output constraint: `response_format`, vLLM's `structured_outputs` (and its
-older `guided_*` spellings) or a `required`/named tool choice → one `StructuredOutput`
-for the scheduler's grammar, checked here so that a constraint that cannot compile is a
-400 naming its field before the request costs anything.
-
-One constraint per request: two fields that both constrain the output are refused rather
+older `guided_*` spellings) or a `required`/named tool choice → one `StructuredOutput`,
+checked here so that a constraint that cannot compile is a 400 naming its field before
+the request costs anything. Two fields that both constrain the output are refused rather
 than one silently winning. `strict` in a json_schema changes nothing: every schema is
-enforced. JSON comes out compact (no whitespace between tokens).
+enforced.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ text as it is generated and turns it into OpenAI chat deltas:
 - a block whose JSON does not start with its name is held until it closes, then sent
   whole (or as content, when it is not a call at all); a call without arguments gets `{}`.
 
-A non-streamed answer is the same parser fed the whole text at once (`parse_tool_calls`),
+A non-streamed answer is the same parser fed the whole text at once,
 so a streamed answer and a non-streamed one can never disagree (the tests feed every
 split). A block cut off by `max_tokens` stays a call with what was written of its
 arguments (none, if they had not begun), as OpenAI returns it with `finish_reason:
@@ -378,14 +378,6 @@ class _JsonValue:
             self.sent = self.pos
             return str(json.loads(text[self.start : self.pos]))
         return ""
-
-
-def parse_tool_calls(text: str) -> ParsedAnswer:
-    """A whole answer's content and tool calls: the streaming parser fed it at once."""
-    parser = HermesParser()
-    parser.feed(text)
-    parser.finish()
-    return parser.answer()
 
 
 def _end_of_block(text: str, start: int) -> int:

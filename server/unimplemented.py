@@ -1,14 +1,12 @@
 """Request fields Iris knows but does not implement yet: never silently ignored.
 
-An agent that sends `tools`, `response_format` or `logprobs` and gets a 200 without
-their effect is broken without knowing it. Each field below changes the answer when set;
-a request may carry it only at the value that changes nothing (what clients send by
-default: `null`, `false`, `0`, `[]`, `{"type": "text"}`, ...). Any other value is a 400
-naming the field (`error.param`), as pydantic reports a bad value of a known field.
-Unknown vendor fields stay ignored, as vLLM does, and so do known fields that change
-nothing in the answer (`user`, `safety_identifier`, `metadata`, `store`, `service_tier`,
-`prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options`: Iris's prefix cache
-needs no hint).
+An agent that sends such a field and gets a 200 without its effect is broken without
+knowing it. Each field below changes the answer when set; a request may carry it only at
+the value that changes nothing (what clients send by default: `null`, `false`, `0`, `[]`,
+...). Any other value is a 400 naming the field (`error.param`). Unknown vendor fields
+stay ignored, as vLLM does, and so do known fields that change nothing in the answer
+(`user`, `safety_identifier`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
+`prompt_cache_retention`, `prompt_cache_options`: Iris's prefix cache needs no hint).
 
 The bodies inherit these as declared fields (`refusing_base`), so they appear in the
 OpenAPI schema and in one table here, not as checks spread over the handlers.

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.models.loader import iter_checkpoint
 
 
 @functools.lru_cache(maxsize=4)
@@ -148,3 +151,41 @@ def assert_parity(
     for i, (prompt, got) in enumerate(zip(prompts, outputs, strict=True)):
         expected = reference_tokens(model_dir, prompt, max_new)
         assert got == expected, f"prompt {i}: Iris {got} != transformers {expected}"
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields `(name, tensor)` for every tensor of the checkpoint, on the CPU, as stored."""
+    for name, tensor in iter_checkpoint(model_dir):
+        yield name, tensor.load()
+
+
+class SingleSequenceAttention:
+    """No cache: full causal attention over the tokens given, for the model tests.
+
+    By default all N tokens are one sequence. `seq_lens` splits the flat batch into
+    several independent sequences (each causal over itself only).
+    """
+
+    def __init__(self, seq_lens: Sequence[int] | None = None) -> None:
+        self.seq_lens = list(seq_lens) if seq_lens is not None else None
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        if self.seq_lens is None:
+            return _causal(q, k, v)
+        if sum(self.seq_lens) != q.shape[0]:
+            raise ValueError(f"seq_lens sum to {sum(self.seq_lens)}, got {q.shape[0]} tokens")
+        parts = zip(
+            q.split(self.seq_lens), k.split(self.seq_lens), v.split(self.seq_lens), strict=True
+        )
+        return torch.cat([_causal(*part) for part in parts])
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # [N, heads, D] -> [1, heads, N, D]: the fused SDPA kernels take 4-D inputs only
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        qs, ks, vs, is_causal=True, scale=q.shape[-1] ** -0.5, enable_gqa=k.shape[1] != q.shape[1]
+    )
+    return out[0].transpose(0, 1)

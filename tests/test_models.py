@@ -22,12 +22,11 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import save_file
 
-from iris_serve.scheduler.models.attention_api import SingleSequenceAttention
 from iris_serve.scheduler.models.layers import SegmentPlan
-from iris_serve.scheduler.models.loader import iter_safetensors
-from iris_serve.scheduler.models.mrope import mrope_positions, text_positions
+from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.scheduler.models.registry import ARCHITECTURES, load_model
 from iris_serve.scheduler.models.vision_qwen2_5 import window_order
+from tests.reference import SingleSequenceAttention, iter_safetensors
 
 torch.set_num_threads(2)
 
@@ -37,6 +36,12 @@ ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 # Measured max-abs-diff vs transformers is ~2e-5 on values up to ~14 (fp32 rounding: fused
 # q/k/v and gate/up matmuls, the patch conv as a matmul); a real bug is off by O(1).
 TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def text_positions(start: int, count: int, rope_delta: int = 0) -> torch.Tensor:
+    """M-RoPE positions `[3, count]` of text tokens `start ..` after the prompt's images:
+    `index + rope_delta` on every axis."""
+    return torch.arange(start + rope_delta, start + rope_delta + count).repeat(3, 1)
 
 
 def _hf_model(model_dir: Path):

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from iris_serve.scheduler.models import moe
 from iris_serve.scheduler.models.config import VLModelConfig
-from iris_serve.scheduler.models.loader import iter_safetensors
 from iris_serve.scheduler.models.registry import load_model
+from tests.reference import SingleSequenceAttention, iter_safetensors
 
 torch.set_num_threads(2)
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -109,8 +109,6 @@ def _per_expert(name: str, tensor: torch.Tensor):
 
 
 def _logits(model_dir: Path) -> torch.Tensor:
-    from iris_serve.scheduler.models.attention_api import SingleSequenceAttention
-
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     tokens = torch.arange(60)
     with torch.no_grad():

@@ -10,9 +10,18 @@ import random
 
 import pytest
 
-from iris_serve.server.tool_parser import CallArrayParser, HermesParser, parse_tool_calls
+from iris_serve.server.tool_parser import CallArrayParser, HermesParser, ParsedAnswer
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def parse_tool_calls(text: str) -> ParsedAnswer:
+    """A whole answer's content and tool calls: the streaming parser fed it at once."""
+    parser = HermesParser()
+    parser.feed(text)
+    parser.finish()
+    return parser.answer()
+
 
 # (model output, expected content, expected [(name, arguments)])
 CASES = [

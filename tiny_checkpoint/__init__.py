@@ -1,9 +1,6 @@
-"""Deterministic random-weight Qwen2-VL / 2.5-VL / 3-VL checkpoints in the Hugging Face layout.
-
-These machines reach no model hub, so tests and the default `iris serve` load checkpoints
-written here through the same `from_pretrained`-style code that loads a real one. Every file
-is written by transformers itself (model/config/generation config, tokenizer, image
-processor) except `iris_tiny_checkpoint.json`, a stamp of the arguments; only the sizes, the
+"""Deterministic random-weight Qwen2-VL / 2.5-VL / 3-VL checkpoints in the Hugging Face layout
+(`docs/design.md`, "Models without a hub"). Every file is written by transformers itself
+except `iris_tiny_checkpoint.json`, a stamp of the arguments; only the sizes, the
 tokenizer's vocabulary and the init std are ours.
 
 Sizes (see `configs.SHAPES`): `tiny` (text 64 wide x 2 layers, 4 heads / 2 KV heads,
@@ -12,11 +9,7 @@ head_dim 16, ViT 32 wide x 3 blocks; 0.3-0.4M parameters) and `small` (text 512 
 Qwen2-VL and Qwen3-VL checkpoints tie lm_head to the input embeddings; Qwen2.5-VL ones do
 not. Qwen3-VL ones have 2 (tiny) or 3 (small) DeepStack levels; Qwen3-VL-MoE ones are
 Qwen3-VL with routed experts (tiny: 8 experts, top-2, in layer 0 of 2; small: 16, top-4,
-in every layer) and an untied lm_head.
-
-Real-size checkpoints (`iris tiny-model --like Qwen2.5-VL-7B-Instruct`: the published
-config.json, random bf16 weights streamed into 4 GB shards, this tokenizer padded so its
-special tokens sit at Qwen's ids) are written by `like.py`.
+in every layer) and an untied lm_head. Real-size checkpoints (`--like`) are `like.py`'s.
 
 Heavy imports (torch, transformers) happen inside the functions, so importing this package
 for its CLI entry point is cheap.
@@ -64,11 +57,9 @@ def generate_checkpoint(
 ) -> Path:
     """Write a random-weight checkpoint of `arch` (one of `ARCHS`) into `out_dir`.
 
-    Same arguments give byte-identical files (for a given torch/transformers/tokenizers
-    version). Weights are drawn in float32 under `torch.manual_seed(seed)` and then cast to
-    `dtype`, so the bf16/fp16 checkpoints are roundings of the fp32 one. `max_shard_size`
-    (e.g. "200KB") writes shards plus model.safetensors.index.json, as hub repos do.
-    """
+    Same arguments give byte-identical files (for given library versions). Weights are drawn
+    in float32 under `torch.manual_seed(seed)`, then cast to `dtype`. `max_shard_size`
+    (e.g. "200KB") writes shards plus model.safetensors.index.json, as hub repos do."""
     import torch
     from transformers import GenerationConfig
 
@@ -148,11 +139,9 @@ def builtin_checkpoint(
     """Path of the seed-0 fp32 checkpoint of `arch`/`size`, generated on first use;
     `progress` hears where and how long when it is generated (nothing when it is cached).
 
-    Generation goes to a temporary folder next to the target and is renamed into place, so a
-    crash never leaves a half-written checkpoint and concurrent callers (e.g. pytest-xdist
-    workers) each end up with a complete one. A cache written by an older generator version
-    is replaced.
-    """
+    Generation goes to a temporary folder renamed into place, so a crash never leaves a
+    half-written checkpoint and concurrent callers (pytest-xdist workers) each end up with a
+    complete one. A cache written by an older generator version is replaced."""
     root = cache_root()
     target = root / f"{arch}-{size}-seed0"
     expected = {"arch": arch, "size": size, "seed": 0, "dtype": "float32"}
@@ -190,10 +179,7 @@ def _stamp_matches(path: Path, expected: dict[str, object]) -> bool:
 
 
 def reference_processor(model_dir: str | Path) -> ProcessorMixin:
-    """transformers' Qwen2(.5)-VL processor for `model_dir`, with video_processor=None.
-
-    See `tiny_checkpoint.processor.reference_processor` for why and how.
-    """
+    """transformers' processor for `model_dir`, without video (`processor.reference_processor`)."""
     from .processor import reference_processor as _reference_processor
 
     return _reference_processor(model_dir)

@@ -111,11 +111,9 @@ TIE_WORD_EMBEDDINGS = {
 
 
 def mrope_section(head_dim: int) -> list[int]:
-    """Split head_dim/2 rotary frequencies into (temporal, height, width) like Qwen (1:1.5:1.5).
-
-    transformers does not check that the sections sum to head_dim/2; a wrong sum silently
-    rotates the wrong channels.
-    """
+    """Split head_dim/2 rotary frequencies into (temporal, height, width) like Qwen (1:1.5:1.5);
+    transformers does not check that they sum to head_dim/2, and a wrong sum silently
+    rotates the wrong channels."""
     half = head_dim // 2
     t = half // 4
     h = (half - t) // 2

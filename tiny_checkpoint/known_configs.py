@@ -1,20 +1,18 @@
 """The config.json of each known Qwen-VL checkpoint, for `iris tiny-model --like NAME`.
 
-Data, not code. Source: the `config.json` published in each Hugging Face repository
-`Qwen/<NAME>` (hub layout: text keys at the top level, `rope_scaling` of type mrope),
-written down from those files without `transformers_version`. These machines reach no hub,
-so they were not re-downloaded to diff; tests/test_like_checkpoint.py cross-checks them.
+Data, not code: the `config.json` published in each Hugging Face repository `Qwen/<NAME>`
+(hub layout: text keys at the top level, `rope_scaling` of type mrope), without
+`transformers_version`; tests/test_like_checkpoint.py cross-checks them.
 
-Shipped facts worth knowing: the 2B and 3B tie `lm_head` to the embeddings, the 7B and 32B
-do not; the 7B and 32B pad the vocabulary to 152064, the 2B and 3B to 151936 (the tokenizer
+Facts worth knowing: the 2B and 3B tie `lm_head` to the embeddings, the 7B and 32B do
+not; the 7B and 32B pad the vocabulary to 152064, the 2B and 3B to 151936 (the tokenizer
 has 151657 / 151665 entries either way); Qwen2-VL's vision `hidden_size` is the merger's
 output (the LM width), Qwen2.5-VL's is the ViT width with `out_hidden_size` the merger's.
 
 Qwen3-VL's files use the nested layout (`text_config`, `vision_config`; rope under
-`text_config.rope_scaling` with `rope_theta` beside it, as transformers 4.57 wrote them).
-They were taken from third-party copies of the hub files (TensorRT-LLM's and others' test
-configs), not the hub itself. The 8B does
-not tie lm_head; the 30B-A3B routes every layer through 128 experts, top-8.
+`text_config.rope_scaling` with `rope_theta` beside it, as transformers 4.57 wrote them),
+taken from third-party copies of the hub files (TensorRT-LLM's and others' test configs).
+The 8B does not tie lm_head; the 30B-A3B routes every layer through 128 experts, top-8.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """Real-size random checkpoints: `iris tiny-model --like Qwen2.5-VL-7B-Instruct`.
 
-The config.json is the published one (`known_configs.KNOWN_CONFIGS`, hub layout), the
-weights are random and streamed to safetensors shards (`shards.py`), the tokenizer, chat
-template and image processor are the tiny checkpoint's. The tokenizer's vocabulary is padded
-so that its special tokens sit at Qwen's real ids (<|endoftext|> 151643 ... <|video_pad|>
-151656), the ids the config names; nothing in config.json is changed to fit the tokenizer.
+The config.json is the published one (`known_configs.KNOWN_CONFIGS`), the weights random
+and streamed to shards (`shards.py`), the tokenizer, chat template and image processor
+the tiny checkpoint's, with the vocabulary padded so that the special tokens sit at
+Qwen's real ids, the ids the config names.
 
 Tensor names and shapes come from transformers' own model class built on the meta device,
 in the hub's layout (Qwen2/2.5-VL: renamed to `model.layers.*`, `visual.*`; Qwen3-VL keeps
 `model.language_model.*`; Qwen3-VL-MoE's fused experts transposed to the hub's `[E, H, 2I]`
 and `[E, I, H]`), so transformers and Iris's loader read the files exactly as they read a
-downloaded checkpoint.
-
-`num_layers` / `vision_depth` shrink the depth for quick checks; such a checkpoint is no
-longer the named config (the stamp file says `"exact": false`).
+downloaded checkpoint. `num_layers` / `vision_depth` shrink the depth for quick checks
+(the stamp file then says `"exact": false`).
 """
 
 from __future__ import annotations

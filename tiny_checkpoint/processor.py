@@ -23,9 +23,8 @@ PROCESSOR_CLASSES: dict[str, type[ProcessorMixin]] = {
     "qwen3_vl_moe": Qwen3VLProcessor,
 }
 
-# Qwen3-VL's published preprocessor_config.json: 16-px patches (resize factor 32), mean and
-# std 0.5, 256x256 to 4096x4096 px. The tiny checkpoints keep the settings and scale the
-# pixel bounds down (64x64 to 1024x1024 px: 4 to 1024 tokens) so test images stay cheap.
+# Qwen3-VL's published settings (16-px patches, mean and std 0.5), with the pixel bounds
+# scaled down (64x64 to 1024x1024 px: 4 to 1024 tokens) so test images stay cheap.
 QWEN3_VL_IMAGE_PROCESSOR = {
     "patch_size": 16,
     "temporal_patch_size": 2,
@@ -41,20 +40,16 @@ QWEN3_VL_PUBLISHED_SIZE = {"shortest_edge": 256 * 256, "longest_edge": 4096 * 40
 
 
 def save_image_processor(out_dir: Path, arch: str = "qwen2_vl", published: bool = False) -> None:
-    """Write preprocessor_config.json the way transformers writes it (transformers' defaults).
+    """Write preprocessor_config.json the way transformers writes it (transformers' defaults,
+    which cap an image at 1003520 px; real Qwen2-VL checkpoints ship max_pixels=12845056).
 
-    The PIL backend needs no torchvision and serialises exactly like the torchvision one
-    (`image_processor_type: Qwen2VLImageProcessor`), so a machine with torchvision loads the
-    fast processor from the same file. transformers' defaults cap an image at 1003520 px
-    (1280 tokens); real Qwen2-VL checkpoints ship max_pixels=12845056.
+    The PIL backend needs no torchvision and serialises exactly like the torchvision one, so
+    a machine with torchvision loads the fast processor from the same file. The hub layout,
+    not transformers 5's processor_config.json: that one nests the video processor's
+    settings, which cannot be produced without torchvision, and a null entry there would
+    break `AutoProcessor` on machines that have torchvision.
 
-    We write the hub layout (preprocessor_config.json) rather than the processor_config.json
-    that transformers 5's `Qwen2VLProcessor.save_pretrained` would: that file nests the video
-    processor's settings too, which cannot be produced without torchvision, and a null entry
-    there would break `AutoProcessor` on machines that do have torchvision.
-
-    `published`: Qwen3-VL's real pixel bounds rather than the tiny checkpoints' scaled-down
-    ones (the Qwen2 families use transformers' defaults either way).
+    `published`: Qwen3-VL's real pixel bounds rather than the tiny checkpoints' ones.
     """
     settings: dict[str, object] = {}
     if arch.startswith("qwen3_vl"):
@@ -77,16 +72,13 @@ def _image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
 
 
 def reference_processor(model_dir: str | Path) -> ProcessorMixin:
-    """transformers' own Qwen2-VL / 2.5-VL / 3-VL processor for `model_dir`, without video.
+    """transformers' own Qwen2-VL / 2.5-VL / 3-VL processor for `model_dir`, without video:
+    the reference the tokenizer worker's output is compared against.
 
-    The reference that the tokenizer worker's output is compared against. `AutoProcessor`
-    cannot build these processors without torchvision (the video processor requires it), so
-    this builds the processor class directly from `AutoTokenizer` + `AutoImageProcessor` with
-    `video_processor=None`. `ProcessorMixin.__init__` type-checks every sub-processor and
-    rejects `None`; the returned object is an instance of a one-method subclass that lets
-    exactly that argument be `None`. Everything else (text expansion of `<|image_pad|>`,
-    pixel values, grids, chat template) is transformers' unchanged code; passing `videos=`
-    fails.
+    `AutoProcessor` cannot build it without torchvision (the video processor needs it), so
+    the class is built from `AutoTokenizer` + `AutoImageProcessor` with
+    `video_processor=None`, as a subclass whose type check lets exactly that be `None`.
+    Everything else is transformers' unchanged code; passing `videos=` fails.
     """
     model_dir = Path(model_dir)
     model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["model_type"]

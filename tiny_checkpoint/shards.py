@@ -1,12 +1,10 @@
 """Streaming safetensors shards: random tensors written one slice at a time.
 
-A real-size checkpoint (16 GB for a 7B in bf16) never exists in memory: the header of each
-shard is computed from the shapes alone, then every tensor is drawn in slices of at most
-`CHUNK_ELEMENTS` values and appended. Peak memory is one slice, whatever the model.
-
-Each tensor has its own generator, seeded from (seed, name), so a tensor's values do not
-depend on which other tensors are written (a depth-shrunk checkpoint's layer 0 is the full
-one's layer 0) nor on the shard layout.
+A real-size checkpoint never exists in memory: each shard's header is computed from the
+shapes alone, then every tensor is drawn in slices of at most `CHUNK_ELEMENTS` values and
+appended. Each tensor has its own generator, seeded from (seed, name), so its values do
+not depend on which other tensors are written (a depth-shrunk checkpoint's layer 0 is the
+full one's) nor on the shard layout.
 """
 
 from __future__ import annotations
@@ -65,10 +63,8 @@ def write_sharded(
     progress: Callable[[str], None] | None = None,
     device: str = "cpu",
 ) -> Path:
-    """Writes `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`.
-
-    `device` draws the random values there ("cuda" is many times faster than a CPU core);
-    each device's generator gives different values for the same seed."""
+    """Writes `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`. `device`
+    draws the random values there; each device's generator gives other values for one seed."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards = plan_shards(specs, itemsize, max_shard_bytes)
     weight_map: dict[str, str] = {}

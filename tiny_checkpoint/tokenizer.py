@@ -96,13 +96,10 @@ def _train_bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
 def build_tokenizer(
     processor_class: str | None = None, first_special_id: int = BPE_VOCAB_SIZE
 ) -> Qwen2Tokenizer:
-    """The tiny tokenizer as a transformers `Qwen2Tokenizer`, chat template attached.
-
-    `processor_class` is recorded in tokenizer_config.json, as `ProcessorMixin.save_pretrained`
-    does for real Qwen-VL checkpoints. `first_special_id` places the special tokens where a
-    real-size config expects them (151643 for Qwen's, `REAL_FIRST_SPECIAL_ID`): the BPE
-    vocabulary is padded with filler entries up to that id (see `filler_tokens`).
-    """
+    """The tiny tokenizer as a transformers `Qwen2Tokenizer`, chat template attached, with
+    `processor_class` recorded in tokenizer_config.json as real Qwen-VL checkpoints have it.
+    `first_special_id` places the special tokens where a real-size config expects them
+    (`REAL_FIRST_SPECIAL_ID`), padding the vocabulary with `filler_tokens` up to it."""
     vocab, merges = _train_bpe()
     vocab = {**vocab, **filler_tokens(vocab, first_special_id)}
     # Qwen2Tokenizer registers its special tokens in the order eos/unk/pad, then the extra
@@ -133,12 +130,9 @@ def build_tokenizer(
 
 
 def filler_tokens(vocab: dict[str, int], first_special_id: int) -> dict[str, int]:
-    """Vocabulary entries `len(vocab) .. first_special_id - 1`, none of them reachable.
-
-    Each is a space plus a made-up four-letter word ("Ġaaab" decodes to " aaab"), about as long
-    as a real token, so text decoded from a random real-size model reads like words. No merge
-    produces them, so encoding never yields one; they exist only to be decoded.
-    """
+    """Vocabulary entries `len(vocab) .. first_special_id - 1`: a space plus a made-up
+    four-letter word ("Ġaaab" decodes to " aaab"), so text decoded from a random real-size
+    model reads like words. No merge produces them: they exist only to be decoded."""
     fillers: dict[str, int] = {}
     words = ("".join(letters) for letters in itertools.product(string.ascii_lowercase, repeat=4))
     while len(vocab) + len(fillers) < first_special_id:

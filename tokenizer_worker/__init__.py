@@ -1,8 +1,7 @@
 """The tokenizer worker role: from a request's content to token ids and pixels in its
-shared-memory arena (chat template, media, image keys, the HF processor and its cache).
+shared-memory arena.
 
-Its public surface, the only names the composition root (`launch/`) and the benchmarks
-may import from it (`tests/test_import_boundaries.py` holds that):
+Its public surface (`docs/design.md`, "Packages and seams"), resolved on first use:
 
 - `WorkerConfig`: one worker's settings; `iris serve` derives its flags from the fields;
 - `run_worker`: the worker process, started by the launcher;
@@ -10,8 +9,6 @@ may import from it (`tests/test_import_boundaries.py` holds that):
   placeholders expanded), which `iris generate` composes with the scheduler's engine;
 - `load_image`: image bytes to the RGB picture the prompt path takes, as the worker
   decodes them (`bench.compute_bound` times it).
-
-The names resolve on first use (PEP 562), so importing the package loads nothing.
 """
 
 from __future__ import annotations

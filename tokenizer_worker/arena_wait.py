@@ -1,14 +1,13 @@
 """The requests waiting for room in a full arena: backpressure instead of a 503.
 
-A request whose images find the arena full of entries pinned by the requests in flight
-waits here, holding nothing: its own pins are dropped at once (their entries stay
-cached), so two waiting requests can never each hold part of the room the other needs.
-When the scheduler releases pins, the oldest waiting request is tried again from the
-start (the images it had already processed are cache hits, unless evicted meanwhile),
-then the next while they fit; one that still finds no room keeps its place and its
-deadline, and those behind it keep waiting, so a large request is not starved by the
-smaller ones queued after it. New requests are tried at once, whatever waits. A request
-still waiting at its deadline gets a 503; an abort drops it without an answer.
+A request whose images find the arena full of pinned entries waits here, holding nothing:
+its own pins are dropped at once (their entries stay cached), so two waiting requests can
+never each hold part of the room the other needs. When pins come back, the oldest waiting
+request is tried again from the start (its images so far are cache hits, unless
+evicted), then the next while they fit; one that still finds no room keeps its place and
+its deadline, and those behind it wait too, so a large request is not starved by smaller
+ones. New requests are tried at once. At its deadline a request gets a 503; an abort
+drops it without an answer.
 """
 
 from __future__ import annotations

@@ -5,12 +5,11 @@ worker rely on. Roles: system, developer (rendered as system), user, assistant. 
 a string, or a list of parts `{"type": "text", "text": ...}`,
 `{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (or the URL as a plain
 string) and `{"type": "image", "image": url}`. Each image part becomes the template's
-`{"type": "image"}` placeholder; `detail` is accepted and ignored (the processor's
-min/max pixels decide the resolution). An image part may carry a `uuid` (see
-image_uuids.py), and with one needs no URL (`"image_url": null`). An `image_embeds`
-part (image_embeds.py) is an image given by its embeddings; its data stay unread here. An assistant message's `tool_calls` keep their
-OpenAI shape with `arguments` decoded from its JSON string into an object, as Qwen's
-templates expect (they `tojson` it: a string would come out encoded twice).
+`{"type": "image"}` placeholder; `detail` is ignored (the processor's min/max pixels
+decide the resolution). An image part may carry a `uuid` (image_uuids.py), and with one
+needs no URL; an `image_embeds` part's data stay unread here. An assistant message's
+`tool_calls` keep their OpenAI shape with `arguments` decoded from its JSON string, as
+Qwen's templates expect (they `tojson` it: a string would come out encoded twice).
 """
 
 from __future__ import annotations
@@ -51,9 +50,8 @@ class ChatError(ValueError):
 @dataclass(frozen=True)
 class ImagePart:
     """One image part: its URL, the client's id, and where it is (`messages[i].content[j]`,
-    the `param` of an error about it). An `image_embeds` part has `embeds` (its
-    embeddings and grid, unchecked) instead of a URL; a part with neither is named by
-    its uuid alone."""
+    the `param` of an error about it). An `image_embeds` part has `embeds` (unchecked)
+    instead of a URL; a part with neither is named by its uuid alone."""
 
     url: str | None
     uuid: str | None

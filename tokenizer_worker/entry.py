@@ -1,10 +1,5 @@
-"""The tokenizer worker's process entry point, light to import.
-
-The launcher hands it to `multiprocessing` (spawn), which pickles a target by its
-module's name, so the launcher imports the module that defines it. Here that costs
-nothing: the worker (transformers' processors, torch; seconds of a core) is imported
-inside the spawned process only, so the launcher starts every child at once and the
-children's imports overlap instead of following the launcher's own.
+"""The tokenizer worker's process entry point, light to import (as `scheduler.entry`: the
+worker's transformers and torch are imported inside the spawned process only).
 """
 
 from __future__ import annotations

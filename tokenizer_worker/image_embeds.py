@@ -8,14 +8,11 @@ one tensor `[tokens, width]` saved by `torch.save` (read with `weights_only=True
 pickled code runs), by safetensors (the file's one tensor) or by numpy (`.npy`, no
 pickles); float16, bfloat16 or float32.
 
-Checked here, on the bytes the client sent: the size (`--max-image-bytes`' bound), the
-format, the grid (one frame, sides that the patch merger divides) and that the tensor
-has the grid's `t·h·w / merge²` rows. The width is the scheduler's to check, as the
-model's knowledge: the LLM's hidden size, times 1 + the DeepStack levels for Qwen3-VL
-(the main embedding and each level's, concatenated, as the vision tower returns them).
-The tensor goes to the scheduler through the arena like pixels (never over ZMQ), and
-enters the embedding cache there under its key: xxh3 of the tensor's bytes, its dtype,
-shape and grid, kept apart from every pixel key.
+Checked here: the size (`--max-image-bytes`' bound), the format, the grid (one frame,
+sides that the patch merger divides) and that the tensor has the grid's
+`t·h·w / merge²` rows. The width is the scheduler's to check (the LLM's hidden size,
+times 1 + the DeepStack levels for Qwen3-VL). The tensor travels through the arena like
+pixels, keyed by xxh3 of its bytes, dtype, shape and grid, apart from every pixel key.
 """
 
 from __future__ import annotations

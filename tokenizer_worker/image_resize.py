@@ -1,15 +1,11 @@
 """An image converted and resized exactly as the checkpoint's image processor does it,
 kept as uint8: what the worker stores in its arena.
 
-The Qwen-VL processors turn an image into `pixel_values` in four steps: convert to RGB
-(transparency composited onto white), resize (bicubic, PIL, to a multiple of
-patch × merge pixels within min/max pixels), rescale and normalise (float32), patchify
-(float32 rows of C·T·P·P, the frame repeated T times). Only the first two depend on the
-image's content in a way that needs PIL; they run here, on uint8. The last two are a
-per-channel lookup and a reshape, done by the scheduler on the device right before the
-vision tower (`scheduler.patches`). The uint8 image is 3 bytes per pixel, against the
-processor's 4·T·P·P / (P·P) = 24 bytes per pixel (T = 2), and together the two halves
-reproduce the processor's `pixel_values` bit for bit (tests/test_patches.py).
+Of the Qwen-VL processors' four steps (convert to RGB, transparency composited onto
+white; resize, bicubic, to a multiple of patch × merge pixels within min/max pixels;
+rescale and normalise; patchify) only the first two need PIL; they run here. The last
+two run on the device (`scheduler.patches`), and together the two halves reproduce the
+processor's `pixel_values` bit for bit (tests/test_patches.py).
 
 The processor is transformers' PIL backend (`backend="pil"`), on every machine: the
 torchvision backend resizes differently, and which one `AutoImageProcessor` picks

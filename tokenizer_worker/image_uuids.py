@@ -1,25 +1,20 @@
 """Client-supplied image ids (`uuid` on an image part, vLLM's field): send once, name later.
 
-An image part sent with its data and a uuid binds the uuid to what the worker needs to
-rebuild the prompt without the bytes: the image key, the grid and the token count. A
-later part with the uuid and no data is served from the caches: the processor cache if
-the arena still holds the pixels, else the scheduler's embedding cache (the worker
-sends the image without pixels, and the scheduler refuses it with a 400 if it holds no
-embedding either). A part with a uuid nobody bound is a 400 asking to resend the data.
+A part sent with its data and a uuid binds the uuid to the image key, the grid and the
+token count. A later part with the uuid and no data is served from the processor cache
+if the arena still holds the pixels, else without pixels (the scheduler's embedding
+cache must hold it, or refuses it with a 400). A uuid nobody bound is a 400 asking to
+resend the data.
 
-Trust. vLLM uses the uuid itself as the cache key, so a client that sends two different
-images under one uuid gets the first one's embedding for the second. Iris still hashes
-the bytes whenever they come (xxh3 runs at memory speed, a millisecond for megabytes,
-against tens of milliseconds to decode the image): the uuid is only an alias of the
-content key. Two uuids of the same bytes share every cache entry, a uuid re-sent with
-other bytes is re-bound to them (the later data wins), and no client can make the
-server answer from an image it never sent.
+The uuid is only an alias of the content key (`docs/design.md`, "Hash once, early, on
+the cheapest bytes"), unlike vLLM's, which is the key itself: two uuids of the same bytes
+share every cache entry, a uuid re-sent with other bytes is re-bound to them, and no
+client can make the server answer from an image it never sent.
 
 A binding holds for the size bounds it was made under (`min_pixels`/`max_pixels` change
 the key and the grid): the map is keyed by (uuid, size). It lives in the worker that
-processed the image (the server routes a uuid to the worker it was sent to,
-`server.image_router`) and is bounded: least recently used bindings go first past
-`capacity` (about 200 bytes each).
+processed the image (`server.image_router` routes the uuid there) and is bounded: least
+recently used bindings go first past `capacity` (about 200 bytes each).
 """
 
 from __future__ import annotations

@@ -7,14 +7,12 @@ Sockets, all `ipc_address(run_dir, name)`:
     PUSH connect  scheduler        EngineRequest / AbortEngineRequest
     PUSH connect  server           RequestError, WorkerStats
 
-The loop reads prose: wait (bounded, and never past the deadline of a request waiting
-for arena room) for either socket, apply releases first (they free arena room, and the
-requests waiting for it are tried again), then handle the queued requests one by one,
-applying releases between them, answer the waits that timed out, and report the gauges
-when they changed. A request waiting for arena room holds nothing and blocks nothing:
-the loop goes on serving others (`arena_wait`). SIGTERM/SIGINT end it after the current
-request (or when the launcher died), with a 503 for the requests still waiting; the
-arena is removed on the way out. No request can kill the loop.
+The loop: wait (bounded, and never past the deadline of a request waiting for arena
+room) for either socket; apply releases first, and between requests (they free arena
+room, and the waiting requests are tried again); handle the queued requests; answer the
+waits that timed out; report the gauges when they changed. SIGTERM/SIGINT end it after
+the current request (or when the launcher died), with a 503 for the requests still
+waiting; the arena is removed on the way out. No request can kill the loop.
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
-"""The processor cache: a processed image's pixels in the worker's arena, by image key.
+"""The processor cache: a processed image's pixels in the worker's arena, by image key
+(`docs/design.md`, "Life of an image").
 
-The arena is both the cache's storage and its bound. One segment of
-`WorkerConfig.arena_bytes` per worker (`iris serve --mm-processor-cache-gb`) holds the
-pixels of the images in flight, pinned until the scheduler releases them, and in the
-rest the processed images kept for the next request that sends the same bytes under
-the same settings. Room is made by evicting the least recently used unpinned entry, so
-cached + pinned bytes never exceed the arena and an entry pinned by a request in flight
-is never evicted (`ipc.shm_arena`).
+The arena is both the cache's storage and its bound: it holds the pixels of the images
+in flight, pinned until the scheduler releases them, and in the rest the images kept for
+the next request that sends the same bytes under the same settings, evicted least
+recently used first (`ipc.shm_arena`).
 
-A value is the arena entry (the resized uint8 image, `image_resize`), the image grid and
-the token count. Every hit is checked against both (docs/design.md, "One cache entry per
-image"): a collision or a bug must fail the request loudly, never hand out another
-image's pixels or a wrong number of placeholder tokens.
+A value is the arena entry (the resized uint8 image), the image grid and the token count,
+and every hit is checked against both ("One cache entry per image"): a collision or a
+bug must fail the request, never hand out another image's pixels or a wrong number of
+placeholder tokens.
 
-Disabled (`--disable-mm-processor-cache`): no lookup; every image is decoded and
-processed into an anonymous entry, freed at its last release. The counters then stay
-at zero (there are no lookups); the key is still sent along, for the scheduler's caches.
+Disabled (`--disable-mm-processor-cache`): no lookup; every image is processed into an
+anonymous entry, freed at its last release, and the counters stay at zero; the key is
+still sent along, for the scheduler's caches.
 """
 
 from __future__ import annotations
@@ -77,10 +75,8 @@ class ProcessorCache:
         return CachedImage(hit.pointer, grid, num_tokens)
 
     def store(self, key: bytes, pixels: np.ndarray | torch.Tensor, grid: Grid) -> CachedImage:
-        """Copy a resized image in, pinned once; kept under `key` when enabled.
-
-        Raises `ipc.shm_arena.ArenaFull` when pinned entries leave no room.
-        """
+        """Copy a resized image in, pinned once; kept under `key` when enabled. Raises
+        `ipc.shm_arena.ArenaFull` when pinned entries leave no room."""
         num_tokens = self._num_tokens(grid)
         pointer = self.arena.put(key if self.enabled else None, pixels, meta=(grid, num_tokens))
         return CachedImage(pointer, grid, num_tokens)

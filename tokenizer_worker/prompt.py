@@ -2,11 +2,8 @@
 
 Iris does not need transformers' `AutoProcessor` (which needs torchvision for Qwen-VL):
 it takes the tokenizer and the image processor, and expands every `<|image_pad|>`
-into as many ids as the image has tokens after the patch merger.
-
-An image's pixels, here and in the worker's arena, are the image converted and resized as
-the processor does it, in uint8 (`image_resize`); the scheduler makes the processor's
-`pixel_values` from them on the device.
+into as many ids as the image has tokens after the patch merger. An image's pixels are
+uint8, converted and resized as the processor does it (`image_resize`).
 
 `PromptBuilder.build` is the in-process path (tests, `iris generate`, benchmarks): the
 descriptor is the wire `Prompt`, and the pixels travel beside it (`ipc.local.PromptInput`).
@@ -86,10 +83,8 @@ class PromptBuilder:
         return (*self._settings, ("size", size or self.default_size))
 
     def pixel_bytes(self, width: int, height: int, size: ImageSize | None = None) -> int:
-        """Bytes of the resized image of a `width` x `height` one, without resizing it.
-
-        Raises ValueError for an aspect ratio the processor refuses (over 200).
-        """
+        """Bytes of the resized image of a `width` x `height` one, without resizing it; ValueError
+        for an aspect ratio the processor refuses (over 200)."""
         resized_height, resized_width = self.resizer.target_size(
             width, height, size or self.default_size
         )
@@ -128,10 +123,8 @@ class PromptBuilder:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def expand(self, ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Replace the i-th image placeholder by `lengths[i]` of them.
-
-        Returns the expanded ids and each image's offset in them.
-        """
+        """Replace the i-th image placeholder by `lengths[i]` of them; returns the expanded ids and
+        each image's offset in them."""
         placeholders = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(placeholders) != len(lengths):
             raise PlaceholderMismatch(

@@ -9,14 +9,9 @@
                       and a waiting request is dropped
     ReleaseImages   → unpin
 
-Per image: fetch the encoded bytes, key them with the processor settings
-(docs/design.md, "Hash once, early, on the cheapest bytes"), and on a processor-cache hit
-reuse the pixels without decoding or resizing; on a miss decode (size checked on the
-header), resize to uint8 and store them under the key (`processor_cache`). An image part
-with a `uuid` binds it to the image; one with a uuid and no data is served from what the
-uuid was bound to (`image_uuids`), with the pixels if the processor cache still holds
-them, else without (the scheduler's embedding cache must hold it). Whatever fails, the pins this request took are dropped, so an error
-leaks no arena byte (entries stay cached, unpinned).
+Per image: `docs/design.md`, "Life of an image" (bytes, key, processor cache, arena and
+pin). Whatever fails, the pins this request took are dropped, so an error leaks no arena
+byte (entries stay cached, unpinned).
 """
 
 from __future__ import annotations
@@ -450,9 +445,7 @@ class TokenizerWorker:
 
 
 def drop_aborted(messages: list[ServerToTokenizer]) -> list[ServerToTokenizer]:
-    """Skip the TokenizeRequests that an AbortRequest later in the same batch cancels.
-
-    The AbortRequests stay: they are forwarded whether or not the request was.
-    """
+    """Skip the TokenizeRequests that an AbortRequest later in the same batch cancels (the
+    AbortRequests stay: they are forwarded whether or not the request was)."""
     aborted = {m.request_id for m in messages if isinstance(m, AbortRequest)}
     return [m for m in messages if isinstance(m, AbortRequest) or m.request_id not in aborted]

@@ -1,14 +1,12 @@
-"""Paged attention backends behind one interface (`base.AttentionBackend`).
+"""Paged attention backends behind one interface (`base.AttentionBackend`):
 
-- `sdpa`: torch's scaled_dot_product_attention reading the paged cache in place, over
-  each sequence's runs of consecutive pages; the CPU default and the reference the
-  other backends are tested against.
-- `triton`: our own Triton kernels reading K/V through the page table (CUDA; tested
-  on the CPU under `TRITON_INTERPRET=1`). Triton is imported only when this backend is
-  created, so the CPU path never needs the package.
+- `sdpa`: torch's scaled_dot_product_attention reading the paged cache in place; the
+  CPU default and the reference the other backends are tested against.
+- `triton`: our own Triton kernels (CUDA; tested on the CPU under `TRITON_INTERPRET=1`),
+  imported only when this backend is created, so the CPU path never needs the package.
 
-`--attention-backend auto` picks the fastest that works on the device: `triton` on CUDA
-when the package is installed, `sdpa` otherwise.
+`--attention-backend auto` picks `triton` on CUDA when the package is installed, `sdpa`
+otherwise.
 """
 
 from __future__ import annotations

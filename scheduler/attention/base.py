@@ -29,11 +29,8 @@ from iris_serve.scheduler.page_table import PageRun, page_runs
 
 @dataclass(frozen=True)
 class SequenceChunk:
-    """One sequence's share of a step: `num_new` tokens after `num_cached` cached ones.
-
-    `pages` hold the sequence's tokens in order (page `i`: tokens `i * page_size ..`);
-    `runs` are the same pages grouped into stretches of consecutive ids.
-    """
+    """One sequence's share of a step: `num_new` tokens after `num_cached` cached ones. `pages`
+    hold its tokens in order; `runs` are the same pages in stretches of consecutive ids."""
 
     pages: Sequence[int]
     runs: Sequence[PageRun]

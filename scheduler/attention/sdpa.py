@@ -1,27 +1,23 @@
 """The `sdpa` backend: torch's scaled_dot_product_attention over the paged cache in place.
 
-Nothing is gathered. The cache is head-major (`[kv_heads, slots, head_dim]` per layer),
-so a run of consecutive pages is a strided view that SDPA reads as it is, and the
-allocator keeps a sequence's pages in few runs (`free_pages.py`). Per sequence and layer:
+Nothing is gathered: the cache is head-major, so a run of consecutive pages is a strided
+view that SDPA reads as it is (`free_pages.py` keeps runs few). Per sequence and layer:
 
-- a decode (one new token after cached ones) is one SDPA call over the view of its
-  context, with the query heads of each KV head packed as that head's query rows
-  (grouped-query attention without expanding K/V, and no mask: the token sees all);
+- a decode is one SDPA call over the view of its context, with the query heads of each
+  KV head packed as that head's query rows (no K/V expansion, no mask);
 - a prefill chunk with no history attends causally over its own new k/v;
-- a prefill chunk after cached tokens attends over the view of its whole context with
-  a causal mask shifted by the cached tokens; on the CPU, a chunk of at least
-  `SPLIT_MIN_NEW_TOKENS` attends causally over its own new k/v and, unmasked, over each
-  run of its history, the parts merged by their log-sum-exps. A mask makes the CPU
-  kernel compute every block of the rectangle; the causal part skips the blocks above
-  the diagonal. Below `SPLIT_MIN_NEW_TOKENS` the mask is as fast or faster
-  (bench/results/chunk_attention_small.md has the measurements).
+- a prefill chunk after cached tokens attends over its whole context with a causal mask
+  shifted by the cached tokens; on the CPU, a chunk of at least `SPLIT_MIN_NEW_TOKENS`
+  attends causally over its own new k/v and, unmasked, over each run of its history,
+  merged by log-sum-exps: a mask makes the CPU kernel compute every block of the
+  rectangle, while the causal part skips those above the diagonal; below the bound the
+  mask is as fast or faster (bench/results/chunk_attention_small.md).
 
-A context can span several runs: a prefix shared with other sequences, or a pool
-fragmented by evictions. A decode then attends to each run on its own and merges the
-results by their log-sum-exps (CPU; elsewhere the runs are concatenated); a prefill
-chunk concatenates them (one copy of the context per layer, spread over its tokens).
+A context over several runs (a shared prefix, a fragmented pool): a decode attends to
+each run on its own and merges the results by their log-sum-exps (CPU; elsewhere the
+runs are concatenated); a prefill chunk concatenates them.
 
-Host work per step is O(new tokens + runs): the new tokens' slots and each chunk's runs.
+Host work per step is O(new tokens + runs).
 """
 
 from __future__ import annotations

@@ -1,23 +1,20 @@
 """The `triton` backend: our Triton kernels (`triton_kernels.py`) over the paged cache.
 
-`prepare` turns the step's chunks into device metadata once per step — `cu_seqlens_q`,
-`seq_lens`, the block table and the new tokens' slots, packed in one int32 tensor and
-copied to the device in one transfer — and every layer's `attend` launches the KV write
-and one attention kernel with no host sync.
-
-Which attention kernel (decided once per step, on the host, from the chunks):
+`prepare` packs the step's `cu_seqlens_q`, `seq_lens`, block table and new tokens' slots
+into one int32 tensor, copied to the device in one transfer; every layer's `attend`
+launches the KV write and one attention kernel with no host sync. The kernel, chosen once
+per step on the host:
 
 - **split-K decode** when every chunk is a decode, there are at most
   `SPLIT_MAX_PROGRAMS // kv_heads` of them (vLLM's rule: below that the unified kernel's
   `seqs x kv_heads` programs leave most of the GPU idle) and the longest context has at
-  least `SPLIT_MIN_CONTEXT` tokens (one full tile per segment; a shorter one leaves
-  segments empty and pays the reduce for nothing);
-- the **unified** kernel otherwise (any mix of prefill chunks and decodes).
+  least `SPLIT_MIN_CONTEXT` tokens (a shorter one leaves segments empty and pays the
+  reduce for nothing);
+- the **unified** kernel otherwise.
 
-Under CUDA graphs (`StaticTritonDecode`) the path may depend on the batch size only (a
-graph replays the kernels it captured): split-K for any graph of at most
-`max_split_seqs` sequences, whatever their contexts (a short one leaves segments empty,
-which the reduce weighs 0).
+Under CUDA graphs (`StaticTritonDecode`) the choice may depend on the batch size only:
+split-K for any graph of at most `max_split_seqs` sequences, whatever their contexts (an
+empty segment weighs 0 in the reduce).
 """
 
 from __future__ import annotations
@@ -165,13 +162,10 @@ class TritonStep:
 class StaticTritonDecode(StaticDecode):
     """Decode metadata in fixed device buffers: `seq_lens` and `slot_mapping` `[max_seqs]`,
     a full-width block table `[max_seqs, max_pages]` (its row stride is baked into every
-    captured kernel), `cu_seqlens_q` = 0, 1, 2, ... and its own split-K scratch.
-
-    `fill` writes a step's rows into one pinned host buffer — seq lens, slots, then the
-    block table cut to the step's widest sequence — sends it in one non-blocking copy
-    and scatters it into the fixed buffers on the device. Host work is O(pages of the
-    step's sequences), as `TritonStep.of`'s. Padding rows get seq len 1 (key 0 of page
-    0), slot -1 (no KV write) and page 0."""
+    captured kernel), `cu_seqlens_q` = 0, 1, 2, ... and its own split-K scratch. `fill`
+    writes a step's rows (the block table cut to its widest sequence) into one pinned host
+    buffer, sends it in one non-blocking copy and scatters it into the fixed buffers. Padding
+    rows get seq len 1 (key 0 of page 0), slot -1 (no KV write) and page 0."""
 
     def __init__(self, backend: TritonBackend, max_seqs: int, max_pages: int) -> None:
         device = backend.device

@@ -1,9 +1,8 @@
 """Our Triton kernels for paged attention: the KV write, one unified kernel for any mix
 of decodes and prefill chunks, and a split-K decode for few sequences with long contexts.
 
-The design follows vLLM's unified Triton attention (`triton_unified_attention`), on
-Iris's head-major cache: per layer, K and V are each `[kv_heads, slots, head_dim]` with
-slot `page * page_size + offset`, read in place through a block table (no gather).
+After vLLM's unified Triton attention, on Iris's head-major cache (per layer, K and V
+each `[kv_heads, slots, head_dim]`), read in place through a block table:
 
 - **GQA packing.** A program owns one KV head and `BLOCK_Q` consecutive query tokens of
   one sequence, with all `group = heads // kv_heads` query heads of that KV head as its
@@ -13,16 +12,14 @@ slot `page * page_size + offset`, read in place through a block table (no gather
 - **No host readback.** The grid is an upper bound, `tokens // BLOCK_Q + seqs` q-blocks
   (sequence `s` starts at q-block `cu_seqlens_q[s] // BLOCK_Q + s`); a program finds its
   sequence by binary search over `cu_seqlens_q` and exits early past its end.
-- **KV tiles** of `TILE` tokens, independent of the page size: each key's page comes
-  from the block table. Causal through `context_len = seq_len - query_len`: query
-  token `i` of a chunk sees keys `0 .. context_len + i`; the loop stops at the last key
-  the block's last token sees. Softmax online in fp32 (base 2, scale folded in).
-- **head_dim** padded to `max(16, next_pow2(head_dim))` with masked loads (80 -> 128;
-  16 is the smallest `tl.dot` inner size on the GPU).
-- **Split-K decode** (decode-only steps): the context is cut into `NUM_SEGMENTS`
-  segments, each written as a partial (unnormalised acc, running max, sum) into fp32
-  scratch; a reduce kernel merges them. More programs per sequence when there are too
-  few sequences to fill the GPU.
+- **KV tiles** of `TILE` tokens, independent of the page size. Causal through
+  `context_len = seq_len - query_len`: query token `i` of a chunk sees keys
+  `0 .. context_len + i`. Softmax online in fp32 (base 2, scale folded in).
+- **head_dim** padded to `max(16, next_pow2(head_dim))` with masked loads (16 is the
+  smallest `tl.dot` inner size).
+- **Split-K decode**: the context is cut into `NUM_SEGMENTS` segments, each written as a
+  partial (unnormalised acc, running max, sum) into fp32 scratch, merged by a reduce
+  kernel: more programs per sequence when too few sequences fill the GPU.
 
 Offsets into the cache are int64 (slots * head_dim passes 2**31 on a large cache).
 """

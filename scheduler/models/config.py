@@ -1,12 +1,7 @@
-"""`VLModelConfig`: the model shape read straight from a checkpoint's config.json.
-
-Two layouts exist in the wild and both are read here:
-
-- the hub's flat layout (what Qwen/Qwen2-VL-* and Qwen/Qwen2.5-VL-* ship): text
-  parameters at the top level, `rope_theta` beside them and
-  `rope_scaling: {"type": "mrope", "mrope_section": [...]}`;
-- the transformers-5 nested layout written by `save_pretrained`: text parameters under
-  `text_config`, rope under `text_config.rope_parameters`.
+"""`VLModelConfig`: the model shape read straight from a checkpoint's config.json, in
+either layout: the hub's flat one (text parameters at the top level, `rope_theta` beside
+them, `rope_scaling: {"type": "mrope", ...}`) or the transformers-5 nested one
+(`text_config`, rope under `text_config.rope_parameters`).
 
 The vision tower differs per architecture: Qwen2-VL names its width `embed_dim` and uses
 `hidden_size` for the merger's output (the LM width) with `mlp_ratio`; Qwen2.5-VL uses

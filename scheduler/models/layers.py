@@ -56,12 +56,10 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one `gate_up_proj`.
-
-    Checkpoints store `gate_proj` and `up_proj`; the loader writes them into the two
-    halves (see `PACKED_SHARDS`). Under tensor parallelism (`tp`) a rank holds its share
-    of the intermediate width, and `down_proj` sums the ranks' partial outputs.
-    """
+    """down(act(gate(x)) * up(x)) with gate and up fused into one `gate_up_proj`, whose two
+    halves the loader fills from `gate_proj` and `up_proj` (`PACKED_SHARDS`). Under tensor
+    parallelism a rank holds its share of the intermediate width, and `down_proj` sums the
+    ranks' partial outputs."""
 
     def __init__(
         self,
@@ -172,15 +170,12 @@ class MRotaryEmbedding(nn.Module):
 
 
 class SegmentPlan:
-    """Non-causal attention restricted to contiguous segments of a flat token axis.
-
-    Built once per vision forward from `cu_seqlens` and reused by every block. Segments of
-    equal length are gathered into one batched SDPA call, so a tower with hundreds of
-    same-sized windows makes a handful of kernel calls, and memory grows with the sum of
-    the segments' squared lengths — never with the square of the total. A call batches at
-    most `max_scores // length**2` segments, so even a backend that materialises the scores
-    holds about one large image's worth at a time.
-    """
+    """Non-causal attention restricted to contiguous segments of a flat token axis, built once
+    per vision forward from `cu_seqlens` and reused by every block. Segments of equal length
+    are gathered into one batched SDPA call (a tower with hundreds of same-sized windows makes
+    a handful of calls), and memory grows with the sum of the segments' squared lengths,
+    never with the square of the total: a call batches at most `max_scores // length**2`
+    segments, so a backend that materialises the scores holds about one large image's worth."""
 
     def __init__(
         self, cu_seqlens: Sequence[int], device: torch.device, max_scores: int = 1 << 24

@@ -36,12 +36,6 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields `(name, tensor)` for every tensor of the checkpoint, on the CPU, as stored."""
-    for name, tensor in iter_checkpoint(model_dir):
-        yield name, tensor.load()
-
-
 class CheckpointTensor:
     """A tensor of an open safetensors file, not read yet: `narrow` reads only the part
     asked for (a tensor-parallel rank's shard), `load` the whole. Valid until the
@@ -92,12 +86,10 @@ def load_named_weights(
 
     `rename` maps a checkpoint name to the module's name (None = skip the tensor).
     `packed` maps a checkpoint module name (`q_proj`) to a fused module of ours and the
-    shard it fills (`("qkv_proj", 0)`); a fused `nn.Linear` carries `shard_sizes`.
-    A tensor-parallel shard's module carries `tp_splits` (`tensor_parallel.TPSplit`): the
-    part of each checkpoint tensor this rank keeps. A `CheckpointTensor` is read only as
-    far as it is kept: its shard, or nothing for a skipped name.
-    Raises naming every missing, unexpected or mis-shaped weight.
-    """
+    shard it fills (`("qkv_proj", 0)`); a fused `nn.Linear` carries `shard_sizes`. A
+    tensor-parallel shard's module carries `tp_splits` (`tensor_parallel.TPSplit`), and a
+    `CheckpointTensor` is read only as far as it is kept. Raises naming every missing,
+    unexpected or mis-shaped weight."""
     params = dict(module.named_parameters())
     modules = dict(module.named_modules())
     needed: set[tuple[str, int]] = set()
@@ -177,9 +169,8 @@ def _names(names: list[str], limit: int = 20) -> str:
 
 
 class _Progress:
-    """Logs how far loading is, at most every `PROGRESS_SECONDS` (a 7B checkpoint takes
-    tens of seconds; a silent start-up looks hung), then once at the end if it took that
-    long."""
+    """Logs how far loading is, at most every `PROGRESS_SECONDS` (a silent start-up looks
+    hung), then once at the end if it took that long."""
 
     def __init__(self, total_bytes: int) -> None:
         self.total, self.loaded = total_bytes, 0

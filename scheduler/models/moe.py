@@ -1,18 +1,16 @@
 """Qwen3-MoE's sparse MLP: a router picks top-k of E experts per token, and only the experts
 that receive tokens run, as grouped matmuls over the tokens sorted by expert.
 
-The forward has no host sync: tokens are sorted by expert on the device, group ends come
-from a device-side count (`_count_rows`), and `torch.nn.functional.grouped_mm` runs every expert's
-rows in one call per projection (two per layer). Where grouped_mm cannot run (a device or
-dtype without it, or rows not 16-byte aligned) a loop over the experts that received tokens
-does the same arithmetic after one `.tolist()` of the counts. Either way an expert without
-tokens costs nothing, unlike transformers 4.57's eval path (all E experts for every token).
+No host sync: tokens are sorted by expert on the device, group ends come from a
+device-side count (`_count_rows`), and `torch.nn.functional.grouped_mm` runs every
+expert's rows in one call per projection. Where grouped_mm cannot run (a device or dtype
+without it, or rows not 16-byte aligned) a loop over the experts that received tokens
+does the same after one `.tolist()` of the counts. Either way an expert without tokens
+costs nothing, unlike transformers 4.57's eval path (all E experts for every token).
 
 Weights are kept in transformers 5's in-memory layout (also vLLM's `w13`/`w2`):
 `experts.gate_up_proj` `[E, 2I, H]` (gate rows, then up rows) and `experts.down_proj`
-`[E, H, I]`. `expert_weights_in_our_layout` turns every layout a checkpoint may use into
-that one: the hub's fused `[E, H, 2I]` / `[E, I, H]`, transformers 5's own saves (already
-ours) and per-expert `experts.N.{gate,up,down}_proj.weight` tensors.
+`[E, H, I]`; `expert_weights_in_our_layout` turns every checkpoint layout into it.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard, TPSplit
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[N, E]` logits -> (weights `[N, k]` in the logits' dtype, expert ids `[N, k]`).
-
-    As transformers: softmax in fp32, top-k, renormalised to sum 1, cast back."""
+    """`[N, E]` logits -> (weights `[N, k]` in the logits' dtype, expert ids `[N, k]`), as
+    transformers: softmax in fp32, top-k, renormalised to sum 1, cast back."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -41,10 +38,8 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts stored as two 3-D tensors (no `.weight` suffix, as checkpoints).
-
-    Under tensor parallelism (`tp`) every rank holds every expert, each with this rank's
-    share of the expert width; the caller sums the ranks' outputs."""
+    """E SwiGLU experts stored as two 3-D tensors (no `.weight` suffix, as checkpoints). Under
+    tensor parallelism every rank holds every expert, with its share of the expert width."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPShard = SINGLE
@@ -148,12 +143,9 @@ def expert_weights_in_our_layout(
     intermediate_size: int,
 ) -> Iterator[tuple[str, Weight]]:
     """Passes every tensor through, with expert tensors turned into `[E, 2I, H]` / `[E, H, I]`.
-
-    Fused tensors are oriented by shape against H and I; when H == 2I (or H == I) both
-    layouts have one shape, and this raises rather than guess. Per-expert tensors are held
-    until all E experts of a layer's projection have arrived, then stacked; a layer still
-    missing experts at the end raises, naming them.
-    """
+    Fused tensors are oriented by shape against H and I (when H == 2I or H == I both layouts
+    have one shape: this raises rather than guess). Per-expert tensors are stacked once all
+    E of a layer's projection have arrived; a layer still missing experts at the end raises."""
     h, i = hidden_size, intermediate_size
     ours = {"gate_up_proj": (num_experts, 2 * i, h), "down_proj": (num_experts, h, i)}
     hub = {"gate_up_proj": (num_experts, h, 2 * i), "down_proj": (num_experts, i, h)}

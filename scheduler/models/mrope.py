@@ -1,14 +1,12 @@
 """M-RoPE positions for a prompt, from image spans instead of a scan of the token ids.
 
 Text tokens advance all three axes together. An image's `t*h'*w'` tokens (h', w' after
-merging) sit on a grid whose temporal, row and column positions start at the position
-the next text token would have had; the text after the image resumes at that start plus
-`max(h', w')`. A prompt with images therefore ends at a position lower than its length,
-and every later token `i` sits at `i + rope_delta` on all three axes.
-
-Equal to transformers' `Qwen2VLModel.get_rope_index` (and Qwen2.5-VL's and Qwen3-VL's, for
-images). Qwen3-VL differs only in which rotary frequency follows which axis (interleaved,
-`layers.mrope_cos_sin`), not in the positions.
+merging) sit on a grid whose temporal, row and column positions start where the next
+text token would have; the text after it resumes at that start plus `max(h', w')`. A
+prompt with images therefore ends below its length, and every later token `i` sits at
+`i + rope_delta` on all three axes. Equal, for images, to transformers' `get_rope_index`
+of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (which differs only in its frequency layout,
+`layers.mrope_cos_sin`).
 """
 
 from __future__ import annotations
@@ -24,11 +22,9 @@ def mrope_positions(
     image_grids: Sequence[tuple[int, int, int]],
     spatial_merge_size: int,
 ) -> tuple[torch.Tensor, int]:
-    """Positions `[3, num_tokens]` (int64) and the rope delta of a whole prompt.
-
-    `image_spans` are `(offset, length)` of each image's `<|image_pad|>` run in the token
-    ids, `image_grids` the matching `(t, h, w)` in patches before merging.
-    """
+    """Positions `[3, num_tokens]` (int64) and the rope delta of a whole prompt. `image_spans`
+    are `(offset, length)` of each image's `<|image_pad|>` run in the token ids,
+    `image_grids` the matching `(t, h, w)` in patches before merging."""
     if len(image_spans) != len(image_grids):
         raise ValueError(f"{len(image_spans)} image spans but {len(image_grids)} grids")
     m = spatial_merge_size
@@ -56,12 +52,6 @@ def mrope_positions(
         return torch.zeros(3, 0, dtype=torch.long), 0
     positions = torch.cat(parts, dim=1)
     return positions, int(positions.max()) + 1 - num_tokens
-
-
-def text_positions(start: int, count: int, rope_delta: int = 0) -> torch.Tensor:
-    """Positions `[3, count]` of tokens `start .. start+count-1` that follow the prompt's
-    images (decode steps, or a prompt's text tail): `index + rope_delta` on every axis."""
-    return _text(start + rope_delta, count)
 
 
 def _text(start: int, count: int) -> torch.Tensor:

@@ -1,8 +1,7 @@
-"""Qwen2-VL: vision tower + Qwen2 decoder + LM head, the API the scheduler drives.
-
-The scheduler embeds tokens, encodes the images a prefill chunk needs, splices the
-image embeddings into the `<|image_pad|>` rows itself, and runs `forward` on a flat
-batch of tokens from several sequences with an `AttentionContext` for the step.
+"""Qwen2-VL: vision tower + Qwen2 decoder + LM head, the API the scheduler drives: it embeds
+tokens, encodes the images a prefill chunk needs, splices the image embeddings into the
+`<|image_pad|>` rows itself, and runs `forward` on a flat batch of tokens from several
+sequences with an `AttentionContext` for the step.
 
 Weights load by name from either layout a checkpoint may use:
 - hub: `model.embed_tokens.*`, `model.layers.N.*`, `model.norm.*`, `visual.*`, `lm_head.*`
@@ -83,11 +82,8 @@ class Qwen2VLForCausalLM(nn.Module):
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Image embeddings `[sum_i t*h*w / merge**2, H * (1 + L)]`, images in the order given
-        (L = `deepstack_levels`: 0 but for Qwen3-VL).
-
-        `pixel_values` `[sum_patches, C*T*P*P]` exactly as the HF image processor emits them
-        (several images concatenated); `grid_thw` `[num_images, 3]`.
-        """
+        (L = `deepstack_levels`: 0 but for Qwen3-VL), from `pixel_values` `[sum_patches,
+        C*T*P*P]` exactly as the HF image processor emits them and `grid_thw` `[num_images, 3]`."""
         expected = int(grid_thw.prod(-1).sum())
         if pixel_values.shape != (expected, self.config.vision.patch_dim):
             raise ValueError(

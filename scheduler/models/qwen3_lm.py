@@ -1,14 +1,10 @@
 """The Qwen3 decoder with interleaved M-RoPE and DeepStack, as used by Qwen3-VL.
 
 Differs from `qwen2_lm`: an explicit `head_dim`, an RMSNorm over each head of q and k
-before the rotary (`q_norm`, `k_norm`), no q/k/v bias (unless the config asks), the
-interleaved M-RoPE frequency layout, and DeepStack: level k of the vision features is
-added to the output of decoder layer k at the image rows. The caller passes the levels as
-one `[L, N, H]` tensor over the step's flat tokens, zeros at text rows, so the add needs
-no mask and stays in the loop unconditionally.
-
-The MLP of a layer comes from `Qwen3Model.build_mlp`, the one place the mixture-of-experts
-decoder (Qwen3-VL-MoE) differs: its MoE layers get a `SparseMoEBlock`.
+before the rotary, no q/k/v bias (unless the config asks), the interleaved M-RoPE
+frequency layout, and DeepStack: level k of the vision features is added to the output
+of decoder layer k, passed as one `[L, N, H]` tensor with zeros at text rows, so the add
+needs no mask. `Qwen3Model.build_mlp` is where the MoE decoder differs (`SparseMoEBlock`).
 """
 
 from __future__ import annotations

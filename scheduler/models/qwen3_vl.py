@@ -1,13 +1,9 @@
-"""Qwen3-VL (dense): the Qwen3 decoder with DeepStack and the Qwen3-VL vision tower.
-
-Everything the scheduler drives is Qwen2-VL's API; two things differ. `encode_images`
-returns each image token's main embedding and its L DeepStack levels side by side,
-`[tokens, H * (1 + L)]`, so one tensor per image is what the embedding cache stores,
-counts and evicts. `forward` takes the step's levels as `[L, N, H]` (zeros at text rows),
-which the decoder adds to the outputs of its first L layers.
-
-Checkpoints name weights `model.language_model.*`, `model.visual.*` and (untied)
-`lm_head.*`, which Qwen2-VL's loader already maps.
+"""Qwen3-VL (dense): the Qwen3 decoder with DeepStack and the Qwen3-VL vision tower, behind
+Qwen2-VL's API. `encode_images` returns each image token's main embedding and its L
+DeepStack levels side by side, `[tokens, H * (1 + L)]`, one tensor per image for the
+embedding cache; `forward` takes the step's levels as `[L, N, H]` (zeros at text rows).
+Weights are named `model.language_model.*`, `model.visual.*` and (untied) `lm_head.*`,
+which Qwen2-VL's loader already maps.
 """
 
 from __future__ import annotations

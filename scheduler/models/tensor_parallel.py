@@ -1,19 +1,6 @@
 """Tensor-parallel building blocks: one rank's shard of each layer and the collectives
-that put the ranks' partial results back together.
-
-The decoder is split the Megatron way (vLLM and SGLang do the same):
-
-- q/k/v and gate/up are *column-parallel*: each rank holds a slice of the output features
-  (its heads, its share of the MLP width) and needs no communication;
-- o_proj and down_proj are *row-parallel*: each rank multiplies its slice of the input
-  features, and one all-reduce sums the partial outputs (two per decoder layer);
-- with fewer KV heads than ranks, each KV head is replicated on `size // kv_heads` ranks;
-- the token embedding and the LM head are split over the vocabulary: a rank looks up
-  only the ids in its range (all-reduce), and the logits are all-gathered;
-- a mixture-of-experts layer keeps every expert on every rank, each with its share of the
-  expert width, and ends in one all-reduce, like a dense MLP.
-
-Vision towers are not split: every rank holds the whole tower.
+that put the ranks' partial results back together, split the Megatron way
+(`docs/scale-out.md`, "Tensor parallelism", the model). Vision towers are not split.
 
 A shard knows which part of each checkpoint tensor it holds: a module's `tp_splits` maps a
 parameter's name to a `TPSplit`, which `loader.load_named_weights` applies before the copy.

@@ -27,13 +27,10 @@ from iris_serve.scheduler.models.vision_qwen2 import (
 def window_order(
     grids: list[tuple[int, int, int]], merge: int, window: int
 ) -> tuple[torch.Tensor, list[int]]:
-    """Window permutation of the merged tokens and window boundaries in patches.
-
-    `window` is the window side in merged tokens. Returns `index` (`[sum_merged]`: the
-    merged token placed at each window-order slot) and `cu_window_seqlens` (patch counts,
-    cumulative, empty windows dropped). Windows are tiled from the top-left corner; the
-    ones on the right and bottom edges may be partial.
-    """
+    """Window permutation of the merged tokens and window boundaries in patches, for windows of
+    `window` merged tokens a side, tiled from the top-left corner (those on the right and
+    bottom edges may be partial). Returns `index` (`[sum_merged]`: the merged token at each
+    window-order slot) and `cu_window_seqlens` (cumulative patch counts, empty windows dropped)."""
     index: list[torch.Tensor] = []
     cu = [0]
     offset = 0

@@ -1,15 +1,13 @@
 """The Qwen3-VL vision tower: 16-px patches, learned positions, full attention, DeepStack.
 
-Input as for the other towers: `pixel_values` `[sum_patches, C*T*P*P]` in merge-block
-order with `grid_thw` `[num_images, 3]`. Each patch gets the learned position table
-(`pos_embed`, a square `side x side` grid) resampled bilinearly (corners aligned) to its
-image's grid, plus the same 2-D rotary as Qwen2-VL; every block attends over the whole
-frame. After each block in `deepstack_visual_indexes` its own merger (normalising the
-concatenated merge block, "post-shuffle") turns the hidden states into a DeepStack level.
+Input as for the other towers. Each patch gets the learned position table (`pos_embed`,
+a square `side x side` grid) resampled bilinearly (corners aligned) to its image's grid,
+plus Qwen2-VL's 2-D rotary; every block attends over the whole frame. After each block
+in `deepstack_visual_indexes` its own merger (normalising the concatenated merge block,
+"post-shuffle") turns the hidden states into a DeepStack level.
 
-The output is one tensor per call, `[sum_patches / merge**2, out_hidden * (1 + L)]`: the
-main embedding, then level 0, 1, ... side by side, so an image's levels are sliced,
-cached and evicted together with its main embedding.
+The output is `[sum_patches / merge**2, out_hidden * (1 + L)]`: the main embedding, then
+level 0, 1, ... side by side, so an image's levels are cached and evicted with it.
 """
 
 from __future__ import annotations
