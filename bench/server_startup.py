@@ -1,11 +1,15 @@
-"""How long `iris serve` takes to answer `/health`, and the CPU time its processes spend.
+"""How long `iris serve` takes to answer `/health` and to stop, and the CPU time its
+processes spend.
 
-Each variant is a set of `iris serve` flags; the variants start in turns, `--reps` times
-each, one server at a time. A start is timed from the launch to the first 200 from
-`/health`; the CPU seconds are the whole process tree's (the launcher waits for its
-children, so theirs are in its own), start to stop.
+Each variant is a set of `iris serve` flags, from this tree and, with `--before-tree DIR`,
+from another checkout too (`git worktree add DIR COMMIT`); the variants start in turns,
+`--reps` times each, one server at a time. A start is timed from the launch to the first
+200 from `/health`; a stop from SIGTERM, with nothing in flight, until the launcher has
+exited (it waits for its children first). The CPU seconds are the whole process tree's
+(the launcher waits for its children, so theirs are in its own), start to stop.
 
-    python -m bench.server_startup [--size tiny|small] [--reps 4] [--quick] [--out DIR]
+    python -m bench.server_startup [--size tiny|small] [--reps 4] [--before-tree DIR]
+        [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import argparse
 import resource
 import statistics
 import time
+from pathlib import Path
 
 from bench.results_io import (
     Checkpoint,
     add_arch_argument,
     add_common_arguments,
+    checkout_commit,
     markdown_table,
     write_result,
 )
@@ -36,14 +42,21 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def one_start(checkpoint: Checkpoint, flags: tuple[str, ...]) -> tuple[float, float]:
-    """(seconds until `/health` answered, CPU seconds of the process tree) for one start."""
+def one_start(
+    checkpoint: Checkpoint, flags: tuple[str, ...], tree: Path | None
+) -> tuple[float, float, float]:
+    """(seconds until `/health` answered, seconds to stop, CPU seconds of the process
+    tree) for one start of `tree`'s code (None: this tree's)."""
     cpu_before = children_cpu_seconds()
-    server = IrisServer(checkpoint.model_dir, (*BASE_FLAGS, *flags))
+    server = IrisServer(checkpoint.model_dir, (*BASE_FLAGS, *flags), source_tree=tree)
     started = time.perf_counter()
-    with server:
-        ready = time.perf_counter() - started
-    return ready, children_cpu_seconds() - cpu_before
+    server.start()
+    ready = time.perf_counter() - started
+    stopping = time.perf_counter()
+    status = server.stop()
+    if status != 0:
+        raise RuntimeError(f"iris serve exited with {status} on SIGTERM: {server.log_path}")
+    return ready, time.perf_counter() - stopping, children_cpu_seconds() - cpu_before
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,29 +64,43 @@ def main(argv: list[str] | None = None) -> None:
     add_common_arguments(parser)
     add_arch_argument(parser)
     parser.add_argument("--reps", type=int, default=4, help="starts per variant")
+    parser.add_argument(
+        "--before-tree", type=Path, default=None, help="also every variant from this checkout"
+    )
     args = parser.parse_args(argv)
     reps = 1 if args.quick else args.reps
     checkpoint = Checkpoint.of(args)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
+    trees: dict[str, Path | None] = {"": None}
+    if args.before_tree is not None:
+        trees[f" @ {checkout_commit(args.before_tree)}"] = args.before_tree
+    runs = {
+        name + suffix: (flags, tree)
+        for suffix, tree in trees.items()
+        for name, flags in VARIANTS.items()
+    }
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
     for _ in range(reps):
-        for name, flags in VARIANTS.items():
-            times[name].append(one_start(checkpoint, flags))
-    baseline = statistics.median(ready for ready, _ in times[next(iter(VARIANTS))])
+        for name, (flags, tree) in runs.items():
+            times[name].append(one_start(checkpoint, flags, tree))
+    baseline = statistics.median(ready for ready, _, _ in times[next(iter(runs))])
     rows = []
     for name, measured in times.items():
-        ready = statistics.median(r for r, _ in measured)
-        cpu = statistics.median(c for _, c in measured)
-        every = " ".join(f"{r:.1f}" for r, _ in measured)
-        rows.append([name, ready, ready / baseline, cpu, every])
+        ready = statistics.median(r for r, _, _ in measured)
+        stop = statistics.median(s for _, s, _ in measured)
+        cpu = statistics.median(c for _, _, c in measured)
+        every = " ".join(f"{r:.1f}" for r, _, _ in measured)
+        rows.append([name, ready, ready / baseline, stop, cpu, every])
     body = (
         f"{checkpoint.sentence} Flags for all: `{' '.join(BASE_FLAGS)}`; {reps} start(s) per "
-        "variant, in turns; medians.\n\n"
+        "variant, in turns; medians. `stop s`: SIGTERM with nothing in flight until the "
+        "launcher exited.\n\n"
         + markdown_table(
-            ["variant", "up s", "÷ default", "CPU s (start and stop)", "every start, s"], rows
+            ["variant", "up s", "÷ default", "stop s", "CPU s (start and stop)", "every start, s"],
+            rows,
         )
     )
     name = f"server_startup_{checkpoint.label}" + ("_quick" if args.quick else "")
-    write_result(name, f"`iris serve` start-up ({checkpoint.title})", body, args.out)
+    write_result(name, f"`iris serve` start-up and stop ({checkpoint.title})", body, args.out)
 
 
 if __name__ == "__main__":

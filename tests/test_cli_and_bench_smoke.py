@@ -9,6 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from bench.results_io import checkout_commit
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.bench_smoke import check_provenance, markdown_tables, run_bench
 from tests.reference import chat_prompt, make_image, reference_tokens
@@ -100,12 +101,16 @@ def test_tensor_parallel_quick_compares_one_and_two_ranks(tmp_path):
 
 def test_server_startup_quick_times_each_variant(tmp_path):
     out = tmp_path / "results"
-    run_bench("bench.server_startup", "--quick", "--out", str(out), cache_dir=tmp_path,
-              timeout=300)  # fmt: skip
+    # this checkout as the "before" tree: the other tree's servers are started too
+    run_bench("bench.server_startup", "--quick", "--before-tree", str(REPO), "--out", str(out),
+              cache_dir=tmp_path, timeout=400)  # fmt: skip
     text = (out / "server_startup_tiny_quick.md").read_text()
     check_provenance(text)
     [(header, rows)] = markdown_tables(text)
-    assert [row[0] for row in rows] == ["2 tokenizer workers (default)", "1 tokenizer worker"]
+    variants = ["2 tokenizer workers (default)", "1 tokenizer worker"]
+    commit = checkout_commit(REPO)
+    assert [row[0] for row in rows] == [*variants, *(f"{v} @ {commit}" for v in variants)]
     cells = [dict(zip(header, row, strict=True)) for row in rows]
     assert cells[0]["÷ default"] == "1"
     assert all(float(c["up s"]) > 0 and float(c["CPU s (start and stop)"]) > 0 for c in cells)
+    assert all(float(c["stop s"]) > 0 for c in cells)
