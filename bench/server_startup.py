@@ -4,8 +4,9 @@ processes spend.
 Each variant is a set of `iris serve` flags, from this tree and, with `--before-tree DIR`,
 from another checkout too (`git worktree add DIR COMMIT`); the variants start in turns,
 `--reps` times each, one server at a time. A start is timed from the launch to the first
-200 from `/health`; a stop from SIGTERM, with nothing in flight, until the launcher has
-exited (it waits for its children first). The CPU seconds are the whole process tree's
+200 from `/health`; a stop from SIGTERM until the launcher has exited (it waits for its
+children first), with nothing in flight, and in one more variant with a stream still
+running (its grace period, `--shutdown-timeout 1`, then the teardown). The CPU seconds are the whole process tree's
 (the launcher waits for its children, so theirs are in its own), start to stop.
 
     python -m bench.server_startup [--size tiny|small] [--reps 4] [--before-tree DIR]
@@ -17,8 +18,11 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
+import threading
 import time
 from pathlib import Path
+
+import httpx
 
 from bench.results_io import (
     Checkpoint,
@@ -31,9 +35,12 @@ from bench.results_io import (
 from bench.server_process import IrisServer
 
 BASE_FLAGS = ("--kv-cache-memory", "64MiB", "--mm-shm-arena-bytes", "128MiB")
+GRACE_SECONDS = 1  # --shutdown-timeout of the variant stopped with a stream in flight
+IN_FLIGHT = f"a stream in flight at the stop (--shutdown-timeout {GRACE_SECONDS})"
 VARIANTS: dict[str, tuple[str, ...]] = {
     "2 tokenizer workers (default)": (),
     "1 tokenizer worker": ("--tokenizer-workers", "1"),
+    IN_FLIGHT: ("--shutdown-timeout", str(GRACE_SECONDS)),
 }
 
 
@@ -52,11 +59,40 @@ def one_start(
     started = time.perf_counter()
     server.start()
     ready = time.perf_counter() - started
+    if "--shutdown-timeout" in flags:
+        streaming = start_stream(server)
+        if not streaming.wait(60):
+            server.stop()
+            raise RuntimeError(f"no streamed token in 60 s: {server.log_path}")
     stopping = time.perf_counter()
     status = server.stop()
     if status != 0:
         raise RuntimeError(f"iris serve exited with {status} on SIGTERM: {server.log_path}")
     return ready, time.perf_counter() - stopping, children_cpu_seconds() - cpu_before
+
+
+def start_stream(server: IrisServer) -> threading.Event:
+    """Starts a long streamed answer in a thread; the event is set at its first chunk.
+    The stream ends when the server's shutdown aborts it."""
+    streaming = threading.Event()
+    body = {
+        "messages": [{"role": "user", "content": "Go on."}],
+        "max_tokens": 20_000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    def read() -> None:
+        url = f"{server.base_url}/v1/chat/completions"
+        try:
+            with httpx.stream("POST", url, json=body, timeout=120) as response:
+                for _ in response.iter_lines():
+                    streaming.set()
+        except httpx.HTTPError:
+            pass  # the server went away mid-stream: what the stop is about
+
+    threading.Thread(target=read, daemon=True).start()
+    return streaming
 
 
 def main(argv: list[str] | None = None) -> None:
