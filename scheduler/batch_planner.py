@@ -224,8 +224,7 @@ class BatchPlanner(RequestResources):
             request.num_cached_tokens = num_cached_tokens
             request.queue_seconds = time.monotonic() - request.added_at
             if self.prefix_cache is not None:
-                self.prefix_cache.hit_tokens += num_cached_tokens
-                self.prefix_cache.query_tokens += request.num_tokens
+                self.prefix_cache.count_first_admission(num_cached_tokens, request.num_tokens)
         return num_tokens
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:

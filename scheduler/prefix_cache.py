@@ -67,6 +67,11 @@ class PrefixCache:
         self.hit_tokens = 0  # tokens found cached at requests' first admission
         self.query_tokens = 0  # tokens looked up then (the hit rate's denominator)
 
+    def count_first_admission(self, hit_tokens: int, query_tokens: int) -> None:
+        """A request's first admission found `hit_tokens` of its `query_tokens` cached."""
+        self.hit_tokens += hit_tokens
+        self.query_tokens += query_tokens
+
     def match(self, request: Request) -> list[int]:
         """Cached pages holding the longest prefix of the request's tokens, stopping
         before its last token. Read-only: the caller takes references with `pool.share`."""
