@@ -1,5 +1,5 @@
-"""Deterministic random-weight Qwen2-VL / 2.5-VL / 3-VL checkpoints in the Hugging Face layout
-(`docs/design.md`, "Models without a hub"). Every file is written by transformers itself
+"""Deterministic random-weight Qwen2-VL / 2.5-VL / 3-VL / 3.5 checkpoints in the Hugging Face
+layout (`docs/design.md`, "Models without a hub"). Every file is written by transformers itself
 except `iris_tiny_checkpoint.json`, a stamp of the arguments; only the sizes, the
 tokenizer's vocabulary and the init std are ours.
 
@@ -9,7 +9,12 @@ head_dim 16, ViT 32 wide x 3 blocks; 0.3-0.4M parameters) and `small` (text 512 
 Qwen2-VL and Qwen3-VL checkpoints tie lm_head to the input embeddings; Qwen2.5-VL ones do
 not. Qwen3-VL ones have 2 (tiny) or 3 (small) DeepStack levels; Qwen3-VL-MoE ones are
 Qwen3-VL with routed experts (tiny: 8 experts, top-2, in layer 0 of 2; small: 16, top-4,
-in every layer) and an untied lm_head. Real-size checkpoints (`--like`) are `like.py`'s.
+in every layer) and an untied lm_head. Qwen3.5 ones (`qwen3_5`, `qwen3_5_moe`) have Qwen3-VL's
+ViT without DeepStack and a hybrid decoder (tiny: 4 layers, linear and full attention
+alternating; small: 8, every 4th full, as the real models), untied; Qwen3.5-MoE routes
+every layer and adds a shared expert. Iris's own model code does not load Qwen3.5 yet
+(`scheduler.models.registry` refuses it); transformers does. Real-size checkpoints
+(`--like`) are `like.py`'s.
 
 Heavy imports (torch, transformers) happen inside the functions, so importing this package
 for its CLI entry point is cheap.
@@ -39,7 +44,7 @@ __all__ = [
     "reference_processor",
 ]
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 # Bump when the generator's output changes, so `builtin_checkpoint` rebuilds stale caches.
@@ -115,6 +120,8 @@ def _model_class(arch: str) -> type:
     from transformers import (
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeForConditionalGeneration,
         Qwen3VLForConditionalGeneration,
         Qwen3VLMoeForConditionalGeneration,
     )
@@ -124,6 +131,8 @@ def _model_class(arch: str) -> type:
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
         "qwen3_vl": Qwen3VLForConditionalGeneration,
         "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
+        "qwen3_5": Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
     }[arch]
 
 

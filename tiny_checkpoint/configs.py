@@ -3,7 +3,10 @@
 Shapes keep the structure of the real models (GQA, bias on q/k/v, M-RoPE, 14-px patches,
 2x2 spatial merge, 2-frame temporal patches, Qwen2.5's windowed ViT; for Qwen3-VL q/k norm
 without bias, interleaved M-RoPE, 16-px patches, learned ViT positions and DeepStack
-levels; for Qwen3-VL-MoE routed experts in most layers) at toy widths.
+levels; for Qwen3-VL-MoE routed experts in most layers; for Qwen3.5 Qwen3-VL's ViT without
+DeepStack and a hybrid decoder, Gated DeltaNet linear-attention layers between gated
+full-attention ones, with partial interleaved M-RoPE; for Qwen3.5-MoE routed experts plus a
+shared expert in every layer) at toy widths.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from transformers import (
     PreTrainedConfig,
     Qwen2_5_VLConfig,
     Qwen2VLConfig,
+    Qwen3_5Config,
+    Qwen3_5MoeConfig,
     Qwen3VLConfig,
     Qwen3VLMoeConfig,
 )
@@ -42,6 +47,16 @@ class Shape:
     experts_per_token: int
     expert_intermediate: int
     dense_layers: tuple[int, ...]  # `mlp_only_layers`
+    # Qwen3.5 only. Its decoder has `hybrid_layers` layers, every `full_attention_interval`-th
+    # one full attention and the others linear attention, at least two of each kind so that
+    # a state or KV cache indexed by the wrong layer shows. Linear attention has (key, value)
+    # head counts and head sizes of its own: twice as many value heads as key heads, as the
+    # real models; in tiny also different key and value head sizes, so a swap shows.
+    hybrid_layers: int
+    full_attention_interval: int
+    linear_heads: tuple[int, int]
+    linear_head_dims: tuple[int, int]
+    shared_expert_intermediate: int  # Qwen3.5-MoE's shared expert
     # Init std of every linear/embedding weight (transformers' default is 0.02). At 0.02 a
     # random model's logits are nearly flat and greedy decoding repeats one token (the tied
     # Qwen2-VL tiny model emits a single token 30 times for every prompt), so a parity test
@@ -75,6 +90,11 @@ SHAPES: dict[str, Shape] = {
         experts_per_token=2,
         expert_intermediate=24,
         dense_layers=(1,),
+        hybrid_layers=4,
+        full_attention_interval=2,
+        linear_heads=(2, 4),
+        linear_head_dims=(16, 32),
+        shared_expert_intermediate=48,
         init_std=0.2,
     ),
     # 38.5M / 42.6M parameters. Real head sizes: text head_dim 128
@@ -96,6 +116,11 @@ SHAPES: dict[str, Shape] = {
         experts_per_token=4,
         expert_intermediate=384,
         dense_layers=(),
+        hybrid_layers=8,
+        full_attention_interval=4,
+        linear_heads=(4, 8),
+        linear_head_dims=(128, 128),
+        shared_expert_intermediate=768,
         init_std=0.07,
     ),
 }
@@ -107,6 +132,8 @@ TIE_WORD_EMBEDDINGS = {
     "qwen2_5_vl": False,
     "qwen3_vl": True,
     "qwen3_vl_moe": False,  # as Qwen3-VL-30B-A3B
+    "qwen3_5": False,  # transformers' default for Qwen3.5
+    "qwen3_5_moe": False,
 }
 
 
@@ -127,6 +154,15 @@ def interleaved_mrope_section(head_dim: int) -> list[int]:
     half = head_dim // 2
     spatial = half * 5 // 16
     return [half - 2 * spatial, spatial, spatial]
+
+
+def even_mrope_section(rotary_dims: int) -> list[int]:
+    """(temporal, height, width) counts for Qwen3.5's interleaved layout: the rotary_dims/2
+    frequencies split as evenly as possible, leading sections larger ([11, 11, 10] for the
+    64 rotary dims of a 256-wide head with `partial_rotary_factor` 0.25)."""
+    half = rotary_dims // 2
+    base, extra = divmod(half, 3)
+    return [base + (i < extra) for i in range(3)]
 
 
 def build_config(arch: str, size: str) -> PreTrainedConfig:
@@ -173,10 +209,8 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
             "mlp_ratio": s.vit_intermediate // s.vit_width,
             "hidden_act": "quick_gelu",
         }
-        cls: type[Qwen2VLConfig | Qwen2_5_VLConfig | Qwen3VLConfig | Qwen3VLMoeConfig] = (
-            Qwen2VLConfig
-        )
-    elif arch in ("qwen3_vl", "qwen3_vl_moe"):
+        cls: type[PreTrainedConfig] = Qwen2VLConfig
+    elif arch in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
         # Qwen3-VL: explicit head_dim, q/k norm and no q/k/v bias in the decoder; the ViT has
         # 16-px patches, a learned position table and DeepStack mergers.
         text = {
@@ -202,8 +236,9 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
             "deepstack_visual_indexes": list(s.deepstack_blocks),
         }
         cls = Qwen3VLConfig
-        if arch == "qwen3_vl_moe":
-            # Qwen3-VL-30B-A3B's structure: routed experts, no shared one, top-k renormalised.
+        if arch in ("qwen3_vl_moe", "qwen3_5_moe"):
+            # Qwen3-VL-30B-A3B's structure: routed experts, no shared one, top-k renormalised
+            # (Qwen3.5-MoE adds its shared expert below).
             text = {
                 **text,
                 "num_experts": s.experts,
@@ -213,6 +248,10 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
                 "mlp_only_layers": list(s.dense_layers),
             }
             cls = Qwen3VLMoeConfig
+        if arch in ("qwen3_5", "qwen3_5_moe"):
+            text, vision = _qwen3_5_text(text, s, moe=arch == "qwen3_5_moe"), dict(vision)
+            del vision["deepstack_visual_indexes"]  # Qwen3.5's ViT has no DeepStack
+            cls = Qwen3_5MoeConfig if arch == "qwen3_5_moe" else Qwen3_5Config
     else:
         # Qwen2.5-VL: ViT width is `hidden_size`; `out_hidden_size` is the merger's output.
         vision = {
@@ -235,3 +274,34 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
         vision_end_token_id=token_id("<|vision_end|>"),
         tie_word_embeddings=TIE_WORD_EMBEDDINGS[arch],
     )
+
+
+def _qwen3_5_text(qwen3_vl: dict[str, object], s: Shape, moe: bool) -> dict[str, object]:
+    """Qwen3.5's text config from Qwen3-VL's: hybrid layers, heads twice as wide (256 in the
+    real models, gated: q_proj also yields the gate) of which a quarter rotates, theta 1e7;
+    the MoE variant routes every layer and adds a shared expert."""
+    head_dim = 2 * s.head_dim
+    partial = 0.25
+    text = {
+        **qwen3_vl,
+        "num_hidden_layers": s.hybrid_layers,
+        "head_dim": head_dim,
+        "full_attention_interval": s.full_attention_interval,
+        "linear_num_key_heads": s.linear_heads[0],
+        "linear_num_value_heads": s.linear_heads[1],
+        "linear_key_head_dim": s.linear_head_dims[0],
+        "linear_value_head_dim": s.linear_head_dims[1],
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": partial,
+            "mrope_section": even_mrope_section(int(head_dim * partial)),
+            "mrope_interleaved": True,
+        },
+    }
+    if moe:
+        for key in ("intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
+            text.pop(key)
+        text["shared_expert_intermediate_size"] = s.shared_expert_intermediate
+    return text

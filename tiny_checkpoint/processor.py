@@ -21,6 +21,8 @@ PROCESSOR_CLASSES: dict[str, type[ProcessorMixin]] = {
     "qwen2_5_vl": Qwen2_5_VLProcessor,
     "qwen3_vl": Qwen3VLProcessor,
     "qwen3_vl_moe": Qwen3VLProcessor,
+    "qwen3_5": Qwen3VLProcessor,  # Qwen3.5 reuses Qwen3-VL's processor (transformers' mapping)
+    "qwen3_5_moe": Qwen3VLProcessor,
 }
 
 # Qwen3-VL's published settings (16-px patches, mean and std 0.5), with the pixel bounds
@@ -50,9 +52,10 @@ def save_image_processor(out_dir: Path, arch: str = "qwen2_vl", published: bool 
     break `AutoProcessor` on machines that have torchvision.
 
     `published`: Qwen3-VL's real pixel bounds rather than the tiny checkpoints' ones.
+    Qwen3.5's ViT has Qwen3-VL's patch, merge and temporal sizes, and gets its settings.
     """
     settings: dict[str, object] = {}
-    if arch.startswith("qwen3_vl"):
+    if PROCESSOR_CLASSES[arch] is Qwen3VLProcessor:  # Qwen3-VL's and Qwen3.5's
         settings = dict(QWEN3_VL_IMAGE_PROCESSOR)
         if published:
             settings["size"] = QWEN3_VL_PUBLISHED_SIZE
