@@ -38,6 +38,8 @@ from typing import Any
 
 import httpx
 
+from bench.gpu.prepare import SOURCE_DIRS
+
 REPO = Path(__file__).resolve().parents[1]
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)(?:\s+\d+)?$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -91,7 +93,6 @@ def without_label(key: str, drop: str) -> str | None:
 
 
 PACKAGES = ("ipc", "server", "tokenizer_worker", "scheduler")  # in every Iris tree
-LATER_PACKAGES = ("common", "launch", "tiny_checkpoint")  # since the composition root
 
 
 def namespace_shim(tree: Path) -> tempfile.TemporaryDirectory:
@@ -104,7 +105,7 @@ def namespace_shim(tree: Path) -> tempfile.TemporaryDirectory:
     shim = tempfile.TemporaryDirectory(prefix="iris-tree-")
     package = Path(shim.name) / "iris_serve"
     package.mkdir()
-    for name in (*PACKAGES, *LATER_PACKAGES):
+    for name in SOURCE_DIRS:  # this tree's packages; an older tree has fewer
         if (tree / name / "__init__.py").is_file():
             (package / name).symlink_to(tree.resolve() / name, target_is_directory=True)
     return shim
