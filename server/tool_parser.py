@@ -114,9 +114,16 @@ class _CallSender:
         )
         self._send_arguments(call, text, pieces)
 
-    def _read_call(self, key: re.Pattern[str], limit: int, pieces: list[dict[str, Any]]) -> None:
-        """Reads the open call up to `limit`: its header once `{"name": "..."` is whole,
-        then the value after `key` (`, "arguments":`) as it comes."""
+    def _read_call(
+        self,
+        key: re.Pattern[str],
+        limit: int,
+        pieces: list[dict[str, Any]],
+        value_limit: int | None = None,
+    ) -> None:
+        """Reads the open call: its header once `{"name": "..."` is whole, then the value
+        after `key` (`, "arguments":`) as it comes; the name and the key are looked for
+        before `limit`, the value read up to `value_limit` (by default `limit` too)."""
         call = self._call
         assert call is not None
         text = self.text
@@ -129,7 +136,8 @@ class _CallSender:
             found = key.match(text, call.name_end, limit)
             if found is not None:
                 call.value = _JsonValue(found.end())
-        if call.value is not None and call.value.read(text, limit):
+        end = limit if value_limit is None else value_limit
+        if call.value is not None and call.value.read(text, end):
             self._send_arguments(call, call.value.sendable(text), pieces)
 
     def _end_call(self, call: _Call) -> None:
@@ -210,13 +218,11 @@ class HermesParser(_CallSender):
         call = self._call
         assert call is not None
         text = self.text
-        # Until the arguments begin, the block's end bounds the name and the key; the
-        # arguments are read to the end of the text, and the block's end is only looked
-        # for after them: a string in them may hold "</tool_call>".
-        limit = len(text) if call.value is not None else _end_of_block(text, call.start)
-        self._read_call(_ARGUMENTS_KEY, limit, pieces)
-        if call.value is not None and limit < len(text):
-            self._read_call(_ARGUMENTS_KEY, len(text), pieces)
+        # The block's end bounds the name and the key; the arguments are read to the end
+        # of the text, and the block's end is only looked for after them: a string in
+        # them may hold "</tool_call>".
+        header_end = len(text) if call.value is not None else _end_of_block(text, call.start)
+        self._read_call(_ARGUMENTS_KEY, header_end, pieces, len(text))
         search_from = call.start
         if call.value is not None:
             if not call.value.done:
