@@ -340,6 +340,11 @@ class EngineStats(_Message, tag=_ENGINE_STATS):
     # prompt tokens looked up in the prefix cache at requests' first admission (the
     # denominator of `prefix_cache_hit_tokens`; 0 with the prefix cache off)
     prefix_cache_query_tokens: int = 0
+    # hybrid models (Qwen3.5): requests' first admissions, those whose prefix hit restored
+    # a snapshot of the linear-attention state, and the snapshots kept now
+    linear_state_snapshot_queries: int = 0
+    linear_state_snapshot_hits: int = 0
+    linear_state_snapshots: int = 0
 
 
 class WorkerStats(_Message, tag=_WORKER_STATS):
@@ -376,6 +381,10 @@ class RankChunk(_Struct):
     num_cached: NonNegative
     num_new: NonNegative
     reset: bool = False
+    # a hybrid model's: the sequence's linear-attention state slot (-1: none), and the
+    # (tokens into the chunk, snapshot slot) its state is also written to
+    state_slot: int = -1
+    state_captures: list[tuple[int, int]] = []
 
 
 class RankStep(_Message, tag=_RANK_STEP):
@@ -393,6 +402,8 @@ class RankStep(_Message, tag=_RANK_STEP):
     image_rows: list[tuple[int, int]] = []
     logit_rows: bytes = b""  # little-endian int32
     dropped: list[str] = []
+    # a hybrid model's slot clears (source -1) and copies, (target, source), in order
+    slot_ops: list[tuple[int, int]] = []
 
 
 class StopRanks(_Message, tag=_STOP_RANKS):

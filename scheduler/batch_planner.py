@@ -61,6 +61,8 @@ class StepPlan:
 
 # How far a request's prefill may run from a token on, now (its images' readiness).
 ReadyUntil = Callable[[Request, int], int]
+# Told of each admission (first or after a preemption) and the tokens found cached.
+Admitted = Callable[[Request, int], None]
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,10 @@ def _anywhere(request: Request, start: int) -> int:
     return request.num_tokens
 
 
+def _unheard(request: Request, num_cached_tokens: int) -> None:
+    pass
+
+
 class BatchPlanner(RequestResources):
     """Owns the waiting queue, the running set and every request's page table (its KV
     pages: `release` returns them; a preemption returns them as it happens)."""
@@ -108,9 +114,11 @@ class BatchPlanner(RequestResources):
         prefix_cache: PrefixCache | None = None,
         ready_until: ReadyUntil = _anywhere,
         policy: PrefillPolicy = UNCAPPED,
+        admitted: Admitted = _unheard,
     ) -> None:
         self.pool = pool
         self.ready_until = ready_until
+        self.admitted = admitted  # the hybrid models' state slots (state_slots.py)
         self.policy = policy
         self.prefix_cache = prefix_cache
         self.page_size = page_size
@@ -220,6 +228,7 @@ class BatchPlanner(RequestResources):
         self.pool.share(cached)  # before allocating, so no allocation evicts them
         after = cached[-1] if cached else None
         request.page_table.admit(cached, num_cached_tokens, self.pool.allocate(missing, after))
+        self.admitted(request, num_cached_tokens)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached_tokens
             request.queue_seconds = time.monotonic() - request.added_at

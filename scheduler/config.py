@@ -164,6 +164,18 @@ class EngineConfig:
             group=_CACHES,
         ),
     )
+    linear_state_snapshots: int = field(
+        default=64,
+        metadata=_flag(
+            "--linear-state-snapshots",
+            "hybrid models (Qwen3.5): snapshots of the linear-attention state the prefix cache "
+            "keeps, each the size of one request's state, taken at page boundaries (image "
+            "ends, prompt ends, where a request stopped); a prefix hit resumes only where one "
+            "was taken",
+            min=0,
+            group=_CACHES,
+        ),
+    )
     chunked_mm_encoding: bool = field(
         default=True,
         metadata=_flag(
@@ -233,6 +245,8 @@ class EngineConfig:
             raise ValueError("mm_embedding_cache_bytes must not be negative")
         if self.mm_cache_granularity not in ("image", "request"):
             raise ValueError("mm_cache_granularity must be 'image' or 'request'")
+        if self.linear_state_snapshots < 0:
+            raise ValueError("linear_state_snapshots must not be negative")
         if self.max_num_encoder_tokens < 1:
             raise ValueError("max_num_encoder_tokens must be positive")
         if self.mm_encoder_placement not in ("auto", "inline", "thread"):

@@ -1,11 +1,13 @@
 """What one rank holds on its device: the model (or its tensor-parallel shard), the paged
-KV cache and the attention backend over it. The engine (rank 0) and every follower rank
-build theirs here, so the ranks cannot disagree on how."""
+KV cache and the attention backend over it, and a hybrid model's linear-attention state
+pool. The engine (rank 0) and every follower rank build theirs here, so the ranks cannot
+disagree on how."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,7 @@ from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.decode_graphs import CudaGraphCapture, DecodeGraphs
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.memory_profile import profile_activations
+from iris_serve.scheduler.models.linear_state import LinearStates
 from iris_serve.scheduler.models.registry import load_model
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 
@@ -37,6 +40,8 @@ class DeviceState:
     attention: AttentionBackend
     max_model_len: int
     decode_graphs: DecodeGraphs | None
+    # a hybrid model's: `max_num_seqs` working slots, then `linear_state_snapshots`
+    linear_states: LinearStates | None = None
 
     @classmethod
     def build(cls, config: EngineConfig, tp: TPShard = SINGLE, replica: int = 0) -> DeviceState:
@@ -52,9 +57,17 @@ class DeviceState:
         model = load_model(config.model, dtype=dtype, device=device, tp=tp)
         say("model loaded in %.1f s", time.monotonic() - started)
         layout = KVLayout.of(model.config, config.page_size, dtype)
+        linear_states = _linear_states(config, model, dtype, device)
+        state_bytes = 0 if linear_states is None else linear_states.nbytes
         num_pages = config.num_kv_pages or layout.pages_for_budget(
-            _kv_budget_bytes(config, device, model, layout, tp)
+            _kv_budget_bytes(config, device, model, layout, tp) - state_bytes
         )
+        if num_pages < 1 and linear_states is not None:
+            raise ValueError(
+                f"the linear-attention state ({state_bytes / 2**30:.2f} GiB for "
+                f"{linear_states.num_slots} slots) leaves no memory for the KV cache: lower "
+                "--max-num-seqs or --linear-state-snapshots, or give the cache more memory"
+            )
         num_pages = agree_on_minimum(num_pages, tp, device)
         kv_cache = KVCache(layout, num_pages, device)
         say(
@@ -65,6 +78,8 @@ class DeviceState:
             num_pages * layout.bytes_per_page / 2**30,
             "set by num_kv_pages" if config.num_kv_pages else _kv_sizing(device),
         )
+        if linear_states is not None:
+            _say_hybrid(say, model, linear_states)
         attention = create_backend(config.attention_backend, kv_cache, device)
         max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings,
@@ -72,9 +87,43 @@ class DeviceState:
             num_pages * config.page_size,
         )
         graphs = None
-        if device.type == "cuda" and not config.enforce_eager:
+        if linear_states is not None and device.type == "cuda" and not config.enforce_eager:
+            say("decode steps run eagerly: CUDA graphs do not cover linear-attention layers yet")
+        elif device.type == "cuda" and not config.enforce_eager:
             graphs = _capture_decode_graphs(model, attention, device, config, max_model_len, tp)
-        return cls(device, dtype, model, kv_cache, attention, max_model_len, graphs)
+        return cls(device, dtype, model, kv_cache, attention, max_model_len, graphs, linear_states)
+
+
+def _linear_states(
+    config: EngineConfig, model: Qwen2VLForCausalLM, dtype: torch.dtype, device: torch.device
+) -> LinearStates | None:
+    """A hybrid model's state pool: a working slot per request that may run, then the
+    prefix cache's snapshots (none without it). None for a model without linear layers."""
+    if not model.config.is_hybrid:
+        return None
+    snapshots = config.linear_state_snapshots if config.enable_prefix_caching else 0
+    layout = model.config.linear_state_layout(dtype)
+    return LinearStates(layout, config.max_num_seqs + snapshots, device)
+
+
+def _say_hybrid(say: Callable[..., None], model: Qwen2VLForCausalLM, states: LinearStates) -> None:
+    """The start-up lines of a hybrid model: what its state takes, and what the KV holds."""
+    config = model.config
+    layout = states.layout
+    say(
+        "linear-attention state: %d slots of %.1f MiB (%.2f GiB per rank): a running request "
+        "holds one, the prefix cache's snapshots the rest",
+        states.num_slots,
+        layout.bytes_per_slot / 2**20,
+        states.nbytes / 2**30,
+    )
+    say(
+        "the KV cache covers the %d full-attention layers of %d: the same memory holds "
+        "%.1fx the tokens it would for a model of full-attention layers only",
+        config.num_kv_layers,
+        config.num_layers,
+        config.num_layers / config.num_kv_layers,
+    )
 
 
 def _capture_decode_graphs(

@@ -41,6 +41,7 @@ from iris_serve.scheduler.pixels import Pin, PixelStore
 from iris_serve.scheduler.prefix_cache import PrefixCache
 from iris_serve.scheduler.request import Request, RequestResources
 from iris_serve.scheduler.sampling import check_sampling
+from iris_serve.scheduler.state_slots import StateSlots
 from iris_serve.scheduler.step_faults import (
     FailedRequest,
     client_message,
@@ -75,6 +76,11 @@ class EngineSnapshot:
     mm_embedding_cache_hits: int  # images a request got without the vision tower
     mm_embedding_cache_misses: int
     mm_embedding_cache_usage_bytes: int
+    # a hybrid model's: first admissions, those that restored a linear-state snapshot,
+    # and the snapshots kept
+    linear_state_snapshot_queries: int = 0
+    linear_state_snapshot_hits: int = 0
+    linear_state_snapshots: int = 0
 
 
 class Engine:
@@ -132,6 +138,7 @@ class Engine:
             config, self.embedding_cache, self.pixels, self.encoder_executor
         )
         self.policy = StepPolicy.build(config, self.device, self.encoder_manager)
+        self.state_slots = self._state_slots(state.linear_states is not None)
         self.planner = BatchPlanner(
             self.kv_cache.pool,
             config.page_size,
@@ -140,17 +147,23 @@ class Engine:
             self.prefix_cache,
             self.encoder_manager.ready_until,
             self.policy,
+            *(() if self.state_slots is None else (self.state_slots.admit,)),
         )
         self.runner = ModelRunner(
-            self.model, self.attention, self.device, self.dtype, followers, state.decode_graphs
+            self.model,
+            self.attention,
+            self.device,
+            self.dtype,
+            followers,
+            state.decode_graphs,
+            state.linear_states,
+            self.state_slots,
         )
-        # Every owner of per-request state, in the order `_finish` releases them. A new
-        # kind of per-request state is one more owner here: the linear-attention state
-        # slot of a hybrid model (Qwen3.5) would be a pool that gives a request its slot
-        # when the planner admits it, and frees it in `release` and in `preempt` (a
-        # preempted request recomputes its state with its KV).
+        # Every owner of per-request state, in the order `_finish` releases them (the
+        # planner first: the pages it registers are what snapshots are keyed by).
         self._owners: tuple[RequestResources, ...] = (
             self.planner,  # KV pages, queues
+            *(() if self.state_slots is None else (self.state_slots,)),  # linear-layer state
             self.encoder_manager,  # embedding-cache pins, embeddings in hand
             self.pixels,  # pixels and their shared-memory pins
             self.runner,  # sampler state (penalty rows)
@@ -273,7 +286,18 @@ class Engine:
             mm_embedding_cache_hits=cache.hits,
             mm_embedding_cache_misses=cache.misses,
             mm_embedding_cache_usage_bytes=cache.usage_bytes,
+            **self._snapshot_stats(),
         )
+
+    def _snapshot_stats(self) -> dict[str, int]:
+        slots = self.state_slots
+        if slots is None:
+            return {}
+        return {
+            "linear_state_snapshot_queries": slots.snapshot_queries,
+            "linear_state_snapshot_hits": slots.snapshot_hits,
+            "linear_state_snapshots": slots.num_stored,
+        }
 
     def has_unfinished_requests(self) -> bool:
         return self.planner.has_work()
@@ -404,6 +428,22 @@ class Engine:
         if error is not None:
             self._failed.append(FailedRequest(request.request_id, client_message(error)))
 
+    def _state_slots(self, hybrid: bool) -> StateSlots | None:
+        """A hybrid model's state-slot owner; with the prefix cache on, a hit must end
+        where a snapshot of the linear layers' state was taken."""
+        if not hybrid:
+            return None
+        cache = self.prefix_cache
+        slots = StateSlots(
+            self.config.max_num_seqs,
+            self.config.linear_state_snapshots,
+            self.config.page_size,
+            None if cache is None else cache.page_keys,
+        )
+        if cache is not None:
+            cache.require_snapshots(slots.has_snapshot)
+        return slots
+
     def _image_reports(self, request: Request) -> list[ImageReport] | None:
         """On a chat request's first token (every image has been looked up by then), the
         deepest cache that served each image: its KV, its embedding, its pixels, or none."""
@@ -431,7 +471,8 @@ class Engine:
             "a step failed; ending its %d requests (%s)", len(ids), ", ".join(ids), exc_info=error
         )
         for chunk in plan.chunks:
-            self.planner.rewind(chunk.request, num_computed_tokens=chunk.start)
+            for owner in self._owners:
+                owner.rewind(chunk.request, chunk.start)
             self._finish(chunk.request, "abort", error)
         return isinstance(error, torch.OutOfMemoryError)
 

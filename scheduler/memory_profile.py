@@ -24,6 +24,11 @@ import torch
 from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk, create_backend
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.models.linear_state import (
+    LinearStates,
+    LinearStepContext,
+    SequenceStates,
+)
 
 if TYPE_CHECKING:
     from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
@@ -113,7 +118,12 @@ def _prefill(
     levels = model.deepstack_levels
     deepstack = embeddings.new_zeros(levels, *embeddings.shape) if levels else None
     context = attention.prepare([SequenceChunk.of(list(range(pages)), 0, num_tokens)])
-    hidden = model(embeddings, positions, context, deepstack)
+    if model.config.is_hybrid:  # one slot of its own (the pool is sized apart)
+        states = LinearStates(model.config.linear_state_layout(model.dtype), 1, device)
+        linear = LinearStepContext.of(states, [SequenceStates(0, num_tokens)])
+        hidden = model(embeddings, positions, context, deepstack, states=linear)
+    else:
+        hidden = model(embeddings, positions, context, deepstack)
     rows = min(num_tokens, config.max_num_seqs)
     logits = model.compute_logits(hidden[-rows:])
     return logits.sort(dim=-1).values  # top-k / top-p sort the logits' rows

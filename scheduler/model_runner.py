@@ -7,7 +7,7 @@ sample); rank 0 sends each step's `StepInputs` to the other ranks between the tw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -16,8 +16,14 @@ from iris_serve.ipc.messages import TokenLogprob
 from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk
 from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
 from iris_serve.scheduler.encoder_manager import ChunkImages
+from iris_serve.scheduler.models.linear_state import (
+    LinearStates,
+    LinearStepContext,
+    SequenceStates,
+)
 from iris_serve.scheduler.request import Request, RequestResources
 from iris_serve.scheduler.sampling import Sampler, SamplingRow, token_logprobs
+from iris_serve.scheduler.state_slots import SlotOp, StateSlots
 from iris_serve.scheduler.step_faults import RanksOutOfStep
 
 if TYPE_CHECKING:
@@ -35,6 +41,10 @@ class StepInputs:
     image_rows: list[tuple[int, int]]  # [start, end) rows that take image embeddings
     image_embeddings: torch.Tensor | None  # [sum of rows, H * (1 + L)], rows in order
     logit_rows: list[int]  # rows whose logits are computed (each completes a sequence)
+    # a hybrid model's: each chunk's linear-attention state slot, and the slot clears and
+    # copies to apply before the forward reads any
+    linear: list[SequenceStates] | None = None
+    slot_ops: list[SlotOp] = field(default_factory=list)
     # host copies of input_ids and positions (rank 0 sends them without a device read)
     host_input_ids: list[int] | None = None
     host_positions: torch.Tensor | None = None
@@ -64,8 +74,14 @@ class ModelRunner(RequestResources):
         dtype: torch.dtype,
         followers: Followers | None = None,
         decode_graphs: DecodeGraphs | None = None,
+        linear_states: LinearStates | None = None,
+        state_slots: StateSlots | None = None,
     ) -> None:
+        """`linear_states` (this rank's pool) and `state_slots` (rank 0's bookkeeping of
+        it): a hybrid model's linear-attention state; None for the others."""
         self.model = model
+        self.linear_states = linear_states
+        self.state_slots = state_slots
         self.decode_graphs = decode_graphs
         self.attention = attention
         self.device = device
@@ -120,6 +136,7 @@ class ModelRunner(RequestResources):
         token_ids = [t for c in chunks for t in c.request.token_ids(c.start, c.end)]
         positions = torch.cat([c.request.positions(c.start, c.end) for c in chunks], dim=1)
         image_rows, parts = _image_rows(chunks, images)
+        slots = self.state_slots
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
             positions=positions.to(self.device),
@@ -134,6 +151,8 @@ class ModelRunner(RequestResources):
             logit_rows=_last_row_indices(chunks),
             host_input_ids=token_ids,
             host_positions=positions,
+            linear=None if slots is None else slots.sequences(chunks),
+            slot_ops=[] if slots is None else slots.take_ops(),
         )
 
     @torch.inference_mode()
@@ -147,11 +166,26 @@ class ModelRunner(RequestResources):
         embeddings = self.model.embed_tokens(inputs.input_ids)
         deepstack = self._splice_images(embeddings, inputs)
         attention = self.attention.prepare(inputs.chunks)
-        hidden = self.model(embeddings, inputs.positions, attention, deepstack)
+        if inputs.linear is None:
+            hidden = self.model(embeddings, inputs.positions, attention, deepstack)
+        else:
+            states = self._linear_states(inputs)
+            hidden = self.model(embeddings, inputs.positions, attention, deepstack, states=states)
         if not inputs.logit_rows:
             return None
         rows = torch.tensor(inputs.logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def _linear_states(self, inputs: StepInputs) -> LinearStepContext:
+        """Applies the step's slot clears and copies, then names each chunk's slot."""
+        pool = self.linear_states
+        assert pool is not None and inputs.linear is not None, "a hybrid model has a pool"
+        for op in inputs.slot_ops:
+            if op.source is None:
+                pool.clear(op.target)
+            else:
+                pool.copy(op.source, op.target)
+        return LinearStepContext.of(pool, inputs.linear)
 
     def _splice_images(self, embeddings: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
         """Writes the image rows' main embeddings into `embeddings`; returns the step's

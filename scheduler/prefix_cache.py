@@ -21,7 +21,7 @@ turn of a conversation contains the previous answer).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -64,6 +64,8 @@ class PrefixCache:
     def __init__(self, pool: PagePool, page_size: int) -> None:
         self.pool = pool
         self.page_size = page_size
+        # a hybrid model's: whether a page's key has a state snapshot (state_slots.py)
+        self._restorable: Callable[[bytes], bool] | None = None
         self.hit_tokens = 0  # tokens found cached at requests' first admission
         self.query_tokens = 0  # tokens looked up then (the hit rate's denominator)
 
@@ -72,9 +74,15 @@ class PrefixCache:
         self.hit_tokens += hit_tokens
         self.query_tokens += query_tokens
 
+    def require_snapshots(self, restorable: Callable[[bytes], bool]) -> None:
+        """A hybrid model's cache: a match ends at the deepest matched page whose key
+        `restorable` says has a snapshot of the linear layers' state, or is empty."""
+        self._restorable = restorable
+
     def match(self, request: Request) -> list[int]:
         """Cached pages holding the longest prefix of the request's tokens, stopping
-        before its last token. Read-only: the caller takes references with `pool.share`."""
+        before its last token (and, with `require_snapshots`, at a snapshot). Read-only:
+        the caller takes references with `pool.share`."""
         max_pages = (request.num_tokens - 1) // self.page_size
         keys = self.page_keys(request, max_pages)
         pages = []
@@ -83,6 +91,9 @@ class PrefixCache:
             if page is None:
                 break
             pages.append(page)
+        if self._restorable is not None:
+            while pages and not self._restorable(keys[len(pages) - 1]):
+                pages.pop()
         return pages
 
     def register(self, request: Request) -> None:

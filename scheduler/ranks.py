@@ -43,9 +43,11 @@ from iris_serve.scheduler.batch_planner import StepPlan
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.device_state import DeviceState, rank_device
 from iris_serve.scheduler.model_runner import ModelRunner, StepInputs
+from iris_serve.scheduler.models.linear_state import SequenceStates
 from iris_serve.scheduler.models.tensor_parallel import TPShard
 from iris_serve.scheduler.page_table import PageTable
 from iris_serve.scheduler.request import Request
+from iris_serve.scheduler.state_slots import SlotOp
 
 logger = logging.getLogger("iris.ranks")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # one step's collectives, never an idle wait
@@ -115,7 +117,8 @@ class StepBroadcaster:
 
     def message(self, plan: StepPlan, inputs: StepInputs) -> RankStep:
         chunks = []
-        for chunk, sequence in zip(plan.chunks, inputs.chunks, strict=True):
+        linear: list[SequenceStates | None] = [*(inputs.linear or [None] * len(plan.chunks))]
+        for chunk, sequence, states in zip(plan.chunks, inputs.chunks, linear, strict=True):
             request = chunk.request
             table = request.page_table
             sent = self._sent.get(request.request_id)
@@ -128,6 +131,8 @@ class StepBroadcaster:
                     sequence.num_cached,
                     sequence.num_new,
                     reset,
+                    -1 if states is None else states.slot,
+                    [] if states is None else list(states.captures),
                 )
             )
             self._sent[request.request_id] = _Sent(request, table.epoch, len(table.pages))
@@ -149,6 +154,9 @@ class StepBroadcaster:
             image_rows=inputs.image_rows,
             logit_rows=pack_token_ids(inputs.logit_rows),
             dropped=dropped,
+            slot_ops=[
+                (op.target, -1 if op.source is None else op.source) for op in inputs.slot_ops
+            ],
         )
 
     def close(self) -> None:
@@ -173,6 +181,7 @@ class Follower:
             state.device,
             state.dtype,
             decode_graphs=state.decode_graphs,
+            linear_states=state.linear_states,
         )
         config = state.model.config
         self.embedding_width = config.hidden_size * (1 + config.deepstack_levels)
@@ -198,6 +207,17 @@ class Follower:
             image_embeddings=image_embeddings,
             logit_rows=np.frombuffer(message.logit_rows, dtype=_INT32).tolist(),
         )
+        if self.state.linear_states is not None:
+            inputs.linear = [
+                SequenceStates(
+                    c.state_slot, c.num_new, tuple((k, slot) for k, slot in c.state_captures)
+                )
+                for c in message.chunks
+            ]
+            inputs.slot_ops = [
+                SlotOp(target, None if source < 0 else source)
+                for target, source in message.slot_ops
+            ]
         self.runner.forward(inputs)
 
     def _sequence(self, chunk: RankChunk) -> SequenceChunk:

@@ -27,6 +27,10 @@ class RequestResources:
         """The request was preempted: let go of what its recompute does not need kept
         (by default, nothing)."""
 
+    def rewind(self, request: Request, num_computed_tokens: int) -> None:
+        """The step that was to compute the request's tokens from `num_computed_tokens` on
+        raised: forget what that step was to produce (by default, nothing)."""
+
     def release(self, request: Request) -> None:
         """The request ended: let go of everything held for it; safe to call twice."""
         raise NotImplementedError

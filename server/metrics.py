@@ -134,6 +134,15 @@ _ENGINE: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
     ("iris_mm_embedding_cache_misses_total", "counter",
      "Images whose embedding was not in the embedding cache.",
      lambda e: e.mm_embedding_cache_misses),
+    ("iris_linear_state_snapshot_queries_total", "counter",
+     "Requests admitted for the first time on a hybrid model (Qwen3.5): the denominator "
+     "of the snapshot hit rate.", lambda e: e.linear_state_snapshot_queries),
+    ("iris_linear_state_snapshot_hits_total", "counter",
+     "Of those, requests whose prefix-cache hit restored a snapshot of the linear-attention "
+     "state.", lambda e: e.linear_state_snapshot_hits),
+    ("iris_linear_state_snapshots", "gauge",
+     "Snapshots of the linear-attention state the prefix cache keeps (hybrid models).",
+     lambda e: e.linear_state_snapshots),
 ]  # fmt: skip
 
 # name, type, help, value of one WorkerStats (summed across workers)

@@ -125,6 +125,11 @@ class VLModelConfig:
         return AttentionHeads.of(self.num_heads, self.num_kv_heads, self.tp)
 
     @property
+    def is_hybrid(self) -> bool:
+        """Whether some decoder layers are linear attention (Qwen3.5); none are yet."""
+        return False
+
+    @property
     def spatial_merge_size(self) -> int:
         return self.vision.spatial_merge_size
 

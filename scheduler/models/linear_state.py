@@ -60,9 +60,16 @@ class LinearStates:
             layout.num_layers, num_slots, *layout.conv_shape, dtype=layout.conv_dtype, device=device
         )
         self.recurrent = torch.zeros(
-            layout.num_layers, num_slots, *layout.recurrent_shape, dtype=torch.float32,
+            layout.num_layers,
+            num_slots,
+            *layout.recurrent_shape,
+            dtype=torch.float32,
             device=device,
         )
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.bytes_per_slot * self.num_slots
 
     def clear(self, slot: int) -> None:
         """The zero state: a sequence before its first token."""
