@@ -117,7 +117,9 @@ class StepBroadcaster:
 
     def message(self, plan: StepPlan, inputs: StepInputs) -> RankStep:
         chunks = []
-        linear: list[SequenceStates | None] = [*(inputs.linear or [None] * len(plan.chunks))]
+        linear: list[SequenceStates | None] = (
+            list(inputs.linear) if inputs.linear is not None else [None] * len(plan.chunks)
+        )
         for chunk, sequence, states in zip(plan.chunks, inputs.chunks, linear, strict=True):
             request = chunk.request
             table = request.page_table
