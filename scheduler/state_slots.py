@@ -16,7 +16,8 @@ stops at the deepest matched page that has one (`has_snapshot`); admitting the r
 copies that snapshot into its working slot (the snapshot stays, for the next hit).
 
 Snapshots are taken where a forward passes a page boundary that is worth resuming from:
-- the last page boundary up to each image's end (the same image with another question),
+- the last page boundary before each image (the system prompt and text every request
+  shares, with another image) and up to its end (the same image, another question),
 - the last page boundary of the prompt (the same prompt again),
 - the request's latest page boundary, overwritten in place as it goes: when it ends or
   is preempted, that is where the next turn of its conversation (or its own recompute)
@@ -61,7 +62,7 @@ class _Held:
 
     working: int
     rolling: _Capture | None = None  # its latest page boundary, rewritten as it goes
-    pinned: list[_Capture] = field(default_factory=list)  # images' and prompt's ends
+    pinned: list[_Capture] = field(default_factory=list)  # images' bounds, prompt's end
 
 
 class StateSlots(RequestResources):
@@ -171,7 +172,8 @@ class StateSlots(RequestResources):
         if first > last:
             return SequenceStates(held.working, chunk.num_tokens)
         keys = self.page_keys(request, last) if self.page_keys is not None else []
-        pinned = {_floor(image.end, size) for image in request.images}
+        pinned = {_floor(i.offset, size) for i in request.images}
+        pinned |= {_floor(i.end, size) for i in request.images}
         pinned.add(_floor(request.prompt_len - 1, size))
         captures = []
         for boundary in sorted(b for b in pinned if first * size <= b <= last * size and b > 0):

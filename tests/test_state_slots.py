@@ -64,16 +64,16 @@ def test_prefill_captures_the_prompt_end_and_the_latest_page_boundary() -> None:
     assert [k for k, _ in sequence.captures] == [2]
 
 
-def test_an_image_end_is_captured_mid_chunk_and_offered_once_the_step_ran() -> None:
+def test_an_image_is_bracketed_mid_chunk_and_offered_once_the_step_ran() -> None:
     slots = make_slots()
-    request = make_request("a", 30, [image(offset=2, length=7)])  # ends at 9: boundary 8
+    request = make_request("a", 30, [image(offset=6, length=5)])  # tokens 6..11
     slots.admit(request, 0)
     keys = slots.page_keys(request, 7)
     sequence = step(slots, request, 0, 20)
-    assert [k for k, _ in sequence.captures] == [8, 20]  # image end, then the latest
-    assert not slots.has_snapshot(keys[1])  # the step that writes it has not run yet
+    assert [k for k, _ in sequence.captures] == [4, 8, 20]  # before, in it, the latest
+    assert not slots.has_snapshot(keys[0]) and not slots.has_snapshot(keys[1])  # not run yet
     step(slots, request, 20, 24)
-    assert slots.has_snapshot(keys[1])  # offered once that step ran
+    assert slots.has_snapshot(keys[0]) and slots.has_snapshot(keys[1])  # the step ran
     assert not slots.has_snapshot(keys[4])  # the rolling one stays with its request
     slots.release(request)
     assert slots.has_snapshot(keys[5])  # ...until it ends: where it stopped, 24
