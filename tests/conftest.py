@@ -3,8 +3,9 @@
 `tiny_checkpoint(arch, **kwargs)` returns the folder of a checkpoint generated with
 `generate_checkpoint(arch, out_dir, **kwargs)`, once per distinct argument set per session.
 `qwen2_vl_tiny` (tied embeddings), `qwen2_5_vl_tiny` (untied), `qwen3_vl_tiny` (tied,
-DeepStack) and `qwen3_vl_moe_tiny` (untied, DeepStack, routed experts) are the fp32 seed-0
-ones.
+DeepStack), `qwen3_vl_moe_tiny` (untied, DeepStack, routed experts), `qwen3_5_tiny` and
+`qwen3_5_moe_tiny` (hybrid linear attention; the MoE with a shared expert) are the fp32
+seed-0 ones.
 """
 
 from __future__ import annotations
@@ -101,7 +102,20 @@ def qwen3_vl_moe_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
     return tiny_checkpoint("qwen3_vl_moe")
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.fixture(scope="session")
+def qwen3_5_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
+    return tiny_checkpoint("qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_tiny(tiny_checkpoint: TinyCheckpoint) -> Path:
+    return tiny_checkpoint("qwen3_5_moe")
+
+
+@pytest.fixture(
+    scope="module",
+    params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"],
+)
 def each_arch_dir(request) -> str:
     """Each architecture's tiny checkpoint in turn: a test using it runs once per arch."""
     return str(request.getfixturevalue(f"{request.param}_tiny"))
