@@ -32,9 +32,10 @@ class KVLayout:
 
     @classmethod
     def of(cls, model_config: VLModelConfig, page_size: int, dtype: torch.dtype) -> KVLayout:
-        """The layout of a model's KV cache (this rank's KV heads under tensor parallelism)."""
+        """The layout of a model's KV cache: its full-attention layers (all of them but in a
+        hybrid model), this rank's KV heads under tensor parallelism."""
         return cls(
-            num_layers=model_config.num_layers,
+            num_layers=model_config.num_kv_layers,
             num_kv_heads=model_config.attention_heads.num_kv_heads,
             head_dim=model_config.head_dim,
             page_size=page_size,

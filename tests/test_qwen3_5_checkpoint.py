@@ -1,6 +1,6 @@
 """Qwen3.5 tiny checkpoints (`iris tiny-model --arch qwen3_5|qwen3_5_moe`) load and generate in
 transformers' own classes, with the tiny tokenizer and Qwen3-VL's processor; Iris's own
-model code refuses them by name until it implements the hybrid decoder."""
+model code loads them too."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from transformers import (
     Qwen3_5MoeForConditionalGeneration,
 )
 
-from iris_serve.scheduler.models.registry import load_config
+from iris_serve.scheduler.models.registry import load_config, load_model
 from iris_serve.tiny_checkpoint import main_tiny_model, reference_processor
 from iris_serve.tiny_checkpoint.tokenizer import SPECIAL_TOKENS
 
@@ -37,6 +37,7 @@ CLASSES = {
     "qwen3_5": Qwen3_5ForConditionalGeneration,
     "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
 }
+IRIS_CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 
 
 @pytest.fixture(scope="module", params=list(CLASSES))
@@ -143,9 +144,12 @@ def test_cli_writes_byte_identical_files(tiny_checkpoint: TinyCheckpoint, tmp_pa
     assert hashes(tmp_path) == hashes(tiny_checkpoint("qwen3_5_moe"))
 
 
-def test_iris_refuses_qwen3_5_by_name(arch_dir: tuple[str, Path]) -> None:
-    """Iris's model code has no Qwen3.5 yet: loading one fails at once, naming it."""
-    _, path = arch_dir
+def test_iris_loads_qwen3_5(arch_dir: tuple[str, Path]) -> None:
+    """Iris's own model code serves these checkpoints (its parity with transformers:
+    tests/test_qwen3_5_model.py)."""
+    arch, path = arch_dir
     architecture = json.loads((path / "config.json").read_text())["architectures"][0]
-    with pytest.raises(ValueError, match=f"unsupported architecture '{architecture}'"):
-        load_config(path)
+    config = load_config(path)
+    assert config.architecture == architecture and config.is_hybrid
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    assert type(model).__name__ == IRIS_CLASSES[arch]

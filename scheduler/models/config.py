@@ -8,8 +8,12 @@ The vision tower differs per architecture: Qwen2-VL names its width `embed_dim` 
 `hidden_size`, `intermediate_size` and `out_hidden_size`; Qwen3-VL adds a learned position
 table (`num_position_embeddings`) and `deepstack_visual_indexes`, and its decoder has an
 explicit `head_dim`, q/k norm and interleaved M-RoPE; Qwen3-VL-MoE swaps the MLP of its
-decoder layers for routed experts (`MoEConfig`). Defaults are transformers' defaults, so a
-file that leaves a key out means the same thing to us as to transformers.
+decoder layers for routed experts (`MoEConfig`). Qwen3.5 keeps Qwen3-VL's tower without
+DeepStack and makes the decoder hybrid: Gated DeltaNet linear-attention layers
+(`LinearAttentionConfig`) between gated full-attention ones that rotate only part of each
+head; its MoE variant routes every layer and adds a shared expert. Defaults are
+transformers' defaults, so a file that leaves a key out means the same thing to us as to
+transformers.
 """
 
 from __future__ import annotations
@@ -19,32 +23,50 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from iris_serve.scheduler.models.tensor_parallel import SINGLE, AttentionHeads, TPShard
+import torch
+
+from iris_serve.scheduler.models.linear_state import LinearStateLayout
+from iris_serve.scheduler.models.tensor_parallel import (
+    SINGLE,
+    AttentionHeads,
+    LinearAttentionHeads,
+    TPShard,
+)
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
 QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
+QWEN3_5 = "Qwen3_5ForConditionalGeneration"
+QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
 _ARCH_BY_MODEL_TYPE = {
     "qwen2_vl": QWEN2_VL,
     "qwen2_5_vl": QWEN2_5_VL,
     "qwen3_vl": QWEN3_VL,
     "qwen3_vl_moe": QWEN3_VL_MOE,
+    "qwen3_5": QWEN3_5,
+    "qwen3_5_moe": QWEN3_5_MOE,
 }
-_QWEN3_ARCHS = (QWEN3_VL, QWEN3_VL_MOE)
+_HYBRID_ARCHS = (QWEN3_5, QWEN3_5_MOE)  # Gated DeltaNet layers between full attention
+_QWEN3_ARCHS = (QWEN3_VL, QWEN3_VL_MOE, *_HYBRID_ARCHS)  # Qwen3-VL's tower and decoder basics
+_MOE_ARCHS = (QWEN3_VL_MOE, QWEN3_5_MOE)
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Routed experts of a Qwen3-MoE decoder. No shared expert; the router's top-k
-    probabilities are always renormalised to sum 1 (transformers ignores `norm_topk_prob`:
-    every released checkpoint sets it)."""
+    """Routed experts of a Qwen3-MoE decoder. The router's top-k probabilities are always
+    renormalised to sum 1 (transformers ignores `norm_topk_prob`: every released checkpoint
+    sets it). Qwen3.5-MoE adds a shared expert that every token runs, scaled by
+    σ(`shared_expert_gate`(x))."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of one expert (`moe_intermediate_size`)
     sparse_step: int  # `decoder_sparse_step`: every step-th layer is MoE
     dense_layers: tuple[int, ...]  # `mlp_only_layers`: dense SwiGLU whatever the step says
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen3-VL-MoE)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """transformers' rule: not listed as dense, and (i + 1) divisible by the step."""
@@ -53,6 +75,42 @@ class MoEConfig:
             and self.num_experts > 0
             and (layer_idx + 1) % self.sparse_step == 0
         )
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid decoder (Qwen3.5) and which layers they are.
+
+    q and k have `num_key_heads` heads of `key_head_dim`, v and the output `num_value_heads`
+    of `value_head_dim`; each key head serves `num_value_heads // num_key_heads`
+    consecutive value heads. The raw q/k/v projections go through a causal depthwise conv of
+    width `conv_kernel` before the delta rule."""
+
+    layer_types: tuple[str, ...]  # per decoder layer: LINEAR_ATTENTION or FULL_ATTENTION
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        unknown = set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}
+        if unknown:
+            raise ValueError(f"unknown layer types {sorted(unknown)} in layer_types")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_value_heads}) is not a multiple of "
+                f"linear_num_key_heads ({self.num_key_heads})"
+            )
+        if self.conv_kernel < 2:
+            raise ValueError(f"linear_conv_kernel_dim {self.conv_kernel} must be at least 2")
+
+    def is_linear(self, layer_idx: int) -> bool:
+        return self.layer_types[layer_idx] == LINEAR_ATTENTION
+
+    def heads(self, tp: TPShard) -> LinearAttentionHeads:
+        """The key and value heads of this rank's shard."""
+        return LinearAttentionHeads.of(self.num_key_heads, self.num_value_heads, tp)
 
 
 @dataclass(frozen=True)
@@ -101,6 +159,7 @@ class VLModelConfig:
     rope_theta: float
     mrope_section: tuple[int, int, int]
     mrope_interleaved: bool  # Qwen3-VL: T,H,W,T,H,W,... frequency slots, not three blocks
+    rotary_dim: int  # the leading dims of each head that rotate: head_dim, but for Qwen3.5
     attention_bias: bool  # bias on q/k/v (Qwen2); Qwen3 has none and normalises q/k instead
     tie_word_embeddings: bool
     max_position_embeddings: int
@@ -116,6 +175,9 @@ class VLModelConfig:
     dtype: str | None
     vision: VisionConfig
     moe: MoEConfig | None = None  # Qwen3-VL-MoE; None: every layer has a dense MLP
+    # Qwen3.5: linear-attention layers, and full attention gated (q_proj also yields a gate
+    # per head); None: every layer is plain full attention
+    linear: LinearAttentionConfig | None = None
     # the tensor-parallel shard the model is built as (not in config.json: `load_model`)
     tp: TPShard = SINGLE
 
@@ -126,8 +188,53 @@ class VLModelConfig:
 
     @property
     def is_hybrid(self) -> bool:
-        """Whether some decoder layers are linear attention (Qwen3.5); none are yet."""
-        return False
+        """Whether some layers are linear attention: the model then keeps a fixed-size state
+        per sequence outside the KV cache (`linear_state_layout`) and its `forward` needs a
+        `LinearStepContext`."""
+        return self.linear is not None
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Decoder layers with full attention, in order; the i-th of them is KV layer i."""
+        if self.linear is None:
+            return tuple(range(self.num_layers))
+        return tuple(i for i in range(self.num_layers) if not self.linear.is_linear(i))
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers the KV cache holds: the full-attention ones (every layer unless hybrid)."""
+        return len(self.attention_layers)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Decoder layers with linear attention, in order; the i-th of them is state layer i."""
+        if self.linear is None:
+            return ()
+        return tuple(i for i in range(self.num_layers) if self.linear.is_linear(i))
+
+    @property
+    def linear_heads(self) -> LinearAttentionHeads:
+        """This rank's linear-attention key and value heads; raises unless hybrid."""
+        if self.linear is None:
+            raise ValueError(f"{self.architecture} has no linear-attention layers")
+        return self.linear.heads(self.tp)
+
+    def linear_state_layout(self, dtype: torch.dtype) -> LinearStateLayout:
+        """One sequence's linear-attention state on this rank, conv columns in `dtype` (the
+        model's); raises unless hybrid."""
+        heads = self.linear_heads
+        linear = self.linear
+        assert linear is not None  # linear_heads raised otherwise
+        return LinearStateLayout(
+            num_layers=len(self.linear_layers),
+            conv_channels=2 * heads.num_key_heads * linear.key_head_dim
+            + heads.num_value_heads * linear.value_head_dim,
+            conv_kernel=linear.conv_kernel,
+            value_heads=heads.num_value_heads,
+            key_head_dim=linear.key_head_dim,
+            value_head_dim=linear.value_head_dim,
+            conv_dtype=dtype,
+        )
 
     @property
     def spatial_merge_size(self) -> int:
@@ -160,6 +267,7 @@ class VLModelConfig:
             return default if value is None else value
 
         hidden_size = int(get("hidden_size", 8192))
+        num_layers = int(get("num_hidden_layers", 80))
         num_heads = int(get("num_attention_heads", 64))
         num_kv_heads = int(get("num_key_value_heads", None) or num_heads)
         qwen3 = architecture in _QWEN3_ARCHS
@@ -169,18 +277,23 @@ class VLModelConfig:
         if not qwen3 and head_dim * num_heads != hidden_size:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by {num_heads} heads")
 
+        hybrid = architecture in _HYBRID_ARCHS
         rope = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
             raise NotImplementedError(f"rope type {rope_type!r} is not supported (only mrope)")
-        default_section = (24, 20, 20) if qwen3 else (16, 24, 24)
+        # Qwen3.5 rotates only a leading part of each head (a quarter by default)
+        partial = float(rope.get("partial_rotary_factor") or get("partial_rotary_factor", 0.25))
+        rotary_dim = int(head_dim * partial) if hybrid else head_dim
+        default_section = (11, 11, 10) if hybrid else (24, 20, 20) if qwen3 else (16, 24, 24)
         mrope_section = tuple(int(s) for s in rope.get("mrope_section", default_section))
-        if len(mrope_section) != 3 or 2 * sum(mrope_section) != head_dim:
+        if len(mrope_section) != 3 or 2 * sum(mrope_section) != rotary_dim:
             raise ValueError(
-                f"mrope_section {list(mrope_section)} must have 3 parts summing to head_dim/2 "
-                f"({head_dim // 2})"
+                f"mrope_section {list(mrope_section)} must have 3 parts summing to half the "
+                f"rotary dims ({rotary_dim // 2})"
             )
-        rope_theta = float(rope.get("rope_theta") or get("rope_theta", 1_000_000.0))
+        default_theta = 10_000.0 if hybrid else 1_000_000.0
+        rope_theta = float(rope.get("rope_theta") or get("rope_theta", default_theta))
         if get("use_sliding_window", False):
             raise NotImplementedError("use_sliding_window=true is not supported")
         if get("hidden_act", "silu") != "silu":
@@ -200,7 +313,7 @@ class VLModelConfig:
             vocab_size=int(get("vocab_size", 152064)),
             hidden_size=hidden_size,
             intermediate_size=int(get("intermediate_size", 29568)),
-            num_layers=int(get("num_hidden_layers", 80)),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -209,6 +322,7 @@ class VLModelConfig:
             mrope_section=mrope_section,
             # transformers' Qwen3-VL always interleaves, whatever `mrope_interleaved` says
             mrope_interleaved=qwen3,
+            rotary_dim=rotary_dim,
             attention_bias=bool(get("attention_bias", False)) if qwen3 else True,
             tie_word_embeddings=tie,
             max_position_embeddings=int(get("max_position_embeddings", 32768)),
@@ -221,23 +335,57 @@ class VLModelConfig:
             pad_token_id=get("pad_token_id", None),
             dtype=raw.get("dtype") or raw.get("torch_dtype") or get("dtype", None),
             vision=_vision_config(architecture, raw.get("vision_config") or {}),
-            moe=_moe_config(get) if architecture == QWEN3_VL_MOE else None,
+            moe=_moe_config(architecture, get) if architecture in _MOE_ARCHS else None,
+            linear=_linear_config(get, num_layers) if hybrid else None,
         )
 
 
-def _moe_config(get: Any) -> MoEConfig:
-    """`get` reads a text key (nested first); defaults are `Qwen3VLMoeTextConfig`'s.
-    transformers 5 saves `num_experts` as `num_local_experts`."""
-    num_experts = int(get("num_experts", None) or get("num_local_experts", 60))
-    top_k = int(get("num_experts_per_tok", 4))
+def _moe_config(architecture: str, get: Any) -> MoEConfig:
+    """`get` reads a text key (nested first); defaults are `Qwen3VLMoeTextConfig`'s, or
+    `Qwen3_5MoeTextConfig`'s, which routes every layer whatever the file says and adds a
+    shared expert. transformers 5 saves `num_experts` as `num_local_experts`."""
+    qwen3_5 = architecture == QWEN3_5_MOE
+    num_experts = int(get("num_experts", None) or get("num_local_experts", 256 if qwen3_5 else 60))
+    top_k = int(get("num_experts_per_tok", 8 if qwen3_5 else 4))
     if not 0 < top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
+    if qwen3_5:
+        return MoEConfig(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=int(get("moe_intermediate_size", 512)),
+            sparse_step=1,
+            dense_layers=(),
+            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 512)),
+        )
     return MoEConfig(
         num_experts=num_experts,
         top_k=top_k,
         intermediate_size=int(get("moe_intermediate_size", 1408)),
         sparse_step=int(get("decoder_sparse_step", 1)),
         dense_layers=tuple(int(i) for i in get("mlp_only_layers", ())),
+    )
+
+
+def _linear_config(get: Any, num_layers: int) -> LinearAttentionConfig:
+    """`get` reads a text key; defaults are `Qwen3_5TextConfig`'s. Without `layer_types`,
+    every `full_attention_interval`-th layer is full attention, as transformers decides."""
+    layer_types = get("layer_types", None)
+    if layer_types is None:
+        interval = int(get("full_attention_interval", 4))
+        layer_types = [
+            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+            for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers:
+        raise ValueError(f"{len(layer_types)} layer_types for {num_layers} layers")
+    return LinearAttentionConfig(
+        layer_types=tuple(str(kind) for kind in layer_types),
+        num_key_heads=int(get("linear_num_key_heads", 16)),
+        num_value_heads=int(get("linear_num_value_heads", 32)),
+        key_head_dim=int(get("linear_key_head_dim", 128)),
+        value_head_dim=int(get("linear_value_head_dim", 128)),
+        conv_kernel=int(get("linear_conv_kernel_dim", 4)),
     )
 
 
@@ -292,7 +440,11 @@ def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
             **common,
         )
     if qwen3:
-        deepstack = tuple(int(i) for i in get("deepstack_visual_indexes", (8, 16, 24)))
+        deepstack = (
+            ()  # Qwen3.5's tower has no DeepStack mergers, whatever the file says
+            if architecture in _HYBRID_ARCHS
+            else tuple(int(i) for i in get("deepstack_visual_indexes", (8, 16, 24)))
+        )
         if any(not 0 <= i < common["depth"] for i in deepstack):
             raise ValueError(f"deepstack_visual_indexes {list(deepstack)} outside the ViT depth")
         return VisionConfig(

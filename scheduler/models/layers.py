@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,12 @@ from iris_serve.scheduler.models.tensor_parallel import (
 )
 
 
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its root mean square along the last dim, in fp32 (whatever x's dtype)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """Normalises in fp32, casts back, then scales (transformers' order)."""
 
@@ -31,10 +38,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * rms_normalized(x, self.eps).to(x.dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by `1 + weight` (Qwen3.5's decoder stores its norm weights centred on
+    zero). Scales in fp32 before casting back: transformers' order for this norm, unlike
+    `RMSNorm`'s, so bf16 rounds differently."""
+
+    DUMMY_FILL: ClassVar[dict[str, float]] = {"weight": 0.0}  # `registry._init_dummy`: identity
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -105,9 +125,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[N, heads, D]`, cos/sin `[N, D]` (already in x's dtype for the LM)."""
+    """x `[N, heads, D]`, cos/sin `[N, R]` (already in x's dtype for the LM): rotates the
+    first R dims of each head and passes the others through (R < D: Qwen3.5's partial
+    rotary)."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return x * cos + rotate_half(x) * sin
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rotated, passed = x[..., :rotary], x[..., rotary:]
+    return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
 
 
 def mrope_cos_sin(

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iris_serve.scheduler.models.config import MoEConfig
+from iris_serve.scheduler.models.config import MoEConfig, VLModelConfig
+from iris_serve.scheduler.models.layers import GatedMLP
 from iris_serve.scheduler.models.loader import Weight, materialized
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard, TPSplit
 
@@ -70,7 +71,9 @@ class RoutedExperts(nn.Module):
 
 
 class SparseMoEBlock(nn.Module):
-    """Checkpoint names `mlp.gate.weight` `[E, H]` (the router) and `mlp.experts.*`."""
+    """Checkpoint names `mlp.gate.weight` `[E, H]` (the router) and `mlp.experts.*`; with a
+    shared expert (Qwen3.5-MoE) also `mlp.shared_expert.*`, a SwiGLU MLP every token runs,
+    and `mlp.shared_expert_gate.weight` `[1, H]`, which scales its output by σ(gate(x))."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
@@ -78,10 +81,20 @@ class SparseMoEBlock(nn.Module):
         self.tp = tp
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # on every rank
         self.experts = RoutedExperts(moe.num_experts, hidden_size, moe.intermediate_size, tp)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(
+                hidden_size, moe.shared_expert_intermediate_size, bias=False, act="silu", tp=tp
+            )
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # on every rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k)
-        return self.tp.all_reduce(self.experts(x, experts, weights))
+        out = self.tp.all_reduce(self.experts(x, experts, weights))
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def _count_rows(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -133,6 +146,21 @@ _FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)
 _PER_EXPERT = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$"
 )
+
+
+def expert_weights_for(
+    config: VLModelConfig, weights: Iterable[tuple[str, Weight]]
+) -> Iterator[tuple[str, Weight]]:
+    """`expert_weights_in_our_layout` for the shapes of `config`'s experts (which it must
+    have)."""
+    if config.moe is None:
+        raise ValueError(f"{config.architecture} config has no experts")
+    return expert_weights_in_our_layout(
+        weights,
+        num_experts=config.moe.num_experts,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.moe.intermediate_size,
+    )
 
 
 def expert_weights_in_our_layout(

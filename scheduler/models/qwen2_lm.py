@@ -21,13 +21,15 @@ from iris_serve.scheduler.models.tensor_parallel import (
 )
 
 
-def qkv_projection(config: VLModelConfig, bias: bool) -> ColumnParallelLinear:
-    """q, k and v fused into one layer, with this rank's heads of each."""
+def qkv_projection(config: VLModelConfig, bias: bool, gated: bool = False) -> ColumnParallelLinear:
+    """q, k and v fused into one layer, with this rank's heads of each. `gated` (Qwen3.5):
+    each query head's rows are followed by as many rows of its output gate."""
     heads, head_dim = config.attention_heads, config.head_dim
+    q_rows = 2 * head_dim if gated else head_dim
     return ColumnParallelLinear(
         config.hidden_size,
         (
-            (heads.q_start * head_dim, heads.num_heads * head_dim),
+            (heads.q_start * q_rows, heads.num_heads * q_rows),
             (heads.kv_start * head_dim, heads.num_kv_heads * head_dim),
             (heads.kv_start * head_dim, heads.num_kv_heads * head_dim),
         ),

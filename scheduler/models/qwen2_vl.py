@@ -12,7 +12,7 @@ Weights load by name from either layout a checkpoint may use:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -20,11 +20,15 @@ from torch import nn
 from iris_serve.scheduler.models.attention_api import AttentionContext
 from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.layers import PACKED_SHARDS
+from iris_serve.scheduler.models.linear_state import LinearStepContext
 from iris_serve.scheduler.models.loader import Weight, load_named_weights
 from iris_serve.scheduler.models.qwen2_lm import Qwen2Model
 from iris_serve.scheduler.models.qwen3_lm import Qwen3Model
 from iris_serve.scheduler.models.tensor_parallel import vocab_parallel_head
 from iris_serve.scheduler.models.vision_qwen2 import Qwen2VisionTransformer
+
+if TYPE_CHECKING:  # Qwen3.5's decoder, imported only by its model module
+    from iris_serve.scheduler.models.qwen3_5_lm import Qwen3_5Model
 
 # checkpoint prefix -> our prefix, first match wins
 _PREFIXES = (
@@ -37,7 +41,7 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
 
 class Qwen2VLForCausalLM(nn.Module):
     vision_tower: ClassVar[type[nn.Module]] = Qwen2VisionTransformer  # built from config.vision
-    language_model: ClassVar[type[Qwen2Model] | type[Qwen3Model]] = Qwen2Model
+    language_model: ClassVar[type[Qwen2Model] | type[Qwen3Model] | type[Qwen3_5Model]] = Qwen2Model
 
     def __init__(self, config: VLModelConfig) -> None:
         super().__init__()
@@ -99,12 +103,17 @@ class Qwen2VLForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionContext,
         deepstack: torch.Tensor | None = None,
+        *,
+        states: LinearStepContext | None = None,
     ) -> torch.Tensor:
         """inputs_embeds `[N, H]` (flat over sequences), positions `[3, N]` int64 ->
         hidden states `[N, H]` after the final norm. `deepstack` `[L, N, H]`: only for a
-        model with DeepStack levels (see `Qwen3VLForCausalLM`)."""
+        model with DeepStack levels (see `Qwen3VLForCausalLM`); `states`: only for a hybrid
+        model (`config.is_hybrid`, see `Qwen3_5ForCausalLM`)."""
         if deepstack is not None:
             raise ValueError(f"{self.config.architecture} has no DeepStack levels")
+        if states is not None:
+            raise ValueError(f"{self.config.architecture} has no linear-attention layers")
         return self.model(inputs_embeds, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

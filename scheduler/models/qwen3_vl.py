@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from iris_serve.scheduler.models.attention_api import AttentionContext
+from iris_serve.scheduler.models.linear_state import LinearStepContext
 from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
 from iris_serve.scheduler.models.qwen3_lm import Qwen3Model
 from iris_serve.scheduler.models.vision_qwen3 import Qwen3VisionTransformer
@@ -26,9 +27,13 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
         positions: torch.Tensor,
         attn: AttentionContext,
         deepstack: torch.Tensor | None = None,
+        *,
+        states: LinearStepContext | None = None,
     ) -> torch.Tensor:
         """As Qwen2-VL's, plus `deepstack` `[L, N, H]`: level k is added to decoder layer k's
         output (zeros at text rows). None: no row of the step is an image row."""
+        if states is not None:
+            raise ValueError(f"{self.config.architecture} has no linear-attention layers")
         model = self.model
         assert isinstance(model, Qwen3Model)
         return model(inputs_embeds, positions, attn, deepstack)

@@ -9,20 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from iris_serve.scheduler.models.loader import Weight
-from iris_serve.scheduler.models.moe import expert_weights_in_our_layout
+from iris_serve.scheduler.models.moe import expert_weights_for
 from iris_serve.scheduler.models.qwen3_vl import Qwen3VLForCausalLM
 
 
 class Qwen3VLMoeForCausalLM(Qwen3VLForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
-        moe = self.config.moe
-        if moe is None:
-            raise ValueError(f"{self.config.architecture} config has no experts")
-        super().load_weights(
-            expert_weights_in_our_layout(
-                weights,
-                num_experts=moe.num_experts,
-                hidden_size=self.config.hidden_size,
-                intermediate_size=moe.intermediate_size,
-            )
-        )
+        super().load_weights(expert_weights_for(self.config, weights))

@@ -30,6 +30,10 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3VLMoeForConditionalGeneration": (
         "iris_serve.scheduler.models.qwen3_vl_moe:Qwen3VLMoeForCausalLM"
     ),
+    "Qwen3_5ForConditionalGeneration": "iris_serve.scheduler.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": (
+        "iris_serve.scheduler.models.qwen3_5:Qwen3_5MoeForCausalLM"
+    ),
 }
 
 
@@ -76,12 +80,17 @@ def load_model(
 
 @torch.no_grad()
 def _init_dummy(model: nn.Module, seed: int = 0) -> None:
-    """Norms at identity, everything else N(0, 0.02): shapes and speed, not meaning."""
+    """Norms at identity, everything else N(0, 0.02): shapes and speed, not meaning. A
+    module whose parameters need other constants (a norm scaling by `1 + w`, a decay's
+    parameters) names them in its `DUMMY_FILL`."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for module in model.modules():
         is_norm = isinstance(module, (nn.LayerNorm, RMSNorm))
+        fills: dict[str, float] = getattr(module, "DUMMY_FILL", {})
         for name, param in module.named_parameters(recurse=False):
-            if is_norm:
+            if name in fills:
+                param.fill_(fills[name])
+            elif is_norm:
                 param.fill_(1.0 if name == "weight" else 0.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)

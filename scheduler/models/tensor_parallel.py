@@ -106,6 +106,24 @@ class AttentionHeads:
         return cls(q_heads, q_start, kv_heads, kv_start)
 
 
+@dataclass(frozen=True)
+class LinearAttentionHeads:
+    """This rank's Gated DeltaNet heads: `num_key_heads` q/k heads from `key_start` and
+    `num_value_heads` v heads from `value_start`. Both counts are split evenly, so the
+    value heads a key head serves (consecutive ones) stay on its rank."""
+
+    num_key_heads: int
+    key_start: int
+    num_value_heads: int
+    value_start: int
+
+    @classmethod
+    def of(cls, num_key_heads: int, num_value_heads: int, tp: TPShard) -> LinearAttentionHeads:
+        key_start, key_heads = tp.split(num_key_heads, "linear_num_key_heads")
+        value_start, value_heads = tp.split(num_value_heads, "linear_num_value_heads")
+        return cls(key_heads, key_start, value_heads, value_start)
+
+
 class ColumnParallelLinear(nn.Linear):
     """A slice of the output features: `pieces` `(start, length)` of each packed part
     (one part for an unpacked layer), bias sliced alike. No communication."""
@@ -115,6 +133,15 @@ class ColumnParallelLinear(nn.Linear):
         self.shard_sizes = tuple(length for _, length in pieces)
         split = TPSplit(0, tuple(pieces))
         self.tp_splits = {"weight": split, "bias": split}
+
+
+def column_slices(in_features: int, pieces: Sequence[tuple[int, int]]) -> nn.Linear:
+    """A layer (no bias) holding the rows `pieces` `(start, length)` of *one* checkpoint
+    tensor, concatenated: unlike a packed `ColumnParallelLinear`, whose pieces come from
+    several tensors (q, k and v heads of a projection stored fused, for instance)."""
+    layer = nn.Linear(in_features, sum(length for _, length in pieces), bias=False)
+    layer.tp_splits = {"weight": TPSplit(0, tuple(pieces))}  # type: ignore[assignment]
+    return layer
 
 
 class RowParallelLinear(nn.Linear):

@@ -1,0 +1,346 @@
+"""Gated DeltaNet, Qwen3.5's linear attention: the torch ops and the layer.
+
+Per value head, each token updates a matrix state S `[key_head_dim, value_head_dim]` and
+reads it with its query:
+
+    S ← exp(g)·S                  decay (g ≤ 0, learned per token and head)
+    u = β·(v − Sᵀk)               the delta rule: write only what S mispredicts
+    S ← S + k·uᵀ
+    o = Sᵀq
+
+Before that, the raw q/k/v projections pass a causal depthwise conv (and SiLU), and q, k
+are L2-normalised, q also scaled by key_head_dim^-½. A sequence therefore carries two
+states from one token to the next: the conv's last `kernel − 1` input columns and S, kept
+in fp32 (rounding S to bf16 token after token drifts). Both live in a `LinearStates` pool
+owned by the scheduler; the layer reads and writes the slots its `LinearStepContext`
+names.
+
+A prefill runs the recurrence in chunks of `CHUNK_SIZE` tokens counted from the call's
+first token (`chunked_delta_rule`): within a chunk the delta updates form one unit
+lower-triangular system, solved at once, so only the passage from chunk to chunk is
+sequential. A decode step applies the recurrence itself (`recurrent_delta_step`), batched
+over the step's sequences. The two forms agree up to fp rounding, so a prompt prefilled
+over several calls matches one call up to rounding too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iris_serve.scheduler.models.config import VLModelConfig
+from iris_serve.scheduler.models.layers import rms_normalized
+from iris_serve.scheduler.models.linear_state import LinearStates, LinearStepContext
+from iris_serve.scheduler.models.tensor_parallel import RowParallelLinear, TPSplit, column_slices
+
+CHUNK_SIZE = 64
+L2_NORM_EPS = 1e-6
+
+# ------------------------------------------------------------------------ the ops
+
+
+def causal_conv(
+    columns: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU of a causal depthwise conv over one sequence's new columns `[T, C]`, after the
+    `K − 1` columns of `state` `[C, K − 1]`; `weight` `[C, 1, K]`. Returns the output
+    `[T, C]` and the conv's whole input `[C, K − 1 + T]`, whose columns `k .. k + K − 2`
+    are the state after the first k new tokens."""
+    history = torch.cat([state, columns.t()], dim=1)
+    out = F.conv1d(history.unsqueeze(0).to(weight.dtype), weight, groups=weight.shape[0])[0]
+    return F.silu(out).t().to(columns.dtype), history
+
+
+def causal_conv_step(
+    column: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token for each of B sequences: `column` `[B, C]`, `state` `[B, C, K − 1]` ->
+    (SiLU of the conv `[B, C]`, the new state `[B, C, K − 1]`)."""
+    window = torch.cat([state, column.unsqueeze(-1)], dim=-1)  # [B, C, K]
+    out = (window.to(weight.dtype) * weight[:, 0]).sum(-1)
+    return F.silu(out).to(column.dtype), window[..., 1:]
+
+
+def recurrent_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B sequences, fp32: q/k `[B, H, Dk]`, v `[B, H, Dv]`, g/beta
+    `[B, H]`, state `[B, H, Dk, Dv]` -> (output `[B, H, Dv]`, the new state)."""
+    state = state * g.exp()[..., None, None]
+    predicted = (state * k[..., None]).sum(-2)  # Sᵀk
+    update = (v - predicted) * beta[..., None]
+    state = state + k[..., None] * update[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+def chunked_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    snapshots_at: Sequence[int] = (),
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The recurrence over one sequence's T tokens, chunk by chunk, fp32: q/k `[T, H, Dk]`,
+    v `[T, H, Dv]`, g/beta `[T, H]`, `state` `[H, Dk, Dv]` before the first token. Returns
+    the output `[T, H, Dv]`, the state after the last token, and the state after the first
+    n tokens for each n of `snapshots_at` (1 <= n <= T), computed beside the scan so that
+    they change nothing else.
+
+    Within a chunk, with L the running sum of g (so exp(L_i − L_j) is the decay from token
+    j to token i) and S₀ the state entering the chunk, the delta rule's writes u satisfy
+
+        u_i + Σ_{j<i} β_i (k_i·k_j) exp(L_i − L_j) u_j = β_i v_i − β_i exp(L_i) S₀ᵀk_i,
+
+    a unit lower-triangular system in u: solved once for each right-hand term, u = a − b·S₀
+    where only the S₀-free parts a and b need the solve. Then every output and the next
+    state are matrix products with S₀."""
+    length, heads, _ = k.shape
+    if any(not 0 < count <= length for count in snapshots_at):
+        raise ValueError(f"snapshots after {list(snapshots_at)} of {length} tokens")
+    num_chunks = -(-length // chunk_size)
+    pad = num_chunks * chunk_size - length
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        """`[T, H, ...]` -> `[H, chunks, chunk_size, ...]`, zero-padded: a padded token has
+        k = v = 0 and β = g = 0, so it neither writes nor decays the state."""
+        x = x.transpose(0, 1)
+        x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
+        return x.reshape(heads, num_chunks, chunk_size, *x.shape[2:])
+
+    q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
+    log_decay = g.cumsum(-1)  # [H, chunks, C]: L_i
+    later = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device).triu(1)
+    pair_decay = log_decay[..., :, None] - log_decay[..., None, :]
+    pair_decay = pair_decay.masked_fill(later, -torch.inf).exp()  # exp(L_i − L_j), 0 for j > i
+    k_beta = k * beta[..., None]
+    # the system's matrix; solve_triangular takes its diagonal as 1 (unitriangular)
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    writes_if_empty = torch.linalg.solve_triangular(  # a: u when S₀ = 0
+        system, v * beta[..., None], upper=False, unitriangular=True
+    )
+    state_reads = torch.linalg.solve_triangular(  # b: u = a − b·S₀
+        system, k_beta * log_decay.exp()[..., None], upper=False, unitriangular=True
+    )
+    scores = (q @ k.transpose(-1, -2)) * pair_decay  # within-chunk attention, causal
+    q_decayed = q * log_decay.exp()[..., None]
+
+    out = torch.empty_like(v)
+    wanted = sorted(set(snapshots_at))
+    snapshots: dict[int, torch.Tensor] = {}
+    for chunk in range(num_chunks):
+        first = chunk * chunk_size
+        writes = writes_if_empty[:, chunk] - state_reads[:, chunk] @ state
+        out[:, chunk] = q_decayed[:, chunk] @ state + scores[:, chunk] @ writes
+        chunk_tokens = (k[:, chunk], log_decay[:, chunk], writes)
+        while wanted and wanted[0] <= first + chunk_size:
+            count = wanted.pop(0)
+            snapshots[count] = _state_after(state, *chunk_tokens, count - first)
+        state = _state_after(state, *chunk_tokens, min(chunk_size, length - first))
+    out = out.reshape(heads, num_chunks * chunk_size, -1)[:, :length].transpose(0, 1)
+    return out, state, [snapshots[count] for count in snapshots_at]
+
+
+def _state_after(
+    state: torch.Tensor,
+    k: torch.Tensor,
+    log_decay: torch.Tensor,
+    writes: torch.Tensor,
+    count: int,
+) -> torch.Tensor:
+    """The state after a chunk's first `count` tokens, from the state entering it `[H, Dk,
+    Dv]` and the chunk's k `[H, C, Dk]`, L `[H, C]` and writes u `[H, C, Dv]`:
+    exp(L_last)·S₀ + Σ_j exp(L_last − L_j) k_j u_jᵀ over those tokens."""
+    last = log_decay[:, count - 1, None]  # [H, 1]
+    decayed_k = k[:, :count] * (last - log_decay[:, :count]).exp()[..., None]
+    return state * last.exp()[..., None] + decayed_k.transpose(-1, -2) @ writes[:, :count]
+
+
+def l2_normalized(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_NORM_EPS)
+
+
+# ---------------------------------------------------------------------- the layer
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output with a plain `weight`, times SiLU of the gate z;
+    rounding as transformers (normalise in fp32, cast, scale, gate in fp32, cast)."""
+
+    DUMMY_FILL: ClassVar[dict[str, float]] = {"weight": 1.0}  # `registry._init_dummy`
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = self.weight * rms_normalized(x, self.eps).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class DepthwiseConvWeight(nn.Module):
+    """The checkpoint's `conv1d.weight` `[channels, 1, kernel]` (no bias), this rank's
+    channels (`pieces` of the checkpoint's, as `in_proj_qkv`'s rows)."""
+
+    def __init__(self, pieces: tuple[tuple[int, int], ...], kernel: int) -> None:
+        super().__init__()
+        channels = sum(length for _, length in pieces)
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.tp_splits = {"weight": TPSplit(0, pieces)}
+
+
+class GatedDeltaNet(nn.Module):
+    """Checkpoint names under `linear_attn.`. `state_layer` is this layer's row of the
+    state pool: its index among the decoder's linear-attention layers.
+
+    `in_proj_qkv` yields the conv's input, q then k (key heads) then v (value heads);
+    `in_proj_z` the output gate per value channel, `in_proj_b` β and `in_proj_a` the decay's
+    input per value head: g = −exp(A_log)·softplus(a + dt_bias)."""
+
+    DUMMY_FILL: ClassVar[dict[str, float]] = {"A_log": 0.0, "dt_bias": 1.0}  # decay e^-1.3
+
+    def __init__(self, config: VLModelConfig, state_layer: int) -> None:
+        super().__init__()
+        linear, heads = config.linear, config.linear_heads
+        assert linear is not None  # config.linear_heads raised otherwise
+        self.state_layer = state_layer
+        self.num_key_heads, self.num_value_heads = heads.num_key_heads, heads.num_value_heads
+        self.key_head_dim, self.value_head_dim = linear.key_head_dim, linear.value_head_dim
+        dk, dv = self.key_head_dim, self.value_head_dim
+        key_width = linear.num_key_heads * dk  # q's, and k's, rows in the checkpoint
+        own_keys = (heads.key_start * dk, heads.num_key_heads * dk)
+        channels = (
+            own_keys,
+            (key_width + own_keys[0], own_keys[1]),
+            (2 * key_width + heads.value_start * dv, heads.num_value_heads * dv),
+        )
+        self.channel_sizes = tuple(length for _, length in channels)
+        value_heads = ((heads.value_start, heads.num_value_heads),)
+        value_rows = ((heads.value_start * dv, heads.num_value_heads * dv),)
+        hidden = config.hidden_size
+        self.in_proj_qkv = column_slices(hidden, channels)
+        self.conv1d = DepthwiseConvWeight(channels, linear.conv_kernel)
+        self.in_proj_z = column_slices(hidden, value_rows)
+        self.in_proj_b = column_slices(hidden, value_heads)
+        self.in_proj_a = column_slices(hidden, value_heads)
+        self.A_log = nn.Parameter(torch.empty(heads.num_value_heads))
+        self.dt_bias = nn.Parameter(torch.empty(heads.num_value_heads))
+        self.tp_splits = {"A_log": TPSplit(0, value_heads), "dt_bias": TPSplit(0, value_heads)}
+        self.norm = GatedRMSNorm(dv, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(
+            linear.num_value_heads * dv, hidden, bias=False, tp=config.tp
+        )
+
+    def forward(self, x: torch.Tensor, step: LinearStepContext) -> torch.Tensor:
+        """x `[N, H]`, flat over the step's sequences in `step`'s order -> `[N, H]`. Reads
+        each sequence's state from its slot and writes the state after its last token back
+        (and, for each capture, the state after its first k tokens to the capture's slot)."""
+        n = x.shape[0]
+        if sum(s.num_tokens for s in step.sequences) != n:
+            raise ValueError(f"the step's sequences do not cover its {n} tokens")
+        columns = self.in_proj_qkv(x)
+        beta = self.in_proj_b(x).sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if step.is_decode:
+            out = self._step(columns, g, beta, step.states, step.slot_ids)
+            for sequence in step.sequences:
+                for _, snapshot in sequence.captures:
+                    self._copy_state(step.states, sequence.slot, snapshot)
+        else:
+            out = torch.cat(self._each_sequence(columns, g, beta, step))
+        out = out.to(x.dtype)
+        z = self.in_proj_z(x).view(n, self.num_value_heads, self.value_head_dim)
+        return self.out_proj(self.norm(out, z).reshape(n, -1))
+
+    def _each_sequence(
+        self, columns: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: LinearStepContext
+    ) -> list[torch.Tensor]:
+        """Each sequence's output `[tokens, value heads, Dv]`: chunked, or as a decode step
+        for a single token."""
+        outputs = []
+        start = 0
+        for index, sequence in enumerate(step.sequences):
+            rows = slice(start, start + sequence.num_tokens)
+            start = rows.stop
+            if sequence.num_tokens == 1:
+                slot = step.slot_ids[index : index + 1]
+                outputs.append(self._step(columns[rows], g[rows], beta[rows], step.states, slot))
+                for _, snapshot in sequence.captures:
+                    self._copy_state(step.states, sequence.slot, snapshot)
+            else:
+                outputs.append(self._prefill(columns[rows], g[rows], beta[rows], step, index))
+        return outputs
+
+    def _prefill(
+        self,
+        columns: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        step: LinearStepContext,
+        index: int,
+    ) -> torch.Tensor:
+        sequence = step.sequences[index]
+        conv = step.states.conv[self.state_layer]
+        recurrent = step.states.recurrent[self.state_layer]
+        mixed, history = causal_conv(columns, conv[sequence.slot], self.conv1d.weight)
+        q, k, v = self._heads(mixed)
+        counts = [count for count, _ in sequence.captures]
+        out, final, snapshots = chunked_delta_rule(
+            q, k, v, g, beta, recurrent[sequence.slot], snapshots_at=counts
+        )
+        window = conv.shape[-1]
+        for (count, snapshot_slot), snapshot in zip(sequence.captures, snapshots, strict=True):
+            conv[snapshot_slot] = history[:, count : count + window]
+            recurrent[snapshot_slot] = snapshot
+        conv[sequence.slot] = history[:, -window:]
+        recurrent[sequence.slot] = final
+        return out
+
+    def _step(
+        self,
+        columns: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: LinearStates,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token for each sequence of `slots`, gathered, advanced and scattered back."""
+        conv, recurrent = states.conv[self.state_layer], states.recurrent[self.state_layer]
+        mixed, conv_state = causal_conv_step(columns, conv[slots], self.conv1d.weight)
+        conv.index_copy_(0, slots, conv_state)
+        q, k, v = self._heads(mixed)
+        out, state = recurrent_delta_step(q, k, v, g, beta, recurrent[slots])
+        recurrent.index_copy_(0, slots, state)
+        return out
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output `[N, C]` -> fp32 q, k `[N, value heads, Dk]` (normalised, q
+        scaled, each key head repeated for the value heads it serves) and v."""
+        n = mixed.shape[0]
+        q, k, v = mixed.float().split(self.channel_sizes, dim=-1)
+        group = self.num_value_heads // self.num_key_heads
+        q, k = (
+            l2_normalized(x.view(n, self.num_key_heads, self.key_head_dim)).repeat_interleave(
+                group, dim=1
+            )
+            for x in (q, k)
+        )
+        return q * self.key_head_dim**-0.5, k, v.view(n, self.num_value_heads, -1)
+
+    def _copy_state(self, states: LinearStates, source: int, target: int) -> None:
+        """This layer's state of slot `source` into slot `target` (a capture after a
+        sequence's only token of the step)."""
+        states.conv[self.state_layer, target] = states.conv[self.state_layer, source]
+        states.recurrent[self.state_layer, target] = states.recurrent[self.state_layer, source]
