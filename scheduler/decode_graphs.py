@@ -12,6 +12,11 @@ Only pure decode steps replay (every chunk one token after a cached history, no 
 rows); anything else, or a batch larger than the largest graph, runs eagerly, as does
 everything under `--enforce-eager`. Sampling runs after the replay, never captured.
 
+A hybrid model's linear layers read their sequences' state slots by index from a fixed
+buffer too (`slot_ids`); padding rows point at the pool's scratch slot, its last, which
+no request holds. Snapshots a decode step takes (a copy of a slot after its token) vary
+from step to step, so they are copied after the replay, not recorded.
+
 Capture (`CudaGraphCapture`) runs the step once on a side stream first, so Triton
 compiles and cuBLAS picks its kernels outside the capture; graphs are captured largest
 first into one memory pool, so the smaller ones reuse its blocks. CPU tests capture with
@@ -32,6 +37,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from iris_serve.scheduler.attention import AttentionBackend, StaticDecode
+from iris_serve.scheduler.models.linear_state import (
+    LinearStates,
+    LinearStepContext,
+    SequenceStates,
+)
 
 if TYPE_CHECKING:
     from iris_serve.scheduler.model_runner import StepInputs
@@ -103,6 +113,7 @@ class DecodeGraphs:
         device: torch.device,
         max_num_seqs: int,
         capture: Capture,
+        linear_states: LinearStates | None = None,
     ) -> None:
         self.model = model
         self.attention = attention
@@ -111,6 +122,9 @@ class DecodeGraphs:
         top = self.sizes[-1]
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(3, top, dtype=torch.long, device=device)
+        self.linear_states = linear_states
+        self.scratch_slot = -1 if linear_states is None else linear_states.num_slots - 1
+        self.slot_ids = torch.full((top,), self.scratch_slot, dtype=torch.long, device=device)
         self.steps: dict[int, CapturedStep] = {}
         self.replays: Counter[int] = Counter()  # graph size -> steps it ran (tests, logs)
 
@@ -123,14 +137,15 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_pages: int,
         capture: Capture,
+        linear_states: LinearStates | None = None,
     ) -> DecodeGraphs | None:
         """Graphs captured for every size of the ladder, or None (logged) where the
-        backend has no fixed-buffer decode."""
+        backend has no fixed-buffer decode. `linear_states`: a hybrid model's pool."""
         static = backend.static_decode(min(max_num_seqs, MAX_CAPTURE_SIZE), max_pages)
         if static is None:
             logger.info("decode runs eagerly: the %s backend has no CUDA-graph path", backend.name)
             return None
-        graphs = cls(model, static, device, max_num_seqs, capture)
+        graphs = cls(model, static, device, max_num_seqs, capture, linear_states)
         graphs.capture_all()
         return graphs
 
@@ -169,16 +184,26 @@ class DecodeGraphs:
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """The step's fp32 logits `[n, vocab]`, from the graph of the smallest size that
-        holds its `n` sequences. A view of the graph's output: valid until the next run."""
+        holds its `n` sequences. A view of the graph's output: valid until the next run.
+        A hybrid model's slot clears and copies (`inputs.slot_ops`) are the caller's, done
+        before."""
         num_seqs = len(inputs.chunks)
         size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
         # padding rows keep stale ids and positions: valid values, and rows never mix
         self.input_ids[:num_seqs].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:, :num_seqs].copy_(inputs.positions, non_blocking=True)
         self.attention.fill(inputs.chunks, size)
+        if inputs.linear is not None:
+            slots = [sequence.slot for sequence in inputs.linear]
+            slots += [self.scratch_slot] * (size - num_seqs)
+            self.slot_ids[:size].copy_(torch.tensor(slots), non_blocking=True)
         step = self.steps[size]
         step.replay()
         self.replays[size] += 1
+        if inputs.linear is not None and self.linear_states is not None:
+            for sequence in inputs.linear:
+                for _, snapshot in sequence.captures:
+                    self.linear_states.copy(sequence.slot, snapshot)
         return step.output[:num_seqs]
 
     def _step(self, size: int) -> torch.Tensor:
@@ -186,5 +211,11 @@ class DecodeGraphs:
         logits (the same as an eager step whose every row samples)."""
         embeddings = self.model.embed_tokens(self.input_ids[:size])
         attention = self.attention.context(size)
-        hidden = self.model(embeddings, self.positions[:, :size], attention, None)
+        positions = self.positions[:, :size]
+        if self.linear_states is None:
+            hidden = self.model(embeddings, positions, attention, None)
+        else:
+            padding = [SequenceStates(self.scratch_slot, 1)] * size  # read: `slot_ids`
+            linear = LinearStepContext(self.linear_states, padding, self.slot_ids[:size])
+            hidden = self.model(embeddings, positions, attention, None, states=linear)
         return self.model.compute_logits(hidden)

@@ -87,10 +87,10 @@ class DeviceState:
             num_pages * config.page_size,
         )
         graphs = None
-        if linear_states is not None and device.type == "cuda" and not config.enforce_eager:
-            say("decode steps run eagerly: CUDA graphs do not cover linear-attention layers yet")
-        elif device.type == "cuda" and not config.enforce_eager:
-            graphs = _capture_decode_graphs(model, attention, device, config, max_model_len, tp)
+        if device.type == "cuda" and not config.enforce_eager:
+            graphs = _capture_decode_graphs(
+                model, attention, device, config, max_model_len, tp, linear_states
+            )
         return cls(device, dtype, model, kv_cache, attention, max_model_len, graphs, linear_states)
 
 
@@ -98,12 +98,13 @@ def _linear_states(
     config: EngineConfig, model: Qwen2VLForCausalLM, dtype: torch.dtype, device: torch.device
 ) -> LinearStates | None:
     """A hybrid model's state pool: a working slot per request that may run, then the
-    prefix cache's snapshots (none without it). None for a model without linear layers."""
+    prefix cache's snapshots (none without it), then one scratch slot that padding rows of
+    decode graphs read and write. None for a model without linear layers."""
     if not model.config.is_hybrid:
         return None
     snapshots = config.linear_state_snapshots if config.enable_prefix_caching else 0
     layout = model.config.linear_state_layout(dtype)
-    return LinearStates(layout, config.max_num_seqs + snapshots, device)
+    return LinearStates(layout, config.max_num_seqs + snapshots + 1, device)
 
 
 def _say_hybrid(say: Callable[..., None], model: Qwen2VLForCausalLM, states: LinearStates) -> None:
@@ -112,7 +113,7 @@ def _say_hybrid(say: Callable[..., None], model: Qwen2VLForCausalLM, states: Lin
     layout = states.layout
     say(
         "linear-attention state: %d slots of %.1f MiB (%.2f GiB per rank): a running request "
-        "holds one, the prefix cache's snapshots the rest",
+        "holds one, the prefix cache's snapshots the rest (and one scratch slot)",
         states.num_slots,
         layout.bytes_per_slot / 2**20,
         states.nbytes / 2**30,
@@ -133,6 +134,7 @@ def _capture_decode_graphs(
     config: EngineConfig,
     max_model_len: int,
     tp: TPShard,
+    linear_states: LinearStates | None = None,
 ) -> DecodeGraphs | None:
     """The decode graphs. Where capture fails on one device the server decodes eagerly
     and says why (a capture error leaves the device usable). Under tensor parallelism it
@@ -143,7 +145,13 @@ def _capture_decode_graphs(
     try:
         with torch.inference_mode():
             graphs = DecodeGraphs.build(
-                model, attention, device, config.max_num_seqs, max_pages, CudaGraphCapture(device)
+                model,
+                attention,
+                device,
+                config.max_num_seqs,
+                max_pages,
+                CudaGraphCapture(device),
+                linear_states,
             )
     except RuntimeError as error:
         if tp.size > 1:

@@ -106,6 +106,8 @@ class ModelRunner(RequestResources):
                 raise RanksOutOfStep(
                     f"a tensor-parallel forward failed on rank 0: {error}"
                 ) from error
+        if self.state_slots is not None:
+            self.state_slots.step_ran()
         if logits is None:
             return Sampled([], [])
         sampling_chunks = [c for c in plan.chunks if c.completes_sequence]
@@ -161,15 +163,15 @@ class ModelRunner(RequestResources):
         when no row samples. A collective under tensor parallelism: every rank calls it.
         A pure decode step replays a CUDA graph where the rank captured them (every rank
         decides alike, from the same inputs)."""
+        states = None if inputs.linear is None else self._linear_states(inputs)
         if self.decode_graphs is not None and self.decode_graphs.handles(inputs):
             return self.decode_graphs.run(inputs)
         embeddings = self.model.embed_tokens(inputs.input_ids)
         deepstack = self._splice_images(embeddings, inputs)
         attention = self.attention.prepare(inputs.chunks)
-        if inputs.linear is None:
+        if states is None:
             hidden = self.model(embeddings, inputs.positions, attention, deepstack)
         else:
-            states = self._linear_states(inputs)
             hidden = self.model(embeddings, inputs.positions, attention, deepstack, states=states)
         if not inputs.logit_rows:
             return None

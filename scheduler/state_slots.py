@@ -22,9 +22,10 @@ Snapshots are taken where a forward passes a page boundary that is worth resumin
 - the request's latest page boundary, overwritten in place as it goes: when it ends or
   is preempted, that is where the next turn of its conversation (or its own recompute)
   resumes.
-A step captures them mid-chunk (`SequenceStates.captures`); they are offered to the store
-one step later (once the step that writes them has run) or when their request ends. The
-store is LRU-bounded in slots; snapshots a request still writes are never evicted.
+A step captures them mid-chunk (`SequenceStates.captures`); they go to the store once the
+forward that writes them has run (`step_ran`), the latest boundary's when its request
+ends. The store is LRU-bounded in slots; snapshots a request still writes are never
+evicted.
 """
 
 from __future__ import annotations
@@ -117,10 +118,20 @@ class StateSlots(RequestResources):
             self.snapshot_hits += 1
 
     def sequences(self, chunks: Sequence[ScheduledChunk]) -> list[SequenceStates]:
-        """The step's working slot and captures of each chunk, in order. Snapshots the
-        previous step captured are offered to the store now that it has run."""
-        self._store_offered()
+        """The step's working slot and captures of each chunk, in order."""
         return [self._sequence(chunk) for chunk in chunks]
+
+    def step_ran(self) -> None:
+        """The forward of the step `sequences` last described has run: the snapshots it
+        wrote at images and prompt ends go to the store (the latest boundary's stays with
+        its request, which rewrites it)."""
+        for capture in self._offered:
+            for held in self._held.values():
+                if capture in held.pinned:
+                    held.pinned.remove(capture)
+                    break
+            self._store(capture)
+        self._offered = []
 
     def take_ops(self) -> list[SlotOp]:
         """The slot clears and copies queued since the last call, in order."""
@@ -208,15 +219,6 @@ class StateSlots(RequestResources):
             _, slot = self._stored.popitem(last=False)
             return slot
         return None
-
-    def _store_offered(self) -> None:
-        for capture in self._offered:
-            for held in self._held.values():
-                if capture in held.pinned:
-                    held.pinned.remove(capture)
-                    break
-            self._store(capture)
-        self._offered = []
 
     def _store(self, capture: _Capture) -> None:
         """The snapshot becomes the store's (or is dropped: one is there under its key)."""

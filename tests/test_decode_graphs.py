@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from iris_serve.ipc.messages import Sampling
+from iris_serve.ipc.local import PromptInput
+from iris_serve.ipc.messages import Prompt, Sampling
 from iris_serve.scheduler.decode_graphs import (
     MAX_CAPTURE_SIZE,
     CapturedStep,
@@ -63,28 +64,40 @@ def with_graphs(engine: Engine, capture: Callable = eager_replay) -> DecodeGraph
     """Gives `engine`'s runner decode graphs, as `DeviceState.build` does on CUDA."""
     max_pages = -(-engine.max_model_len // engine.config.page_size)
     graphs = DecodeGraphs.build(
-        engine.model, engine.attention, CPU, engine.config.max_num_seqs, max_pages, capture
+        engine.model,
+        engine.attention,
+        CPU,
+        engine.config.max_num_seqs,
+        max_pages,
+        capture,
+        engine.runner.linear_states,
     )
     assert graphs is not None
     engine.runner.decode_graphs = graphs
     return graphs
 
 
-def test_replayed_decode_steps_give_the_eager_tokens(kernels, qwen2_5_vl_tiny):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])
+def test_replayed_decode_steps_give_the_eager_tokens(kernels, tiny_checkpoint, arch):
     """Three requests, one with an image (its decode positions are offset by the image's
-    rope delta), prefilled in one step and finishing at different steps: the batch runs the graphs of 4 (padded
-    from 3), 2 and 1. Greedy tokens equal eager `sdpa` steps'."""
-    builder = PromptBuilder(str(qwen2_5_vl_tiny))
+    rope delta), prefilled in one step and finishing at different steps: the batch runs the
+    graphs of 4 (padded from 3), 2 and 1. Greedy tokens equal eager `sdpa` steps'. On the
+    hybrid model the linear layers' slots come from the graph's fixed buffer, padding rows
+    use the scratch slot, and the snapshots decode steps take (every `PAGE` tokens) are
+    copied after the replay; the same prompts again then resume from those snapshots."""
+    model_dir = tiny_checkpoint(arch)
+    builder = PromptBuilder(str(model_dir))
     prompts = [
         chat_prompt(builder, "describe the picture", [make_image(64, 48)]),
         chat_prompt(builder, "count to twenty: one two three four five six seven"),
         chat_prompt(builder, "hello"),
     ]
     samplings = [Sampling(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (7, 4, 2)]
-    eager = cpu_engine(qwen2_5_vl_tiny, page_size=PAGE).generate(prompts, samplings)
+    reference = cpu_engine(model_dir, page_size=PAGE)
+    eager = reference.generate(prompts, samplings)
 
     engine = cpu_engine(
-        qwen2_5_vl_tiny,
+        model_dir,
         attention_backend="triton",
         page_size=PAGE,
         max_num_seqs=8,
@@ -95,6 +108,15 @@ def test_replayed_decode_steps_give_the_eager_tokens(kernels, qwen2_5_vl_tiny):
     assert engine.generate(prompts, samplings) == eager
     assert graphs.replays[4] >= 1 and graphs.replays[2] >= 1 and graphs.replays[1] >= 1
     assert sum(graphs.replays.values()) == 7 - 1  # every decode step, no prefill step
+    if engine.state_slots is not None:  # the next turn resumes past the prompt: a decode's
+        first = prompts[0]
+        turn = PromptInput(
+            Prompt(first.token_ids + eager[0] + first.token_ids[-4:], first.images), first.pixels
+        )
+        engine.add_request("next-turn", turn, samplings[1])
+        outputs = list(engine.run_until_idle())
+        assert outputs[0].cached_tokens > len(first.token_ids)
+        assert [o.new_token_ids[0] for o in outputs] == reference.generate([turn], samplings[1])[0]
     engine.close()
 
 

@@ -160,6 +160,6 @@ def test_the_start_up_log_says_what_the_state_takes(hybrid_dir: str, caplog) -> 
     with caplog.at_level("INFO"):
         iris = cpu_engine(Path(hybrid_dir), max_num_seqs=4, linear_state_snapshots=3)
     config = iris.model.config
-    assert "linear-attention state: 7 slots" in caplog.text
+    assert "linear-attention state: 8 slots" in caplog.text
     covered = f"covers the {config.num_kv_layers} full-attention layers of {config.num_layers}"
     assert covered in caplog.text

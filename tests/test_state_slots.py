@@ -35,8 +35,9 @@ def distinct(name: str, num_tokens: int) -> Request:
 
 
 def step(slots: StateSlots, request: Request, start: int, end: int):
-    """Plans and 'runs' one chunk: what the model is told for it."""
+    """Plans and runs one chunk: what the model is told for it."""
     [sequence] = slots.sequences([ScheduledChunk(request, start, end - start)])
+    slots.step_ran()
     return sequence
 
 
@@ -69,11 +70,12 @@ def test_an_image_is_bracketed_mid_chunk_and_offered_once_the_step_ran() -> None
     request = make_request("a", 30, [image(offset=6, length=5)])  # tokens 6..11
     slots.admit(request, 0)
     keys = slots.page_keys(request, 7)
-    sequence = step(slots, request, 0, 20)
+    [sequence] = slots.sequences([ScheduledChunk(request, 0, 20)])
     assert [k for k, _ in sequence.captures] == [4, 8, 20]  # before, in it, the latest
     assert not slots.has_snapshot(keys[0]) and not slots.has_snapshot(keys[1])  # not run yet
+    slots.step_ran()
+    assert slots.has_snapshot(keys[0]) and slots.has_snapshot(keys[1])
     step(slots, request, 20, 24)
-    assert slots.has_snapshot(keys[0]) and slots.has_snapshot(keys[1])  # the step ran
     assert not slots.has_snapshot(keys[4])  # the rolling one stays with its request
     slots.release(request)
     assert slots.has_snapshot(keys[5])  # ...until it ends: where it stopped, 24
@@ -99,8 +101,8 @@ def test_a_failed_step_drops_the_snapshots_it_was_to_write() -> None:
     request = make_request("a", 30, [image(offset=0, length=5)])
     slots.admit(request, 0)
     keys = slots.page_keys(request, 7)
-    step(slots, request, 0, 12)  # captures 4 (image end) and 12 (latest)
-    slots.rewind(request, 0)
+    slots.sequences([ScheduledChunk(request, 0, 12)])  # captures 4 (image end), 12 (latest)
+    slots.rewind(request, 0)  # its forward raised
     slots.release(request)
     assert not slots.has_snapshot(keys[0]) and not slots.has_snapshot(keys[2])
     assert slots.num_stored == 0

@@ -331,10 +331,11 @@ class GatedDeltaNet(nn.Module):
         n = mixed.shape[0]
         q, k, v = mixed.float().split(self.channel_sizes, dim=-1)
         group = self.num_value_heads // self.num_key_heads
+        heads = (n, self.num_key_heads, group, self.key_head_dim)  # key head i serves group i
         q, k = (
-            l2_normalized(x.view(n, self.num_key_heads, self.key_head_dim)).repeat_interleave(
-                group, dim=1
-            )
+            l2_normalized(x.view(n, self.num_key_heads, 1, self.key_head_dim))
+            .expand(heads)
+            .reshape(n, self.num_value_heads, self.key_head_dim)
             for x in (q, k)
         )
         return q * self.key_head_dim**-0.5, k, v.view(n, self.num_value_heads, -1)
