@@ -32,6 +32,8 @@ ARCH_TITLES = {
     "qwen2_5_vl": "Qwen2.5-VL",
     "qwen3_vl": "Qwen3-VL",
     "qwen3_vl_moe": "Qwen3-VL-MoE",
+    "qwen3_5": "Qwen3.5",
+    "qwen3_5_moe": "Qwen3.5-MoE",
 }
 DEFAULT_ARCH = "qwen2_5_vl"
 

@@ -207,6 +207,9 @@ def report(
     for workload in ("append", "window"):
         if any(r.rows for r in runs if r.workload == workload):
             lines += ["", f"## `{workload}`, each request", "", detail_table(runs, workload)]
+    hybrid = hybrid_state_table(checkpoint.model_dir)
+    if hybrid:
+        lines += ["", "## Hybrid model: state beside the KV (Iris, float32)", "", hybrid]
     if bounds:
         lines += [
             "", "## Compute bound (in-process engine, same cores, no HTTP / IPC)", "",
@@ -227,6 +230,27 @@ def report(
     (out / f"{name}.json").write_text(json.dumps(raw, indent=1))
     title = f"Served load: {', '.join(names)} ({checkpoint.title})"
     return write_result(name, title, "\n".join(lines), out)
+
+
+def hybrid_state_table(model_dir: Path) -> str | None:
+    """A hybrid checkpoint's linear-attention state per request and per snapshot (one
+    slot each) beside its KV per token, at Iris's CPU dtype; None for another model."""
+    import torch
+
+    from iris_serve.scheduler import hybrid_footprint
+
+    footprint = hybrid_footprint(model_dir, torch.float32)
+    if footprint is None:
+        return None
+    slot, kv = footprint.state_bytes_per_slot, footprint.kv_bytes_per_token
+    rows = [
+        ["linear-attention state per request (its working slot)", f"{slot / 1024:.1f} KiB"],
+        ["per snapshot (the prefix cache's)", f"{slot / 1024:.1f} KiB"],
+        [f"KV per token ({footprint.num_kv_layers} full-attention layers of "
+         f"{footprint.num_layers})", f"{kv / 1024:.2f} KiB"],
+        ["one state in tokens of KV", f"{slot / kv:.0f}"],
+    ]  # fmt: skip
+    return markdown_table(["what", "bytes"], rows)
 
 
 def _summary_only(metrics: dict[str, Any] | None) -> dict[str, Any] | None:

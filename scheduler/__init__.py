@@ -9,7 +9,9 @@ the server reads `EngineConfig` without importing torch or the model code:
 - `Engine`: the in-process engine (`iris generate`; the benchmarks that measure it
   without the server: `bench.compute_bound`, `bench.gpu_roofline`, `bench.tensor_parallel`);
 - `StepBroadcaster`, `join_group`: a tensor-parallel first rank's side, which
-  `bench.tensor_parallel` composes in process as `run_scheduler` does.
+  `bench.tensor_parallel` composes in process as `run_scheduler` does;
+- `hybrid_footprint`: a hybrid checkpoint's state per request beside its KV per token
+  (the served-load reports).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from iris_serve.common.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from iris_serve.scheduler.config import EngineConfig
+    from iris_serve.scheduler.device_state import hybrid_footprint
     from iris_serve.scheduler.engine import Engine
     from iris_serve.scheduler.entry import SchedulerProcessConfig, run_follower, run_scheduler
     from iris_serve.scheduler.ranks import StepBroadcaster, join_group
@@ -29,6 +32,7 @@ __all__ = [
     "EngineConfig",
     "SchedulerProcessConfig",
     "StepBroadcaster",
+    "hybrid_footprint",
     "join_group",
     "run_follower",
     "run_scheduler",
@@ -38,6 +42,7 @@ _HOMES = {
     "EngineConfig": "config",
     "StepBroadcaster": "ranks",
     "join_group": "ranks",
+    "hybrid_footprint": "device_state",
     "SchedulerProcessConfig": "entry",
     "run_scheduler": "entry",
     "run_follower": "entry",

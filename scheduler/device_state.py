@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ from iris_serve.scheduler.decode_graphs import CudaGraphCapture, DecodeGraphs
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.memory_profile import profile_activations
 from iris_serve.scheduler.models.linear_state import LinearStates
-from iris_serve.scheduler.models.registry import load_model
+from iris_serve.scheduler.models.registry import load_config, load_model
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 
 if TYPE_CHECKING:
@@ -92,6 +93,30 @@ class DeviceState:
                 model, attention, device, config, max_model_len, tp, linear_states
             )
         return cls(device, dtype, model, kv_cache, attention, max_model_len, graphs, linear_states)
+
+
+@dataclass(frozen=True)
+class HybridFootprint:
+    """What a hybrid model keeps per request beside its KV, on one rank, at a dtype."""
+
+    state_bytes_per_slot: int  # one request's (or one snapshot's) linear-attention state
+    kv_bytes_per_token: int  # over the full-attention layers only
+    num_kv_layers: int
+    num_layers: int
+
+
+def hybrid_footprint(model_dir: str | Path, dtype: torch.dtype) -> HybridFootprint | None:
+    """A checkpoint's `HybridFootprint` (read from its config alone); None when it has no
+    linear-attention layers."""
+    config = load_config(model_dir)
+    if not config.is_hybrid:
+        return None
+    return HybridFootprint(
+        config.linear_state_layout(dtype).bytes_per_slot,
+        KVLayout.of(config, 1, dtype).bytes_per_page,
+        config.num_kv_layers,
+        config.num_layers,
+    )
 
 
 def _linear_states(

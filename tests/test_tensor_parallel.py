@@ -66,11 +66,13 @@ def _prompts(builder):
     ]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_two_ranks_give_the_reference_tokens_cold_preempted_and_warm(tiny_checkpoint, arch):
     """Round 1: four prompts at once in a pool too small for them (preemption), chunked
     at 48 tokens; round 2: the same prompts (embedding cache and prefix cache warm);
-    round 3: one of them alone (its pages found in the prefix cache)."""
+    round 3: one of them alone (its pages found in the prefix cache). On Qwen3.5-MoE
+    each rank holds half of every linear layer's heads and their state, and every rank
+    applies rank 0's slot clears and copies (the snapshots of round 2's and 3's hits)."""
     from iris_serve.tokenizer_worker.prompt import PromptBuilder
 
     model_dir = tiny_checkpoint(arch)
