@@ -9,6 +9,7 @@ real-width checkpoint: the 151936 x 1536 embedding is most of it).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,14 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.registry import model_class
-from iris_serve.tiny_checkpoint import main_tiny_model
+from iris_serve.tiny_checkpoint import ARCHS, main_tiny_model
 from iris_serve.tiny_checkpoint.known_configs import KNOWN_CONFIGS
 from iris_serve.tiny_checkpoint.like import like_config, resolve_name, tensor_specs
 from iris_serve.tiny_checkpoint.shards import TensorSpec, write_sharded
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity, chat_prompt, cpu_engine, make_image
+
+TinyCheckpoint = Callable[..., Path]
 
 torch.set_num_threads(2)
 
@@ -40,8 +43,14 @@ PUBLISHED = {
     "Qwen3-VL-8B-Instruct": (4096, 36, 32, 8, 12288, 151936, False, 4096, 8.77),
     "Qwen3-VL-30B-A3B-Instruct": (2048, 48, 32, 4, 6144, 151936, False, 2048, 31.1),
 }
-QWEN2 = [name for name in KNOWN_CONFIGS if not name.startswith("Qwen3")]
-QWEN3 = [name for name in KNOWN_CONFIGS if name.startswith("Qwen3")]
+
+
+def family(*model_types: str) -> list[str]:
+    return [name for name, config in KNOWN_CONFIGS.items() if config["model_type"] in model_types]
+
+
+QWEN2 = family("qwen2_vl", "qwen2_5_vl")
+QWEN3 = family("qwen3_vl", "qwen3_vl_moe")
 SPECIAL_IDS = {
     "bos_token_id": "<|endoftext|>",
     "eos_token_id": "<|im_end|>",
@@ -143,6 +152,28 @@ def test_full_size_tensors_fit_iris_model(name: str, tmp_path: Path) -> None:
     with torch.device("meta"):
         model = model_class(config.architecture)(config)
         model.load_weights((s.name, torch.empty(s.shape)) for s in specs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensors_are_the_ones_transformers_saves(arch: str, tiny_checkpoint: TinyCheckpoint):
+    """For each family's tiny checkpoint, written by transformers' `save_pretrained`: the
+    tensors the generator would write for its config.json have the same names and shapes
+    (Qwen2's renaming, Qwen3-VL-MoE's fused experts, Qwen3.5-MoE's per-expert ones), and
+    every vector it fills with a constant holds that constant after transformers' own init
+    (Qwen3.5's zero-centred norms). `A_log`, which transformers draws, is 0 here."""
+    folder = tiny_checkpoint(arch)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        saved = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()}
+    if arch == "qwen3_vl_moe":  # transformers 5 saves fused experts as it holds them, [E,
+        # out, in]; the hub's files, and so the generator, have them [E, in, out]
+        shapes = {k: (s[0], s[2], s[1]) if ".experts." in k else s for k, s in shapes.items()}
+    specs = tensor_specs(folder)
+    assert {spec.name: spec.shape for spec in specs} == shapes
+    for spec in specs:
+        if spec.init != "normal" and not spec.name.endswith(".A_log"):
+            fill = 1.0 if spec.init == "ones" else 0.0
+            assert torch.all(saved[spec.name] == fill), spec
 
 
 def test_names_resolve_with_or_without_prefix_and_suffix() -> None:
