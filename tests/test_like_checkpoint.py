@@ -366,8 +366,9 @@ def test_shrunk_checkpoint_greedy_parity_with_transformers(shrunk_2b: Path) -> N
 
 
 def narrowed(name: str) -> dict[str, Any]:
-    """`name`'s table entry at toy widths and depth (4 layers, one of them full attention;
-    4 experts), with the published vocabulary, token ids, head and rope layout kept."""
+    """`name`'s table entry at toy widths and depth (its first full-attention layer and the
+    linear ones before it; a few experts), keeping the published vocabulary, token ids and
+    partial interleaved M-RoPE, so that the checkpoint costs megabytes."""
     config = copy.deepcopy(KNOWN_CONFIGS[name])
     text, vision = config["text_config"], config["vision_config"]
     text.update(
@@ -400,7 +401,7 @@ def test_narrowed_qwen3_5_checkpoint_loads_and_runs_in_transformers(
     """The CLI writes a narrowed Qwen3.5 table entry with the published vocabulary: the
     tokenizer has its specials at Qwen3.5's ids, transformers loads every weight (Qwen3.5-MoE's
     per-expert tensors included), and its forward on a text and an image prompt is finite
-    and not constant (the zero-centred norms at identity)."""
+    and not constant."""
     monkeypatch.setitem(KNOWN_CONFIGS, name, narrowed(name))
     out = tmp_path / "narrow"
     assert main_tiny_model(["--like", name, "--out", str(out), "--dtype", "float32"]) == 0
