@@ -186,7 +186,9 @@ def generate_like_checkpoint(
 
 def tensor_specs(model_dir: Path) -> list[TensorSpec]:
     """Every tensor a hub checkpoint with `model_dir`'s config.json holds, hub-named, with its
-    init: transformers' model built on the meta device (no memory) says names and shapes."""
+    init: transformers' model built on the meta device (no memory) says names and shapes.
+    Qwen3.5's multi-token-prediction layer (`mtp.*`) is left out: transformers has no
+    module for it, and vLLM reads it only for speculative decoding."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
