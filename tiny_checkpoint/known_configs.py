@@ -13,6 +13,15 @@ Qwen3-VL's files use the nested layout (`text_config`, `vision_config`; rope und
 `text_config.rope_scaling` with `rope_theta` beside it, as transformers 4.57 wrote them),
 taken from third-party copies of the hub files (TensorRT-LLM's and others' test configs).
 The 8B does not tie lm_head; the 30B-A3B routes every layer through 128 experts, top-8.
+
+Qwen3.5's files nest the same way (rope under `text_config.rope_parameters`, as
+transformers 5 names it), also from third-party copies of the hub files: the 35B-A3B's
+from alibaba/InferSim's `hf_configs`, the 9B's from several copies that agree. Every
+fourth decoder layer is full attention, the others Gated DeltaNet (`layer_types`);
+`mtp_num_hidden_layers` names the multi-token-prediction layer the hub files also hold,
+which transformers and vLLM's plain serving skip (the generated checkpoints leave it
+out). The ids sit higher than Qwen2's: Qwen3.5's tokenizer is larger. The other sizes
+(27B, 122B-A10B, 397B-A17B) are missing until a copy of their files is at hand.
 """
 
 from __future__ import annotations
@@ -63,6 +72,55 @@ _QWEN3_VISION: dict[str, Any] = {
     "patch_size": 16,
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
+}
+
+
+def _hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
+    """Qwen3.5's `layer_types`: every `interval`-th layer full attention, as its files list them."""
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+
+
+# What every Qwen3.5 text_config / vision_config shares.
+_QWEN3_5_TEXT: dict[str, Any] = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_output_gate": True,
+    "dtype": "bfloat16",
+    "eos_token_id": 248044,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "mamba_ssm_dtype": "float32",
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "mtp_num_hidden_layers": 1,
+    "mtp_use_dedicated_embeddings": False,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [11, 11, 10],
+        "rope_type": "default",
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+    },
+    "use_cache": True,
+    "vocab_size": 248320,
+}
+_QWEN3_5_VISION: dict[str, Any] = {**_QWEN3_VISION, "deepstack_visual_indexes": []}
+_QWEN3_5_TOKEN_IDS: dict[str, Any] = {
+    "image_token_id": 248056,
+    "video_token_id": 248057,
+    "vision_end_token_id": 248054,
+    "vision_start_token_id": 248053,
 }
 
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
@@ -302,5 +360,43 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         "vision_config": {**_QWEN3_VISION, "model_type": "qwen3_vl_moe", "out_hidden_size": 2048},
         "vision_end_token_id": 151653,
         "vision_start_token_id": 151652,
+    },
+    "Qwen3.5-9B": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": {
+            **_QWEN3_5_TEXT,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "layer_types": _hybrid_layer_types(32),
+            "model_type": "qwen3_5_text",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 4,
+        },
+        "tie_word_embeddings": False,
+        "vision_config": {**_QWEN3_5_VISION, "model_type": "qwen3_5", "out_hidden_size": 4096},
+        **_QWEN3_5_TOKEN_IDS,
+    },
+    "Qwen3.5-35B-A3B": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": {
+            **_QWEN3_5_TEXT,
+            "hidden_size": 2048,
+            "layer_types": _hybrid_layer_types(40),
+            "model_type": "qwen3_5_moe_text",
+            "moe_intermediate_size": 512,
+            "num_attention_heads": 16,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 40,
+            "num_key_value_heads": 2,
+            "router_aux_loss_coef": 0.001,
+            "shared_expert_intermediate_size": 512,
+        },
+        "tie_word_embeddings": False,
+        "vision_config": {**_QWEN3_5_VISION, "model_type": "qwen3_5_moe", "out_hidden_size": 2048},
+        **_QWEN3_5_TOKEN_IDS,
     },
 }

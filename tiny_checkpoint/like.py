@@ -6,11 +6,13 @@ the tiny checkpoint's, with the vocabulary padded so that the special tokens sit
 Qwen's real ids, the ids the config names.
 
 Tensor names and shapes come from transformers' own model class built on the meta device,
-in the hub's layout (Qwen2/2.5-VL: renamed to `model.layers.*`, `visual.*`; Qwen3-VL keeps
-`model.language_model.*`; Qwen3-VL-MoE's fused experts transposed to the hub's `[E, H, 2I]`
-and `[E, I, H]`), so transformers and Iris's loader read the files exactly as they read a
-downloaded checkpoint. `num_layers` / `vision_depth` shrink the depth for quick checks
-(the stamp file then says `"exact": false`).
+in the hub's layout (Qwen2/2.5-VL: renamed to `model.layers.*`, `visual.*`; Qwen3-VL and
+Qwen3.5 keep `model.language_model.*`; Qwen3-VL-MoE's fused experts transposed to the
+hub's `[E, H, 2I]` and `[E, I, H]`; Qwen3.5-MoE's split into one `experts.{e}.*_proj`
+per expert, as its hub files and transformers' `save_pretrained` have them), so
+transformers and Iris's loader read the files exactly as they read a downloaded
+checkpoint. `num_layers` / `vision_depth` shrink the depth for quick checks (the stamp
+file then says `"exact": false`).
 """
 
 from __future__ import annotations
@@ -29,18 +31,19 @@ LIKE_DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_MAX_SHARD_SIZE = "4GB"
 # Every matrix is N(0, (INIT_GAIN / sqrt(fan_in))^2), so each linear keeps the scale of its
 # input times 1.6; this is `configs.SHAPES[...].init_std * sqrt(hidden)` of the tiny models
-# (varied greedy text, moderate activations), applied per tensor. Norms are 1, biases 0.
+# (varied greedy text, moderate activations), applied per tensor. Norms are at identity,
+# biases 0 (`_constant_init`).
 INIT_GAIN = 1.6
 # transformers' in-memory names -> the hub's checkpoint names (what save_pretrained writes)
 _HUB_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
-_PROCESSOR_CLASS = {
-    "qwen2_vl": "Qwen2VLProcessor",
-    "qwen2_5_vl": "Qwen2_5_VLProcessor",
-    "qwen3_vl": "Qwen3VLProcessor",
-    "qwen3_vl_moe": "Qwen3VLProcessor",
-}
 # Families whose hub files use the nested layout and transformers' in-memory names.
-_NESTED = ("qwen3_vl", "qwen3_vl_moe")
+_NESTED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# How each MoE family's hub files hold the experts transformers fuses into
+# `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I].
+_EXPERT_LAYOUTS = {"qwen3_vl_moe": "fused_transposed", "qwen3_5_moe": "per_expert"}
+# Norms that scale by (1 + w) rather than w, so that transformers starts w at 0: Qwen3.5's
+# decoder RMSNorms. Its gated norm after linear attention (`Qwen3_5RMSNormGated`) scales by w.
+_ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
 def resolve_name(name: str) -> str:
@@ -59,7 +62,8 @@ def like_config(
     vision_depth: int | None = None,
 ) -> dict[str, Any]:
     """The config.json of `name` (hub layout), with `torch_dtype` set to `dtype` and, when
-    asked, fewer text layers / vision blocks (full-attention blocks past the new depth drop)."""
+    asked, fewer text layers / vision blocks (layer kinds, full-attention and DeepStack
+    blocks past the new depth drop)."""
     if dtype not in LIKE_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {LIKE_DTYPES}")
     config = copy.deepcopy(KNOWN_CONFIGS[resolve_name(name)])
@@ -69,6 +73,8 @@ def like_config(
         text["dtype"] = dtype
     if num_layers is not None:
         text["num_hidden_layers"] = _depth(num_layers, text["num_hidden_layers"], "layers")
+        if "layer_types" in text:
+            text["layer_types"] = text["layer_types"][:num_layers]
     vision = config["vision_config"]
     if vision_depth is not None:
         vision["depth"] = _depth(vision_depth, vision["depth"], "vision blocks")
@@ -110,17 +116,22 @@ def generate_like_checkpoint(
     from transformers.utils.hub import convert_file_size_to_int
 
     from . import GENERATOR_VERSION, STAMP_FILE
-    from .processor import save_image_processor
+    from .processor import PROCESSOR_CLASSES, save_image_processor
     from .tokenizer import (
         BOS_TOKEN,
         EOS_TOKEN,
         PAD_TOKEN,
+        QWEN3_5_FIRST_SPECIAL_ID,
         REAL_FIRST_SPECIAL_ID,
         build_tokenizer,
         token_id,
     )
 
     config = like_config(name, dtype, num_layers, vision_depth)
+    model_type = config["model_type"]
+    first_special_id = (
+        QWEN3_5_FIRST_SPECIAL_ID if model_type.startswith("qwen3_5") else REAL_FIRST_SPECIAL_ID
+    )
     max_shard_bytes = convert_file_size_to_int(max_shard_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,30 +140,31 @@ def generate_like_checkpoint(
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     def special(token: str) -> int:
-        return token_id(token, REAL_FIRST_SPECIAL_ID)
+        return token_id(token, first_special_id)
 
     # The ids config.json names must be the tokenizer's; fails loudly if the table drifts.
+    # Qwen3.5's text_config ends text with <|endoftext|>, not <|im_end|>, and names no BOS.
     text = text_config(config)
-    for key, token in [
-        ("image_token_id", "<|image_pad|>"),
-        ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"),
-        ("vision_end_token_id", "<|vision_end|>"),
-        ("eos_token_id", EOS_TOKEN),
-        ("bos_token_id", BOS_TOKEN),
+    for key, tokens in [
+        ("image_token_id", ("<|image_pad|>",)),
+        ("video_token_id", ("<|video_pad|>",)),
+        ("vision_start_token_id", ("<|vision_start|>",)),
+        ("vision_end_token_id", ("<|vision_end|>",)),
+        ("eos_token_id", (EOS_TOKEN, PAD_TOKEN)),
+        ("bos_token_id", (BOS_TOKEN, None)),
     ]:
         value = config.get(key, text.get(key))
-        if value != special(token):
-            raise RuntimeError(f"{key} {value} != tokenizer id {special(token)} of {token}")
+        if value not in [special(token) if token else None for token in tokens]:
+            raise RuntimeError(f"{key} {value} is not the tokenizer's id of any of {tokens}")
     # As the tiny checkpoints: Qwen's EOS ids, none of the hub's sampling defaults (greedy).
     GenerationConfig(
         bos_token_id=special(BOS_TOKEN),
         eos_token_id=[special(EOS_TOKEN), special(PAD_TOKEN)],
         pad_token_id=special(PAD_TOKEN),
     ).save_pretrained(out)
-    processor_class = _PROCESSOR_CLASS[config["model_type"]]
-    build_tokenizer(processor_class, first_special_id=REAL_FIRST_SPECIAL_ID).save_pretrained(out)
-    save_image_processor(out, config["model_type"], published=True)
+    processor_class = PROCESSOR_CLASSES[model_type].__name__
+    build_tokenizer(processor_class, first_special_id=first_special_id).save_pretrained(out)
+    save_image_processor(out, model_type, published=True)
 
     specs = tensor_specs(out)
     write_sharded(specs, out, getattr(torch, dtype), seed, max_shard_bytes, progress, device)
@@ -174,7 +186,9 @@ def generate_like_checkpoint(
 
 def tensor_specs(model_dir: Path) -> list[TensorSpec]:
     """Every tensor a hub checkpoint with `model_dir`'s config.json holds, hub-named, with its
-    init: transformers' model built on the meta device (no memory) says names and shapes."""
+    init: transformers' model built on the meta device (no memory) says names and shapes.
+    Qwen3.5's multi-token-prediction layer (`mtp.*`) is left out: transformers has no
+    module for it, and vLLM reads it only for speculative decoding."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -183,17 +197,43 @@ def tensor_specs(model_dir: Path) -> list[TensorSpec]:
         model = AutoModelForImageTextToText.from_config(config)
     tied = bool(config.tie_word_embeddings)
     nested = config.model_type in _NESTED
+    zero_centred = {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if type(module).__name__ in _ZERO_CENTRED_NORMS
+    }
     specs = []
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue  # hub checkpoints of tied models store the embedding once
         shape = tuple(tensor.shape)
+        hub_name = name if nested else _hub_name(name)
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            # transformers 5 holds [E, out, in]; the hub's files are [E, in, out]
-            specs.append(_spec(name, (shape[0], shape[2], shape[1]), fan_in=shape[2]))
+            specs += _expert_specs(hub_name, shape, _EXPERT_LAYOUTS[config.model_type])
+        elif name in zero_centred:
+            specs.append(TensorSpec(hub_name, shape, "zeros"))
         else:
-            specs.append(_spec(name if nested else _hub_name(name), shape))
+            specs.append(_spec(hub_name, shape))
     return specs
+
+
+def _expert_specs(name: str, shape: tuple[int, ...], layout: str) -> list[TensorSpec]:
+    """The hub's tensors for transformers' fused `experts.gate_up_proj` ([E, 2I, H], gate
+    rows first) or `experts.down_proj` ([E, H, I]): transposed to [E, in, out] as one tensor
+    (`fused_transposed`), or one [out, in] matrix per expert and projection (`per_expert`)."""
+    experts, rows, columns = shape
+    if layout == "fused_transposed":
+        return [_spec(name, (experts, columns, rows), fan_in=columns)]
+    prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")
+    if name.endswith("down_proj"):
+        parts = [("down_proj", rows)]
+    else:
+        parts = [("gate_proj", rows // 2), ("up_proj", rows // 2)]
+    return [
+        _spec(f"{prefix}{e}.{part}.weight", (part_rows, columns))
+        for e in range(experts)
+        for part, part_rows in parts
+    ]
 
 
 def _hub_name(name: str) -> str:
@@ -205,6 +245,13 @@ def _hub_name(name: str) -> str:
 
 def _spec(name: str, shape: tuple[int, ...], fan_in: int | None = None) -> TensorSpec:
     if len(shape) == 1:
-        return TensorSpec(name, shape, "zeros" if name.endswith(".bias") else "ones")
+        return TensorSpec(name, shape, _constant_init(name))
     fan_in = fan_in or math.prod(shape[1:])
     return TensorSpec(name, shape, "normal", INIT_GAIN / math.sqrt(fan_in))
+
+
+def _constant_init(name: str) -> str:
+    """A vector's fill: biases 0, norm scales and Gated DeltaNet's `dt_bias` 1 (as
+    transformers starts them), its `A_log` 0: a decay rate A of 1, within the range
+    transformers draws A from, the same for every head."""
+    return "zeros" if name.endswith((".bias", ".A_log")) else "ones"

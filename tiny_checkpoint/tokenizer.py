@@ -49,8 +49,10 @@ BPE_VOCAB_SIZE = 1522
 VOCAB_SIZE = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
 
 
-# Where Qwen2's tokenizer puts its first special token (<|endoftext|>): 151643 BPE entries.
+# Where Qwen2's tokenizer (Qwen2-VL to Qwen3-VL) puts its first special token
+# (<|endoftext|>): 151643 BPE entries; Qwen3.5's larger one: 248044.
 REAL_FIRST_SPECIAL_ID = 151643
+QWEN3_5_FIRST_SPECIAL_ID = 248044
 
 
 def token_id(token: str, first_special_id: int = BPE_VOCAB_SIZE) -> int:
