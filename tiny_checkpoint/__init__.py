@@ -12,9 +12,7 @@ Qwen3-VL with routed experts (tiny: 8 experts, top-2, in layer 0 of 2; small: 16
 in every layer) and an untied lm_head. Qwen3.5 ones (`qwen3_5`, `qwen3_5_moe`) have Qwen3-VL's
 ViT without DeepStack and a hybrid decoder (tiny: 4 layers, linear and full attention
 alternating; small: 8, every 4th full, as the real models), untied; Qwen3.5-MoE routes
-every layer and adds a shared expert. Iris's own model code does not load Qwen3.5 yet
-(`scheduler.models.registry` refuses it); transformers does. Real-size checkpoints
-(`--like`) are `like.py`'s.
+every layer and adds a shared expert. Real-size checkpoints (`--like`) are `like.py`'s.
 
 Heavy imports (torch, transformers) happen inside the functions, so importing this package
 for its CLI entry point is cheap.
