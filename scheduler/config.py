@@ -164,14 +164,15 @@ class EngineConfig:
             group=_CACHES,
         ),
     )
-    linear_state_snapshots: int = field(
-        default=64,
+    linear_state_snapshots: int | None = field(
+        default=None,
         metadata=_flag(
             "--linear-state-snapshots",
             "hybrid models (Qwen3.5): snapshots of the linear-attention state the prefix cache "
-            "keeps, each the size of one request's state, taken at page boundaries (image "
-            "ends, prompt ends, where a request stopped); a prefix hit resumes only where one "
-            "was taken",
+            "keeps, each the size of one request's state, taken at page boundaries (around "
+            "images, prompt ends, where a request stopped); a prefix hit resumes only where "
+            "one was taken. Default: 64, or as many as fit beside the working slots in half "
+            "of the KV cache's memory",
             min=0,
             group=_CACHES,
         ),
@@ -245,7 +246,7 @@ class EngineConfig:
             raise ValueError("mm_embedding_cache_bytes must not be negative")
         if self.mm_cache_granularity not in ("image", "request"):
             raise ValueError("mm_cache_granularity must be 'image' or 'request'")
-        if self.linear_state_snapshots < 0:
+        if self.linear_state_snapshots is not None and self.linear_state_snapshots < 0:
             raise ValueError("linear_state_snapshots must not be negative")
         if self.max_num_encoder_tokens < 1:
             raise ValueError("max_num_encoder_tokens must be positive")

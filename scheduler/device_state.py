@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 # Left free on a GPU beyond the profiled activations: the CUDA context's growth, the
 # allocator's fragmentation, the sampler's temporaries.
 HEADROOM_BYTES = 1 << 30
+# A hybrid model's linear-state snapshots by default, within half of the cache's memory.
+DEFAULT_SNAPSHOTS = 64
 
 
 @dataclass
@@ -58,11 +60,12 @@ class DeviceState:
         model = load_model(config.model, dtype=dtype, device=device, tp=tp)
         say("model loaded in %.1f s", time.monotonic() - started)
         layout = KVLayout.of(model.config, config.page_size, dtype)
-        linear_states = _linear_states(config, model, dtype, device)
-        state_bytes = 0 if linear_states is None else linear_states.nbytes
-        num_pages = config.num_kv_pages or layout.pages_for_budget(
-            _kv_budget_bytes(config, device, model, layout, tp) - state_bytes
+        budget = (
+            None if config.num_kv_pages else _kv_budget_bytes(config, device, model, layout, tp)
         )
+        linear_states = _linear_states(config, model, dtype, device, budget, tp)
+        state_bytes = 0 if linear_states is None else linear_states.nbytes
+        num_pages = config.num_kv_pages or layout.pages_for_budget((budget or 0) - state_bytes)
         if num_pages < 1 and linear_states is not None:
             raise ValueError(
                 f"the linear-attention state ({state_bytes / 2**30:.2f} GiB for "
@@ -120,16 +123,35 @@ def hybrid_footprint(model_dir: str | Path, dtype: torch.dtype) -> HybridFootpri
 
 
 def _linear_states(
-    config: EngineConfig, model: Qwen2VLForCausalLM, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model: Qwen2VLForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    budget: int | None,
+    tp: TPShard,
 ) -> LinearStates | None:
     """A hybrid model's state pool: a working slot per request that may run, then the
     prefix cache's snapshots (none without it), then one scratch slot that padding rows of
-    decode graphs read and write. None for a model without linear layers."""
+    decode graphs read and write. None for a model without linear layers. `budget`: the
+    bytes of the KV cache and the pool together (None: the page count is set)."""
     if not model.config.is_hybrid:
         return None
-    snapshots = config.linear_state_snapshots if config.enable_prefix_caching else 0
     layout = model.config.linear_state_layout(dtype)
+    working = config.max_num_seqs + 1
+    snapshots = config.linear_state_snapshots
+    if not config.enable_prefix_caching:
+        snapshots = 0
+    elif snapshots is None:
+        fit = (
+            DEFAULT_SNAPSHOTS if budget is None else budget // 2 // layout.bytes_per_slot - working
+        )
+        snapshots = agree_on_minimum(max(0, min(DEFAULT_SNAPSHOTS, fit)), tp, device)
     return LinearStates(layout, config.max_num_seqs + snapshots + 1, device)
+
+
+def snapshot_slots(config: EngineConfig, states: LinearStates) -> int:
+    """How many of the pool's slots are snapshots (the rest: working slots, scratch)."""
+    return states.num_slots - config.max_num_seqs - 1
 
 
 def _say_hybrid(say: Callable[..., None], model: Qwen2VLForCausalLM, states: LinearStates) -> None:

@@ -28,12 +28,13 @@ from iris_serve.ipc.messages import (
 )
 from iris_serve.scheduler.batch_planner import BatchPlanner, StepPlan
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.device_state import DeviceState
+from iris_serve.scheduler.device_state import DeviceState, snapshot_slots
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
 from iris_serve.scheduler.encoder_executor import Tower, encoder_executor
 from iris_serve.scheduler.encoder_manager import EncoderManager, request_scoped_keys
 from iris_serve.scheduler.given_images import hold_given_images
 from iris_serve.scheduler.model_runner import Followers, ModelRunner, Sampled
+from iris_serve.scheduler.models.linear_state import LinearStates
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 from iris_serve.scheduler.patches import PatchMaker
@@ -138,7 +139,7 @@ class Engine:
             config, self.embedding_cache, self.pixels, self.encoder_executor
         )
         self.policy = StepPolicy.build(config, self.device, self.encoder_manager)
-        self.state_slots = self._state_slots(state.linear_states is not None)
+        self.state_slots = self._state_slots(state.linear_states)
         self.planner = BatchPlanner(
             self.kv_cache.pool,
             config.page_size,
@@ -428,15 +429,15 @@ class Engine:
         if error is not None:
             self._failed.append(FailedRequest(request.request_id, client_message(error)))
 
-    def _state_slots(self, hybrid: bool) -> StateSlots | None:
+    def _state_slots(self, pool: LinearStates | None) -> StateSlots | None:
         """A hybrid model's state-slot owner; with the prefix cache on, a hit must end
         where a snapshot of the linear layers' state was taken."""
-        if not hybrid:
+        if pool is None:
             return None
         cache = self.prefix_cache
         slots = StateSlots(
             self.config.max_num_seqs,
-            self.config.linear_state_snapshots,
+            snapshot_slots(self.config, pool),
             self.config.page_size,
             None if cache is None else cache.page_keys,
         )

@@ -163,3 +163,17 @@ def test_the_start_up_log_says_what_the_state_takes(hybrid_dir: str, caplog) -> 
     assert "linear-attention state: 8 slots" in caplog.text
     covered = f"covers the {config.num_kv_layers} full-attention layers of {config.num_layers}"
     assert covered in caplog.text
+
+
+def test_snapshots_take_at_most_half_the_cache_by_default_and_too_many_are_refused(hybrid_dir):
+    from iris_serve.scheduler import hybrid_footprint
+
+    footprint = hybrid_footprint(hybrid_dir, torch.float32)
+    assert footprint is not None
+    slot = footprint.state_bytes_per_slot
+    budget = 2 * 14 * slot + 4 * PAGE * footprint.kv_bytes_per_token
+    iris = cpu_engine(hybrid_dir, max_num_seqs=4, kv_cache_memory=budget, page_size=PAGE)
+    assert iris.state_slots is not None
+    assert iris.state_slots.num_snapshots == 14 - 5  # beside 4 working slots and the scratch
+    with pytest.raises(ValueError, match="leaves no memory for the KV cache"):
+        cpu_engine(hybrid_dir, max_num_seqs=4, kv_cache_memory=budget, linear_state_snapshots=99)
