@@ -50,7 +50,7 @@ class SlotOp:
     source: int | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # a capture is itself, not its fields (the rolling one moves)
 class _Capture:
     position: int  # tokens the state has seen
     slot: int
