@@ -301,6 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser, workloads: str) -> None:
     parser.add_argument("--decode", default="4096x1,4096x8,8192x1,8192x8",
                         help="the decode workload's CONTEXTxBATCH points")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--rounds", type=int, default=1, help="of every workload")
     parser.add_argument("--name", default=None, help="of the result file")
 
 
@@ -312,7 +313,6 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--before-tree", type=Path, default=None,
                         help="also iris serve from this checkout of another commit")  # fmt: skip
     parser.add_argument("--flags", default="", help="more flags for every Iris server")
-    parser.add_argument("--rounds", type=int, default=1, help="of every workload")
     parser.add_argument("--interleave", action="store_true", help="servers up at once")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS and --scheduler-threads for every server")  # fmt: skip

@@ -196,3 +196,12 @@ def test_peers_quick_measures_another_server_as_a_client_sees_it(
     ok = {(row[0], row[1]): row[header.index("ok")] for row in rows}
     assert ok["image", "Iris"] == ok["image", "Other"] == "4/4"
     assert ok["decode 128x2", "Other"] == "2/2"
+
+
+def test_a_full_run_plans_as_serve_load_does(qwen2_5_vl_tiny: Path) -> None:
+    """Without --quick, `bench.peers` plans the workloads and rounds it is asked for, as
+    `bench.serve_load` does (their arguments are shared)."""
+    model = ["--model", str(qwen2_5_vl_tiny), "--workloads", "append,window", "--rounds", "2"]
+    for parse in (peers.parse_arguments, serve_load.parse_arguments):
+        plan = serve_load.make_plan(parse(model))
+        assert plan.rounds == 2 and [w.name for w in plan.workloads] == ["append", "window"]
