@@ -6,7 +6,7 @@ workloads.
     bash bench/install_vllm_client.sh        # once: accelerate for transformers serve
     python -m bench.peers [--size small] [--arch ARCH | --model DIR]
         [--peers iris,vllm,transformers] [--workloads image,append,window,decode]
-        [--client builtin|vllm] [--vllm-venv DIR] [--quick] [--out DIR]
+        [--client builtin|vllm] [--vllm-venv DIR] [--iris-flags FLAGS] [--quick] [--out DIR]
 
 This is `bench.serve_load` (same workloads, same measurement, same report) with other
 servers: `serve_load` compares Iris with Iris (flag variants, another commit), this
@@ -153,6 +153,7 @@ def make_servers(args: argparse.Namespace, wanted: list[str], model_dir: Path, l
     kv = 1 if args.quick else KV_CACHE_GIB
     if "iris" in wanted:
         flags = QUICK_FLAGS if args.quick else ["--kv-cache-memory", f"{KV_CACHE_GIB}GiB"]
+        flags = [*flags, *shlex.split(args.iris_flags)]
         server = IrisServer(model_dir, flags, log_path=logs / "iris.log")
         how = f"`{shlex.join(['iris', 'serve', 'MODEL_DIR', *flags])}`"
         servers.append(Server("Iris", server, how))
@@ -180,6 +181,9 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_arguments(parser, "image,append,window,decode")
     parser.add_argument("--peers", default=None, help=f"among {','.join(PEER_KEYS)}")
     parser.add_argument("--vllm-venv", default=None, help="the venv of install_vllm_cpu_peer.sh")
+    parser.add_argument("--iris-flags", default="",
+                        help="more flags for iris serve (e.g. '--dtype bfloat16', vLLM's "
+                        "dtype for a hybrid checkpoint)")  # fmt: skip
     args = parser.parse_args(argv)
     args.peer_site = None
     if args.output_len is None and not args.quick:

@@ -205,3 +205,12 @@ def test_a_full_run_plans_as_serve_load_does(qwen2_5_vl_tiny: Path) -> None:
     for parse in (peers.parse_arguments, serve_load.parse_arguments):
         plan = serve_load.make_plan(parse(model))
         assert plan.rounds == 2 and [w.name for w in plan.workloads] == ["append", "window"]
+
+
+def test_iris_flags_reach_iris_and_its_row_says_so(tmp_path: Path, qwen2_5_vl_tiny: Path):
+    args = peers.parse_arguments(
+        ["--model", str(qwen2_5_vl_tiny), "--iris-flags", "--dtype bfloat16"]
+    )
+    [iris] = peers.make_servers(args, ["iris"], qwen2_5_vl_tiny, tmp_path)
+    assert iris.server.flags[-2:] == ["--dtype", "bfloat16"]
+    assert "--dtype bfloat16`" in iris.how
