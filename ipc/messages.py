@@ -123,10 +123,19 @@ class ShmPointer(_Frozen, frozen=True):
 
 
 class ImageRef(_Frozen, frozen=True):
-    """One image of a prompt: its key, its token span `token_ids[offset:offset + length]` and
-    where its pixels are. `pixels` is None when the worker has none for it (named by its
-    uuid alone, evicted): the scheduler must hold its embedding, or refuse it. `embeds`:
-    `pixels` points at the client's embeddings `[length, width]` instead (`image_embeds`)."""
+    """One image of a prompt, or one temporal patch of a video's frames: its key, its token
+    span `token_ids[offset:offset + length]` and where its pixels are. `pixels` is None
+    when the worker has none for it (named by its uuid alone, evicted): the scheduler must
+    hold its embedding, or refuse it. `embeds`: `pixels` points at the client's embeddings
+    `[length, width]` instead (`image_embeds`).
+
+    A video is a run of these, one per temporal patch (`frames` consecutive sampled frames,
+    uint8 `[frames, H, W, 3]`; an image is one frame, `[H, W, 3]`, which the processor
+    repeats), each with grid `(1, h, w)` and a key of its own, so every cache reuses a
+    patch that another request or clip shares. Qwen2-VL and Qwen2.5-VL give a whole video
+    one M-RoPE block: its patches after the first `continue_block` (they start where the
+    one before them started) at temporal position `rope_time`; Qwen3-VL's and Qwen3.5's
+    patches are blocks of their own, like images."""
 
     key: Key128
     offset: NonNegative
@@ -134,6 +143,9 @@ class ImageRef(_Frozen, frozen=True):
     grid_thw: tuple[int, int, int]
     pixels: ShmPointer | None = None
     embeds: bool = False
+    frames: Annotated[int, msgspec.Meta(ge=1)] = 1
+    rope_time: NonNegative = 0
+    continue_block: bool = False
 
     @property
     def end(self) -> int:
