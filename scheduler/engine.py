@@ -205,7 +205,7 @@ class Engine:
             raise ValueError(f"{len(reports)} image reports for {len(prompt.images)} images")
         for image, pixels in zip(prompt.images, prompt.pixels, strict=True):
             if pixels is not None and not image.embeds:
-                self.patches.check(pixels, image.grid_thw)
+                self.patches.check(pixels, image.grid_thw, image.frames)
         vocab = self.model.config.vocab_size
         if max(token_ids) >= vocab or min(token_ids) < 0:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
@@ -214,6 +214,7 @@ class Engine:
             [(image.offset, image.length) for image in prompt.images],
             [image.grid_thw for image in prompt.images],
             self.model.config.spatial_merge_size,
+            [(image.rope_time, image.continue_block) for image in prompt.images],
         )
         seed = sampling.seed
         request = Request(

@@ -7,7 +7,8 @@ across the host-to-device copy, 8x less than the processor's float32 rows.
   `normalize` on an image holding every level, so a lookup reproduces its arithmetic
   bit for bit, whatever the formula;
 - patchify: rows of C·T·P·P in the raster order of the merge blocks (4 rows per LLM
-  token), the single frame repeated T times, as the processor's `patchify` lays them out.
+  token), as the processor's `patchify` lays them out: an image's single frame repeated
+  T times, a video's temporal patch (`[T, H, W, 3]`, T consecutive frames) as it is.
 
 Both are a gather from the table and one copy into the row layout. The table is kept in
 the model's dtype: a bf16 model gets the processor's values cast to bf16, never values
@@ -70,33 +71,45 @@ class PatchMaker:
             dtype,
         )
 
-    def pixel_shape(self, grid: Sequence[int]) -> tuple[int, int, int]:
-        """The uint8 image of a grid: [height, width, 3]."""
+    def pixel_shape(self, grid: Sequence[int], frames: int = 1) -> tuple[int, ...]:
+        """The uint8 pixels of a one-frame grid: an image `[height, width, 3]`, or a video's
+        temporal patch of `frames` frames, `[frames, height, width, 3]`."""
         _, grid_h, grid_w = grid
-        return grid_h * self.patch_size, grid_w * self.patch_size, 3
+        image = (grid_h * self.patch_size, grid_w * self.patch_size, 3)
+        return image if frames == 1 else (frames, *image)
 
-    def check(self, pixels: torch.Tensor, grid: Sequence[int]) -> None:
-        """ValueError unless `pixels` is the uint8 image of a one-frame `grid`."""
-        expected = self.pixel_shape(grid)
-        if grid[0] != 1 or pixels.dtype != torch.uint8 or tuple(pixels.shape) != expected:
+    def check(self, pixels: torch.Tensor, grid: Sequence[int], frames: int = 1) -> None:
+        """ValueError unless `pixels` are uint8 pixels of a one-frame `grid`: an image
+        (`frames` 1) or a temporal patch of the processor's T frames."""
+        expected = self.pixel_shape(grid, frames)
+        if (
+            grid[0] != 1
+            or frames not in (1, self.temporal_patch_size)
+            or pixels.dtype != torch.uint8
+            or tuple(pixels.shape) != expected
+        ):
             raise ValueError(
-                f"pixels of shape {tuple(pixels.shape)} {pixels.dtype} do not match the image "
-                f"grid {tuple(grid)}: uint8 {expected} expected"
+                f"pixels of shape {tuple(pixels.shape)} {pixels.dtype} do not match the grid "
+                f"{tuple(grid)} of {frames} frame(s): uint8 {expected} expected (a video's "
+                f"temporal patch has {self.temporal_patch_size} frames)"
             )
 
     def __call__(self, images: Sequence[torch.Tensor], grids: Sequence[Grid]) -> torch.Tensor:
-        """The processor's `pixel_values` of `images` (uint8 [H, W, 3] each, on any device),
-        concatenated: [sum of h·w patches, C·T·P·P] on the device, in the model's dtype."""
+        """The processor's `pixel_values` of `images` (uint8 [H, W, 3] each, or a video's
+        temporal patch [T, H, W, 3], on any device), concatenated: [sum of h·w patches,
+        C·T·P·P] on the device, in the model's dtype."""
         rows = [self._rows(image, grid) for image, grid in zip(images, grids, strict=True)]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
-    def _rows(self, image: torch.Tensor, grid: Grid) -> torch.Tensor:
-        self.check(image, grid)
+    def _rows(self, pixels: torch.Tensor, grid: Grid) -> torch.Tensor:
+        frames = 1 if pixels.dim() == 3 else pixels.shape[0]
+        self.check(pixels, grid, frames)
         _, grid_h, grid_w = grid
         m, p, t = self.merge_size, self.patch_size, self.temporal_patch_size
-        levels = image.to(self.device, non_blocking=True)
-        values = self.table[levels.int() + self._channel_offsets]  # [H, W, C]
-        # [gh/m, m, P, gw/m, m, P, C] -> [gh/m, gw/m, m, m, C, P, P]: the processor's rows
-        blocks = values.view(grid_h // m, m, p, grid_w // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
-        frames = blocks.unsqueeze(-3).expand(*blocks.shape[:5], t, p, p)  # the frame, T times
-        return frames.reshape(grid_h * grid_w, 3 * t * p * p)
+        levels = pixels.to(self.device, non_blocking=True).view(frames, *pixels.shape[-3:])
+        values = self.table[levels.int() + self._channel_offsets]  # [F, H, W, C]
+        # [F, gh/m, m, P, gw/m, m, P, C] -> [gh/m, gw/m, m, m, C, F, P, P]: the processor's
+        # rows (an image's one frame repeated T times)
+        blocks = values.view(frames, grid_h // m, m, p, grid_w // m, m, p, 3)
+        blocks = blocks.permute(1, 4, 2, 5, 7, 0, 3, 6).expand(-1, -1, -1, -1, -1, t, -1, -1)
+        return blocks.reshape(grid_h * grid_w, 3 * t * p * p)

@@ -60,15 +60,41 @@ def hf_generate(model_dir: str | Path, prompt: PromptInput, max_new_tokens: int)
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
     }
+    images = [i for i, image in enumerate(prompt.images) if image.frames == 1]
+    patches = [i for i, image in enumerate(prompt.images) if image.frames > 1]
+    if images:
+        inputs["pixel_values"] = torch.cat(
+            [hf_pixel_values(model_dir, prompt.pixels[i]) for i in images]
+        )
+        inputs["image_grid_thw"] = torch.tensor([prompt.images[i].grid_thw for i in images])
+    if patches:  # each temporal patch a video of its own: Qwen3-VL's blocks (see below)
+        inputs["pixel_values_videos"] = hf_video_pixel_values(
+            model_dir, [prompt.pixels[i] for i in patches], [prompt.images[i] for i in patches]
+        )
+        inputs["video_grid_thw"] = torch.tensor([prompt.images[i].grid_thw for i in patches])
     if prompt.images:
-        inputs["pixel_values"] = hf_prompt_pixel_values(model_dir, prompt)
-        inputs["image_grid_thw"] = torch.tensor([image.grid_thw for image in prompt.images])
-        inputs["mm_token_type_ids"] = (input_ids == model.config.image_token_id).int()
+        config = model.config
+        is_video = input_ids == config.video_token_id
+        inputs["mm_token_type_ids"] = (input_ids == config.image_token_id).int() + 2 * is_video
     with torch.inference_mode():
         output = model.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
         )
     return output[0, input_ids.shape[1] :].tolist()
+
+
+def hf_video_pixel_values(
+    model_dir: str | Path, pixels: Sequence[torch.Tensor], images
+) -> torch.Tensor:
+    """`pixel_values_videos` of video temporal patches (uint8 `[T, H, W, 3]` each): the
+    video processor's rows, which `PatchMaker` reproduces (tests/test_patches.py holds it
+    to transformers' layout; transformers' video processor itself needs torchvision).
+    Each patch is one video `(1, h, w)`: the ViT attends within a temporal patch, so that
+    equals one video of them all; Qwen3-VL splits a video into such blocks anyway."""
+    from iris_serve.scheduler.patches import PatchMaker
+
+    maker = PatchMaker.from_checkpoint(model_dir, torch.device("cpu"), torch.float32)
+    return maker(list(pixels), [image.grid_thw for image in images])
 
 
 def make_image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:

@@ -111,8 +111,32 @@ def test_pixels_that_do_not_match_their_grid_are_refused_and_nothing_is_held(qwe
         pixels.permute(2, 0, 1),  # channels first
     ]
     for bad in wrong:
-        with pytest.raises(ValueError, match="do not match the image grid"):
+        with pytest.raises(ValueError, match="do not match the grid"):
             engine.add_request("bad", PromptInput(prompt.prompt, (bad,)), Sampling(max_tokens=2))
         assert not engine.requests and not engine.pixels.has("bad", 0)
         assert not engine.has_unfinished_requests()
     assert len(engine.generate([prompt], Sampling(max_tokens=2, temperature=0.0))[0]) == 2
+
+
+def test_a_video_patch_keeps_its_frames_in_the_video_processors_layout(model_dir: Path):
+    """Two different frames `[2, H, W, 3]` give the rows of transformers' video
+    processor. Its module imports torchvision, which Iris does not install, so its
+    `patchify` permutation is restated here (`Qwen2VLVideoProcessor.patchify`, 5.24)."""
+    patches = PatchMaker.from_checkpoint(model_dir, CPU, torch.float32)
+    p, m, t = patches.patch_size, patches.merge_size, patches.temporal_patch_size
+    grid = (1, 2 * m, 3 * m)
+    frames = torch.randint(0, 256, patches.pixel_shape(grid, frames=t), dtype=torch.uint8)
+    values = patches.table.view(3, 256)[torch.arange(3), frames.long()]  # [T, H, W, C]
+    videos = values.permute(0, 3, 1, 2)[None]  # [B, T, C, H, W], as the processor holds them
+    gh, gw = grid[1], grid[2]
+    expected = (
+        videos.view(1, 1, t, 3, gh // m, m, p, gw // m, m, p)
+        .permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+        .reshape(gh * gw, 3 * t * p * p)
+    )
+    rows = patches([frames], [grid])
+    assert torch.equal(rows, expected)
+    image = patches([frames[0]], [grid])  # one frame: an image, repeated
+    assert not torch.equal(rows, image)
+    with pytest.raises(ValueError, match="temporal patch has 2 frames"):
+        patches([torch.zeros(3, *frames.shape[1:], dtype=torch.uint8)], [grid])
