@@ -74,12 +74,17 @@ def recurrent_delta_step(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of B sequences, fp32: q/k `[B, H, Dk]`, v `[B, H, Dv]`, g/beta
-    `[B, H]`, state `[B, H, Dk, Dv]` -> (output `[B, H, Dv]`, the new state)."""
-    state = state * g.exp()[..., None, None]
-    predicted = (state * k[..., None]).sum(-2)  # Sᵀk
+    `[B, H]`, state `[B, H, Dk, Dv]` -> (output `[B, H, Dv]`, the new state). As batched
+    matrix products over the B·H heads: a decode step is a few kernels, not one per
+    broadcast."""
+    batch, heads, dk, dv = state.shape
+    state = (state * g.exp()[..., None, None]).view(batch * heads, dk, dv)
+    k_rows = k.reshape(batch * heads, 1, dk)
+    predicted = torch.bmm(k_rows, state).view(batch, heads, dv)  # Sᵀk
     update = (v - predicted) * beta[..., None]
-    state = state + k[..., None] * update[..., None, :]
-    return (state * q[..., None]).sum(-2), state
+    state = state.baddbmm(k_rows.transpose(1, 2), update.view(batch * heads, 1, dv))
+    out = torch.bmm(q.reshape(batch * heads, 1, dk), state)
+    return out.view(batch, heads, dv), state.view(batch, heads, dk, dv)
 
 
 def chunked_delta_rule(
