@@ -72,9 +72,9 @@ def hf_generate(model_dir: str | Path, prompt: PromptInput, max_new_tokens: int)
             model_dir, [prompt.pixels[i] for i in patches], [prompt.images[i] for i in patches]
         )
         inputs["video_grid_thw"] = torch.tensor([prompt.images[i].grid_thw for i in patches])
-    if prompt.images:
+    if prompt.images:  # (a random model's answer may hold a pad token: only a prompt's count)
         config = model.config
-        is_video = input_ids == config.video_token_id
+        is_video = (input_ids == config.video_token_id) & bool(patches)
         inputs["mm_token_type_ids"] = (input_ids == config.image_token_id).int() + 2 * is_video
     with torch.inference_mode():
         output = model.generate(
