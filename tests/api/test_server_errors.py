@@ -69,11 +69,11 @@ def test_chat_request_errors(client, engine, fields, param):
 
 
 TEXT = {"type": "text", "text": "What is this?"}
-SUPPORTED = "the supported types are text, image_url and image_embeds"
+SUPPORTED = "the supported types are text, image_url, video_url and image_embeds"
 # (the refused part, what the error says of it)
 _PARTS_NOT_TAKEN = {
-    "video_url": ({"type": "video_url", "video_url": {"url": "https://x/v.mp4"}},
-                  "'video_url' are not supported (video is not supported yet)"),
+    "video": ({"type": "video", "video": "https://x/v.mp4"},
+              "'video' are not supported (send a video as {\"type\": \"video_url\""),
     "input_audio": ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
                     "'input_audio' are not supported (audio input is not supported)"),
     "file": ({"type": "file", "file": {"file_id": "f"}},
