@@ -27,9 +27,12 @@ def recording(num_frames: int, width: int = 64, height: int = 48) -> list[np.nda
     ]
 
 
-def encode_clip(frames: list[np.ndarray], fps: float, codec: str = "mp4v") -> bytes:
-    """The frames (RGB) as an encoded video at `fps`."""
-    height, width = frames[0].shape[:2]
+def encode_clip(
+    frames: list[np.ndarray], fps: float, codec: str = "mp4v", size: tuple[int, int] = (64, 48)
+) -> bytes:
+    """The frames (RGB) as an encoded video at `fps` (`size`: width, height of a video
+    without frames)."""
+    height, width = frames[0].shape[:2] if frames else size[::-1]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / f"clip{FORMATS[codec]}"
         writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*codec), fps, (width, height))

@@ -24,18 +24,6 @@ from iris_serve.tokenizer_worker.video_rules import VideoOptions, VideoRuleError
 T = TypeVar("T")
 
 
-class UnknownVideoUuid(ValueError):
-    """A part names a video by a uuid this worker does not know (a 400 asking for it)."""
-
-    def __init__(self, part: VideoPart) -> None:
-        super().__init__(
-            f"{part.where}: no video with uuid {part.uuid!r} is known (never sent, forgotten, "
-            "or sent with other video settings): send it again with its data and the same uuid"
-        )
-        self.message = str(self)
-        self.param = part.where
-
-
 class VideoParts:
     """The videos of the requests one worker handles, under one loader."""
 
@@ -52,7 +40,12 @@ class VideoParts:
             if not part.has_data and part.uuid not in bound:
                 size = _named(part, self.loader.binding_size, options)
                 if self.uuids.recall(part.uuid or "", size) is None:
-                    raise UnknownVideoUuid(part)
+                    raise MediaError(
+                        f"{part.where}: no video with uuid {part.uuid!r} is known (never sent, "
+                        "forgotten, or sent with other video settings): send it again with "
+                        "its data and the same uuid",
+                        part.where,
+                    )
 
     def load(
         self, parts: Sequence[VideoPart], encoded: Sequence[bytes], options: VideoOptions

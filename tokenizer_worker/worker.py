@@ -51,7 +51,7 @@ from iris_serve.tokenizer_worker.media import MediaError, MediaFetcher, decode_i
 from iris_serve.tokenizer_worker.processor_cache import CachedImage, ProcessorCache
 from iris_serve.tokenizer_worker.prompt import Grid, ImageSize, PromptBuilder, Replacement
 from iris_serve.tokenizer_worker.video_loader import LoadedVideo, VideoLimits, VideoLoader
-from iris_serve.tokenizer_worker.video_parts import UnknownVideoUuid, VideoParts, video_options
+from iris_serve.tokenizer_worker.video_parts import VideoParts, video_options
 from iris_serve.tokenizer_worker.video_rules import VideoOptions
 
 logger = logging.getLogger("iris.tokenizer")
@@ -196,7 +196,7 @@ class TokenizerWorker:
         rid = request.request_id
         try:
             return self._tokenize(request)
-        except (BadRequest, ChatError, MediaError, UnknownVideoUuid) as e:
+        except (BadRequest, ChatError, MediaError) as e:
             return RequestError(rid, e.status, e.message, param=e.param)
         except EntryTooLarge as e:
             return RequestError(
