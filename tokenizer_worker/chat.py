@@ -99,6 +99,17 @@ class Chat:
         """Where each of `image_urls` is (`messages[i].content[j]`), in the same order."""
         return [image.where for image in self.images if image.url is not None]
 
+    @property
+    def video_urls(self) -> list[str]:
+        """The video URLs to fetch, in prompt order (parts named by their uuid alone have
+        none)."""
+        return [video.url for video in self.videos if video.url is not None]
+
+    @property
+    def video_url_parts(self) -> list[str]:
+        """Where each of `video_urls` is, in the same order."""
+        return [video.where for video in self.videos if video.url is not None]
+
 
 def parse_messages(messages: object) -> Chat:
     if not isinstance(messages, list) or not messages:

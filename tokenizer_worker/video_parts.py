@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from iris_serve.ipc.messages import TokenizeRequest
+from iris_serve.ipc.messages import ImageRef, TokenizeRequest
 from iris_serve.ipc.shm_arena import ArenaFull, ShmArena
 from iris_serve.tokenizer_worker.chat import VideoPart
 from iris_serve.tokenizer_worker.image_uuids import ImageUuids
@@ -80,6 +80,26 @@ class VideoParts:
             self.release(v for v in videos if v is not None)
             raise
         return [video for video in videos if video is not None]
+
+    def refs(self, video: LoadedVideo, spans: Sequence[tuple[int, int]]) -> list[ImageRef]:
+        """An `ImageRef` per temporal patch, at its span (offset, length) in the prompt:
+        Qwen2-VL's and Qwen2.5-VL's patches after the first continue their video's M-RoPE
+        block, Qwen3-VL's are blocks of their own."""
+        layout = video.layout
+        one_block = self.loader.settings.one_block
+        return [
+            ImageRef(
+                layout.keys[j],
+                offset,
+                length,
+                layout.grid,
+                video.pointers[j],
+                frames=layout.frames,
+                rope_time=layout.rope_times[j],
+                continue_block=one_block and j > 0,
+            )
+            for j, (offset, length) in enumerate(spans)
+        ]
 
     def release(self, videos: Iterable[LoadedVideo]) -> None:
         """Drop the pins of `videos`."""

@@ -286,9 +286,9 @@ class TokenizerWorker:
             if self.videos is not None:
                 self.videos.check_uuids(video_parts, options)
             encoded = self.fetcher.fetch_all(chat.image_urls, chat.image_url_parts)
-            video_urls = [part.url for part in video_parts if part.url is not None]
-            video_wheres = [part.where for part in video_parts if part.url is not None]
-            encoded_videos = self.fetcher.fetch_all(video_urls, video_wheres, video=True)
+            encoded_videos = self.fetcher.fetch_all(
+                chat.video_urls, chat.video_url_parts, video=True
+            )
         else:
             assert request.prompt is not None
             ids = self._prompt_ids(request.prompt)
@@ -335,22 +335,10 @@ class TokenizerWorker:
             ref = ImageRef(image.key, offset, length, image.grid, image.pointer, image.embeds)
             cache = "processor" if image.cached else "none"
             items.append((ref, ImageReport(part.where, part.uuid, cache)))
-        one_block = builder.video_settings is not None and builder.video_settings.one_block
         for part, video, spans in zip(video_parts, videos, video_spans, strict=True):
-            layout = video.layout
-            cache = "processor" if video.cached else "none"
-            for j, (offset, length) in enumerate(spans):
-                ref = ImageRef(
-                    layout.keys[j],
-                    offset,
-                    length,
-                    layout.grid,
-                    video.pointers[j],
-                    frames=layout.frames,
-                    rope_time=layout.rope_times[j],
-                    continue_block=one_block and j > 0,
-                )
-                items.append((ref, ImageReport(part.where, part.uuid, cache)))
+            assert self.videos is not None  # `_check_limits` refused videos otherwise
+            report = ImageReport(part.where, part.uuid, "processor" if video.cached else "none")
+            items += [(ref, report) for ref in self.videos.refs(video, spans)]
         items.sort(key=lambda item: item[0].offset)
         return EngineRequest(
             request.request_id,
