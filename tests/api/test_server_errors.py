@@ -269,3 +269,11 @@ def test_a_video_part_needs_a_url_or_a_uuid(client, engine):
     assert response.status_code == 400, response.text
     assert "a video part needs video_url.url" in response.json()["error"]["message"]
     assert engine.requests == []
+
+
+def test_vllm_media_io_kwargs_are_refused_rather_than_ignored(client, engine):
+    response = chat(client, media_io_kwargs={"video": {"num_frames": 8}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "media_io_kwargs" and "mm_processor_kwargs" in error["message"]
+    assert engine.requests == []
