@@ -10,7 +10,9 @@ A part may also carry `uuid` (vLLM's field): the client's id for the image. Sent
 the image's data, it names that image from then on; sent alone (`"image_url": null`, or
 no `url`), it asks for the image sent before under that id (`tokenizer_worker.image_uuids`).
 An `image_embeds` part carries the vision tower's output instead of an image
-(`tokenizer_worker.image_embeds`).
+(`tokenizer_worker.image_embeds`). A `video_url` part names a video the same way
+(`{"type": "video_url", "video_url": {"url": ...}, "uuid": ...}`); the router keeps it with
+the worker that has its frames, as it keeps an image.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from typing import Any
 
 __all__ = [
     "IMAGE_PART_TYPES",
+    "VIDEO_PART_TYPES",
     "image_part_data",
     "image_part_embeds",
     "image_part_url",
     "image_part_uuid",
+    "video_part_url",
 ]
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_embeds")
+VIDEO_PART_TYPES = ("video_url",)
 
 
 def image_part_url(part: dict[str, Any]) -> object:
@@ -49,11 +54,20 @@ def image_part_embeds(part: dict[str, Any]) -> tuple[object, object]:
     return data, grid
 
 
+def video_part_url(part: dict[str, Any]) -> object:
+    """What a `video_url` part names as its URL, unchecked: `video_url.url`, or a bare
+    `video_url` string."""
+    spec = part.get("video_url")
+    return spec.get("url") if isinstance(spec, dict) else spec
+
+
 def image_part_data(part: dict[str, Any]) -> object:
-    """What identifies an image part's data for routing: its URL, or its embeddings."""
-    if part.get("type") == "image_embeds":
+    """What identifies an image or video part's data for routing: its URL, or its
+    embeddings."""
+    kind = part.get("type")
+    if kind == "image_embeds":
         return image_part_embeds(part)[0]
-    return image_part_url(part)
+    return video_part_url(part) if kind in VIDEO_PART_TYPES else image_part_url(part)
 
 
 def image_part_uuid(part: dict[str, Any]) -> object:

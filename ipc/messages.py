@@ -185,7 +185,9 @@ class Prompt(_Struct):
 class TokenizeRequest(_Message, tag=_TOKENIZE):
     """A validated API request, before the chat template and image processing: exactly one of
     `messages` (chat completions, as received) and `prompt` (completions: text or token ids).
-    `max_pixels`/`min_pixels` override the processor's defaults for this request's images;
+    `max_pixels`/`min_pixels` override the processor's defaults for this request's images
+    (and, where the model's video processor takes them, videos); `fps`, `num_frames`,
+    `min_frames` and `max_frames` its video processor's frame sampling;
     `chat_template_kwargs` (checked by the server) and `tools` go to the chat template."""
 
     request_id: str
@@ -196,6 +198,10 @@ class TokenizeRequest(_Message, tag=_TOKENIZE):
     min_pixels: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    fps: float | None = None
+    num_frames: int | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):

@@ -7,7 +7,7 @@ role's config module needs nothing from the server to declare it:
     help       the help text; "(default: ...)" is appended from the field's default
     parse      how the text becomes the field's value when the type is not enough:
                "size" (bytes: '4GiB', '512MB', '1e9'), "gib" (GiB as a float, to bytes),
-               "mm_limit" (an int or vLLM's '{"image": N}')
+               "mm_limit" (an int or vLLM's '{"image": N, "video": M}')
     min        the smallest value allowed (after `parse`); `min_error` words the refusal
     metavar    the value's name in the help
     group      the help section (a key of the `groups` given to `add_config_flags`)
@@ -74,17 +74,25 @@ def parse_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
-def parse_mm_limit(text: str) -> int:
-    """`--limit-mm-per-prompt 4` or vLLM's JSON form `'{"image": 4}'`."""
+def parse_mm_limit(text: str) -> dict[str, int]:
+    """`--limit-mm-per-prompt 4` (images) or vLLM's JSON form `'{"image": 4, "video": 1}'`:
+    the limit of each modality given (the others keep their defaults)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         raise argparse.ArgumentTypeError(f"not a number or JSON object: {text!r}") from None
-    if isinstance(value, dict):
-        value = value.get("image", 0)
-    if not isinstance(value, int) or value < 0:
-        raise argparse.ArgumentTypeError(f"the image limit must be a non-negative int: {text!r}")
-    return value
+    limits = value if isinstance(value, dict) else {"image": value}
+    unknown = sorted(set(limits) - {"image", "video"})
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"Iris takes images and videos, not {', '.join(map(repr, unknown))}: {text!r}"
+        )
+    for modality, limit in limits.items():
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise argparse.ArgumentTypeError(
+                f"the {modality} limit must be a non-negative int: {text!r}"
+            )
+    return dict(limits)
 
 
 PARSERS: dict[str, Callable[[str], Any]] = {

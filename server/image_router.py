@@ -32,6 +32,7 @@ import xxhash
 
 from iris_serve.common.content_parts import (
     IMAGE_PART_TYPES,
+    VIDEO_PART_TYPES,
     image_part_data,
     image_part_url,
     image_part_uuid,
@@ -126,13 +127,14 @@ def _remember(table: OrderedDict, key: Any, worker: int, capacity: int) -> None:
 
 
 def _image_part_dicts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """The image parts of chat messages, in order; malformed messages are skipped here
-    (the worker rejects them)."""
+    """The image and video parts of chat messages, in order (a video is routed as an
+    image is); malformed messages are skipped here (the worker rejects them)."""
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in IMAGE_PART_TYPES or kind in VIDEO_PART_TYPES:
                     yield part
 
 

@@ -4,8 +4,8 @@ Requests ignore fields they do not know (clients send extras); every field they 
 know is type-checked, and a bad value becomes a 400 naming that field
 (`server.errors`). Known fields Iris does not implement yet are refused unless they are
 at their no-op value (`server.unimplemented`): never a silent ignore. Content parts are
-checked for shape only: images stay URLs here and are fetched and decoded by a
-tokenizer worker, never by the server; a part of a type Iris does not take is a 400
+checked for shape only: images and videos stay URLs here and are fetched and decoded by
+a tokenizer worker, never by the server; a part of a type Iris does not take is a 400
 naming the part (`messages[0].content[1].type`) and the types it takes.
 """
 
@@ -105,11 +105,30 @@ class ImageEmbedsPart(_Body):
         return self
 
 
-PART_TYPES = ("text", "image_url", "image_embeds")  # what a content part's `type` may be
+class VideoURL(_Body):
+    url: Annotated[str, Field(min_length=1)] | None = None
+
+
+class VideoURLPart(_Body):
+    """A video by URL (vLLM's part: OpenAI's API has none), decoded by a tokenizer worker;
+    `uuid` names it for later requests as an image's does."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL | None = None
+    uuid: Annotated[str, Field(min_length=1, max_length=MAX_UUID_CHARS)] | None = None
+
+    @model_validator(mode="after")
+    def _url_or_uuid(self) -> VideoURLPart:
+        if self.uuid is None and (self.video_url is None or self.video_url.url is None):
+            raise ValueError("a video part needs video_url.url, or the uuid of a video sent before")
+        return self
+
+
+# what a content part's `type` may be
+PART_TYPES = ("text", "image_url", "video_url", "image_embeds")
 # Types clients send that Iris does not take, and why, beyond "not supported"
 _PARTS_NOT_TAKEN = {
-    "video_url": "video is not supported yet",
-    "video": "video is not supported yet",
+    "video": 'send a video as {"type": "video_url", "video_url": {"url": ...}}',
     "input_audio": "audio input is not supported",
     "audio_url": "audio input is not supported",
     "file": "file inputs are not supported",
@@ -147,7 +166,7 @@ class UnsupportedPart(_Body):
 def _part_refused(why: str) -> PydanticCustomError:
     return PydanticCustomError(
         PATH_PARAM_ERROR,
-        "{why}; the supported types are text, image_url and image_embeds "
+        "{why}; the supported types are text, image_url, video_url and image_embeds "
         "(the last with --enable-mm-embeds)",
         {"why": why},
     )
@@ -161,6 +180,7 @@ def _part_type(part: Any) -> str:
 ContentPart = Annotated[
     Annotated[TextPart, Tag("text")]
     | Annotated[ImageURLPart, Tag("image_url")]
+    | Annotated[VideoURLPart, Tag("video_url")]
     | Annotated[ImageEmbedsPart, Tag("image_embeds")]
     | Annotated[UnsupportedPart, Tag(UNSUPPORTED_PART_TAG)],
     Discriminator(_part_type),
@@ -183,8 +203,9 @@ class ChatMessage(BaseModel):
 
     @property
     def has_images(self) -> bool:
+        """Whether the message has an image or a video part."""
         return isinstance(self.content, list) and any(
-            isinstance(part, ImageURLPart | ImageEmbedsPart) for part in self.content
+            isinstance(part, ImageURLPart | ImageEmbedsPart | VideoURLPart) for part in self.content
         )
 
 
@@ -266,9 +287,26 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class MMProcessorKwargs(_Body):
+class MMProcessorKwargs(BaseModel):
+    """vLLM's per-request processor settings, those the Qwen processors honour: pixel
+    bounds (images; videos where the model's video processor takes them) and video frame
+    sampling (`fps` and `num_frames` exclude each other). Any other key is refused by
+    name: vLLM passes more to the processor, and a key Iris ignored would change nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+
     max_pixels: Annotated[int, Field(gt=0)] | None = None
     min_pixels: Annotated[int, Field(gt=0)] | None = None
+    fps: Annotated[float, Field(gt=0, le=120)] | None = None
+    num_frames: Annotated[int, Field(ge=2)] | None = None
+    min_frames: Annotated[int, Field(ge=1)] | None = None
+    max_frames: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_sampling(self) -> MMProcessorKwargs:
+        if self.fps is not None and self.num_frames is not None:
+            raise ValueError("fps and num_frames are mutually exclusive: give one of them")
+        return self
 
 
 class _Generate(unimplemented.refusing_base("_GenerateRefusals", unimplemented.GENERATE, _Body)):
@@ -467,8 +505,20 @@ class ImageCacheEntry(BaseModel):
     cache: Literal["prefix", "embedding", "processor"] | None
 
 
+_CACHE_DEPTH = {"none": 0, "processor": 1, "embedding": 2, "prefix": 3}
+
+
 def image_cache(reports: Sequence[ImageReport]) -> list[ImageCacheEntry]:
-    """The client's view of the scheduler's per-image reports."""
+    """The client's view of the scheduler's per-image reports. A video's temporal patches
+    (consecutive reports of one part) make one entry, at the shallowest cache that served
+    all of them."""
+    merged: list[ImageReport] = []
+    for report in reports:
+        if merged and merged[-1].part == report.part:
+            if _CACHE_DEPTH[report.cache] < _CACHE_DEPTH[merged[-1].cache]:
+                merged[-1] = report
+            continue
+        merged.append(report)
     return [
         ImageCacheEntry(
             part=report.part,
@@ -476,7 +526,7 @@ def image_cache(reports: Sequence[ImageReport]) -> list[ImageCacheEntry]:
             hit=report.cache != "none",
             cache=None if report.cache == "none" else report.cache,
         )
-        for report in reports
+        for report in merged
     ]
 
 

@@ -130,6 +130,10 @@ class OpenAIServing:
                 messages=messages,
                 max_pixels=kwargs.max_pixels if kwargs else None,
                 min_pixels=kwargs.min_pixels if kwargs else None,
+                fps=kwargs.fps if kwargs else None,
+                num_frames=kwargs.num_frames if kwargs else None,
+                min_frames=kwargs.min_frames if kwargs else None,
+                max_frames=kwargs.max_frames if kwargs else None,
                 chat_template_kwargs=body.chat_template_kwargs,
                 tools=plan.tools,
             )

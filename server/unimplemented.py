@@ -71,6 +71,8 @@ CHAT: dict[str, tuple[NoOp, str]] = {
     "echo": (_absent, "echo is not implemented"),
     "chat_template": (_absent, "per-request chat templates are not supported"),
     "documents": (_absent, "documents are not supported"),
+    "media_io_kwargs": (_absent, "media_io_kwargs is not supported; sample a video's frames "
+                        "with mm_processor_kwargs (fps or num_frames)"),
 }  # fmt: skip
 COMPLETION: dict[str, tuple[NoOp, str]] = {
     "echo": (_absent, "echo is not implemented"),

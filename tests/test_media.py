@@ -332,7 +332,7 @@ def test_data_url_and_missing_padding() -> None:
         ("data:image/png,rawbytes", "must be base64-encoded"),
         ("data:image/png;base64" + "A" * 8, "must start with data:image/"),
         (data_url(b"x" * (2 * KiB)), "more than 1024 bytes"),
-        ("http://[::1/a.png", "malformed image URL"),
+        ("http://[::1/a.png", "malformed URL"),
         ("https:///a.png", "no host"),
         ("http://exa mple.com/a.png", "cannot fetch"),
         ("ftp://example.com/a.png", "unsupported URL scheme"),

@@ -33,8 +33,9 @@ def tokens(grid: tuple[int, int, int]) -> int:
     return prod(grid) // 4
 
 
-def pixel_shape(grid: tuple[int, int, int]) -> tuple[int, int, int]:
-    return grid[1] * PATCH, grid[2] * PATCH, 3
+def pixel_shape(grid: tuple[int, int, int], frames: int = 1) -> tuple[int, ...]:
+    shape = (grid[1] * PATCH, grid[2] * PATCH, 3)
+    return shape if frames == 1 else (frames, *shape)
 
 
 def pixels(seed: int) -> np.ndarray:

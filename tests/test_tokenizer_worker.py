@@ -299,7 +299,7 @@ BAD_REQUESTS = {
     "part": (
         dict(messages=chat({"type": "input_audio"})),
         "messages[1].content[0].type",
-        "unsupported content part type 'input_audio' (text, image_url, image, image_embeds)",
+        "unsupported content part type 'input_audio' (text, image_url, image, image_embeds, video_url)",
     ),
     "pad in text": (dict(messages=chat(text="<|image_pad|>")), "messages", "0 images"),
     "aspect ratio": (
@@ -328,7 +328,7 @@ BAD_REQUESTS = {
 def test_bad_input_is_a_400_that_leaks_nothing(
     make_worker: Callable[..., TokenizerWorker], case: str
 ):
-    worker = make_worker(limit_mm_per_prompt=3)
+    worker = make_worker(limit_mm_per_prompt={"image": 3})
     fields, param, message = BAD_REQUESTS[case]
     out = worker.handle(request(**fields))
     assert isinstance(out, RequestError), out
@@ -432,7 +432,7 @@ def test_unexpected_errors_are_500s_and_release_pins(worker: TokenizerWorker, mo
     def broken(*args: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(worker.builder, "expand", broken)  # after the images are pinned
+    monkeypatch.setattr(worker.builder, "splice", broken)  # after the images are pinned
     out = worker.handle(request(chat(OK)))
     assert isinstance(out, RequestError)
     assert (out.status, out.type, out.param) == (500, "server_error", None)

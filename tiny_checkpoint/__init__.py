@@ -46,7 +46,7 @@ ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 # Bump when the generator's output changes, so `builtin_checkpoint` rebuilds stale caches.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 STAMP_FILE = "iris_tiny_checkpoint.json"
 
 
@@ -67,7 +67,7 @@ def generate_checkpoint(
     from transformers import GenerationConfig
 
     from .configs import build_config
-    from .processor import PROCESSOR_CLASSES, save_image_processor
+    from .processor import PROCESSOR_CLASSES, save_image_processor, save_video_processor
     from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, build_tokenizer, token_id
 
     if dtype not in DTYPES:
@@ -102,6 +102,7 @@ def generate_checkpoint(
 
     build_tokenizer(PROCESSOR_CLASSES[arch].__name__).save_pretrained(out)
     save_image_processor(out, arch)
+    save_video_processor(out, arch)
     stamp = {
         "arch": arch,
         "size": size,

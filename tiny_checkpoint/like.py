@@ -116,7 +116,7 @@ def generate_like_checkpoint(
     from transformers.utils.hub import convert_file_size_to_int
 
     from . import GENERATOR_VERSION, STAMP_FILE
-    from .processor import PROCESSOR_CLASSES, save_image_processor
+    from .processor import PROCESSOR_CLASSES, save_image_processor, save_video_processor
     from .tokenizer import (
         BOS_TOKEN,
         EOS_TOKEN,
@@ -165,6 +165,7 @@ def generate_like_checkpoint(
     processor_class = PROCESSOR_CLASSES[model_type].__name__
     build_tokenizer(processor_class, first_special_id=first_special_id).save_pretrained(out)
     save_image_processor(out, model_type, published=True)
+    save_video_processor(out, model_type, published=True)
 
     specs = tensor_specs(out)
     write_sharded(specs, out, getattr(torch, dtype), seed, max_shard_bytes, progress, device)

@@ -62,6 +62,60 @@ def save_image_processor(out_dir: Path, arch: str = "qwen2_vl", published: bool 
     Qwen2VLImageProcessorPil(**settings).save_pretrained(out_dir)
 
 
+# Video processors' settings with the pixel bounds scaled down as the images' are: Qwen2-VL's
+# bound each frame (56x56 to 224x224 px: 4 to 64 tokens per temporal patch), Qwen3-VL's the
+# sampled frames together (4,096 to 131,072 px over all of them).
+QWEN2_VL_VIDEO_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}
+QWEN3_VL_VIDEO_SIZE = {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 2 * 64}
+# What Qwen3-VL's hub files ship for video (4,096 px to 24,576 tokens' worth over a video)
+QWEN3_VL_PUBLISHED_VIDEO_SIZE = {"shortest_edge": 4096, "longest_edge": 25165824}
+
+
+def save_video_processor(out_dir: Path, arch: str = "qwen2_vl", published: bool = False) -> None:
+    """Write video_preprocessor_config.json, what transformers reads a video processor from.
+
+    Qwen3-VL's (and Qwen3.5's) is written by transformers' own `Qwen3VLVideoProcessor`,
+    which needs no torchvision to be built. Qwen2-VL's class cannot be imported without
+    torchvision, so its file is written here with the keys `save_pretrained` writes, at the
+    class's values except two: frames are sampled (`do_sample_frames`, off in the class for
+    backward compatibility) at 2 fps, as vLLM and Iris sample them, so that transformers on a
+    machine with torchvision processes a video as Iris does. `published`: Qwen2-VL's hub
+    files have no video processor (transformers then reads the image processor's file), and
+    Qwen3-VL's ship `QWEN3_VL_PUBLISHED_VIDEO_SIZE`.
+    """
+    if PROCESSOR_CLASSES[arch] is Qwen3VLProcessor:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        size = QWEN3_VL_PUBLISHED_VIDEO_SIZE if published else QWEN3_VL_VIDEO_SIZE
+        Qwen3VLVideoProcessor(size=dict(size)).save_pretrained(out_dir)
+        return
+    if published:
+        return
+    settings = {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "do_sample_frames": True,
+        "fps": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "max_frames": 768,
+        "max_video_tokens": 128000,
+        "merge_size": 2,
+        "min_frames": 4,
+        "patch_size": 14,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "return_metadata": False,
+        "size": dict(QWEN2_VL_VIDEO_SIZE),
+        "temporal_patch_size": 2,
+        "video_processor_type": "Qwen2VLVideoProcessor",
+    }
+    path = Path(out_dir) / "video_preprocessor_config.json"
+    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 @cache
 def _image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
     class ImageOnly(cls):  # type: ignore[valid-type, misc]

@@ -1,4 +1,5 @@
-"""OpenAI chat messages → the chat template's messages and the image URLs, in order.
+"""OpenAI chat messages → the chat template's messages and the image and video URLs, in
+order.
 
 The server has checked the JSON's basic shape; this checks what the template and the
 worker rely on. Roles: system, developer (rendered as system), user, assistant. Content:
@@ -7,7 +8,9 @@ a string, or a list of parts `{"type": "text", "text": ...}`,
 string) and `{"type": "image", "image": url}`. Each image part becomes the template's
 `{"type": "image"}` placeholder; `detail` is ignored (the processor's min/max pixels
 decide the resolution). An image part may carry a `uuid` (image_uuids.py), and with one
-needs no URL; an `image_embeds` part's data stay unread here. An assistant message's
+needs no URL; an `image_embeds` part's data stay unread here. A
+`{"type": "video_url", "video_url": {"url": ...}}` part becomes the template's
+`{"type": "video"}` placeholder, with a `uuid` likewise. An assistant message's
 `tool_calls` keep their OpenAI shape with `arguments` decoded from its JSON string, as
 Qwen's templates expect (they `tojson` it: a string would come out encoded twice).
 """
@@ -15,14 +18,16 @@ Qwen's templates expect (they `tojson` it: a string would come out encoded twice
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from iris_serve.common.content_parts import (
     IMAGE_PART_TYPES,
+    VIDEO_PART_TYPES,
     image_part_embeds,
     image_part_url,
     image_part_uuid,
+    video_part_url,
 )
 
 MAX_UUID_CHARS = 256
@@ -65,9 +70,24 @@ class ImagePart:
 
 
 @dataclass(frozen=True)
+class VideoPart:
+    """One video part: its URL (None: named by its uuid alone), the client's id, and
+    where it is (`messages[i].content[j]`)."""
+
+    url: str | None
+    uuid: str | None
+    where: str
+
+    @property
+    def has_data(self) -> bool:
+        return self.url is not None
+
+
+@dataclass(frozen=True)
 class Chat:
     messages: list[dict[str, Any]]  # in the chat template's form
     images: list[ImagePart]  # one per image placeholder, in prompt order
+    videos: list[VideoPart] = field(default_factory=list)  # one per video placeholder
 
     @property
     def image_urls(self) -> list[str]:
@@ -79,12 +99,24 @@ class Chat:
         """Where each of `image_urls` is (`messages[i].content[j]`), in the same order."""
         return [image.where for image in self.images if image.url is not None]
 
+    @property
+    def video_urls(self) -> list[str]:
+        """The video URLs to fetch, in prompt order (parts named by their uuid alone have
+        none)."""
+        return [video.url for video in self.videos if video.url is not None]
+
+    @property
+    def video_url_parts(self) -> list[str]:
+        """Where each of `video_urls` is, in the same order."""
+        return [video.where for video in self.videos if video.url is not None]
+
 
 def parse_messages(messages: object) -> Chat:
     if not isinstance(messages, list) or not messages:
         raise ChatError("messages must be a non-empty list")
     rendered: list[dict[str, Any]] = []
     images: list[ImagePart] = []
+    videos: list[VideoPart] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -101,7 +133,10 @@ def parse_messages(messages: object) -> Chat:
         if isinstance(content, str):
             entry = {"role": ROLES[role], "content": content}
         elif isinstance(content, list):
-            parts = [_part(part, f"{where}.content[{j}]", images) for j, part in enumerate(content)]
+            parts = [
+                _part(part, f"{where}.content[{j}]", images, videos)
+                for j, part in enumerate(content)
+            ]
             entry = {"role": ROLES[role], "content": parts}
         else:
             raise ChatError(f"{where}.content must be a string or a list of content parts")
@@ -110,7 +145,7 @@ def parse_messages(messages: object) -> Chat:
         if role == "tool" and "tool_call_id" in message:
             entry["tool_call_id"] = message["tool_call_id"]
         rendered.append(entry)
-    return Chat(rendered, images)
+    return Chat(rendered, images, videos)
 
 
 def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
@@ -137,7 +172,9 @@ def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
     return rendered
 
 
-def _part(part: object, where: str, images: list[ImagePart]) -> dict[str, Any]:
+def _part(
+    part: object, where: str, images: list[ImagePart], videos: list[VideoPart]
+) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise ChatError(f"{where} must be an object")
     kind = part.get("type")
@@ -146,15 +183,21 @@ def _part(part: object, where: str, images: list[ImagePart]) -> dict[str, Any]:
         if not isinstance(text, str):
             raise ChatError(f"{where}.text must be a string")
         return {"type": "text", "text": text}
-    if kind not in IMAGE_PART_TYPES:
+    if kind not in IMAGE_PART_TYPES and kind not in VIDEO_PART_TYPES:
         raise ChatError(
             f"{where}: unsupported content part type {kind!r} "
-            f"(text, {', '.join(IMAGE_PART_TYPES)})",
+            f"(text, {', '.join(IMAGE_PART_TYPES + VIDEO_PART_TYPES)})",
             f"{where}.type",
         )
-    url, uuid = image_part_url(part), image_part_uuid(part)
+    uuid = image_part_uuid(part)
     if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
         raise ChatError(f"{where}.uuid must be a string of 1 to {MAX_UUID_CHARS} characters", where)
+    if kind in VIDEO_PART_TYPES:
+        videos.append(
+            VideoPart(_media_url(video_part_url(part), uuid, where, "video"), uuid, where)
+        )
+        return {"type": "video"}
+    url = image_part_url(part)
     if kind == "image_embeds":
         data, grid = image_part_embeds(part)
         if data is None and uuid is None:
@@ -164,13 +207,17 @@ def _part(part: object, where: str, images: list[ImagePart]) -> dict[str, Any]:
         embeds = None if data is None else (data, grid)
         images.append(ImagePart(None, uuid, where, embeds, is_embeds=True))
         return {"type": "image"}
+    images.append(ImagePart(_media_url(url, uuid, where, "image"), uuid, where))
+    return {"type": "image"}
+
+
+def _media_url(url: object, uuid: str | None, where: str, noun: str) -> str | None:
+    """The part's URL, checked; None for a part named by its uuid alone."""
     if url is None and uuid is not None:
-        images.append(ImagePart(None, uuid, where))
-        return {"type": "image"}
+        return None
     if not isinstance(url, str) or not url:
         raise ChatError(
-            f"{where}: the image URL must be a non-empty string (or give the uuid of an "
-            "image sent before)"
+            f"{where}: the {noun} URL must be a non-empty string (or give the uuid of "
+            f"{'a video' if noun == 'video' else 'an image'} sent before)"
         )
-    images.append(ImagePart(url, uuid, where))
-    return {"type": "image"}
+    return url

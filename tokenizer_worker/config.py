@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _CACHES = "caches"  # the help section of the cache flags (`launch.args`)
+# Per request, of each modality a `--limit-mm-per-prompt` leaves out: a video costs up to
+# hundreds of frames' work, so fewer of them
+DEFAULT_MM_LIMITS = {"image": 16, "video": 2}
 _ARENA_NOT_EMPTY = (
     "must be positive: the arena also carries the images in flight "
     "(--disable-mm-processor-cache turns the cache off)"
@@ -32,7 +35,9 @@ class WorkerConfig:
     addresses), no loopback, private or other non-public address otherwise unless
     `allow_private_media_hosts` (`media_hosts`), `media_timeout_s` per fetch,
     `max_image_bytes` per encoded image and `max_image_pixels` per decoded image (checked
-    on the header, before decoding: the decompression-bomb limit).
+    on the header, before decoding: the decompression-bomb limit); for videos
+    `max_video_bytes`, `max_image_pixels` per frame and `max_video_frames` in the file,
+    also checked on the header.
 
     `arena_bytes` is the size of the worker's shared-memory arena, which holds the pixels
     of the images in flight and, in the rest, the processor cache (LRU, evicted only when
@@ -106,11 +111,13 @@ class WorkerConfig:
             "trusted clients: the model reads them as they are)",
         ),
     )
-    limit_mm_per_prompt: int = field(
-        default=16,
+    limit_mm_per_prompt: dict[str, int] = field(
+        default_factory=dict,
         metadata=_flag(
             "--limit-mm-per-prompt",
-            "images per request: a number, or vLLM's JSON form '{\"image\": 4}'",
+            'images and videos per request: vLLM\'s JSON form \'{"image": 4, "video": 1}\' '
+            f"(default: {DEFAULT_MM_LIMITS['image']} images, {DEFAULT_MM_LIMITS['video']} "
+            "videos), or a number of images",
             parse="mm_limit",
         ),
     )
@@ -141,11 +148,27 @@ class WorkerConfig:
     media_timeout_s: float = field(
         default=10.0, metadata=_flag("--media-timeout", "seconds per http(s) image fetch")
     )
+    video_decode_threads: int = field(
+        default=1,
+        metadata=_flag(
+            "--video-decode-threads",
+            "FFmpeg threads decoding one video in a tokenizer worker (workers decode side by "
+            "side: scale with --tokenizer-workers first)",
+            min=1,
+        ),
+    )
     max_image_bytes: int = 32 << 20
-    max_image_pixels: int = 8192 * 8192
+    max_image_pixels: int = 8192 * 8192  # also per video frame
+    max_video_bytes: int = 128 << 20
+    # frames in a video file: every one up to the last sampled frame is decoded (10 min at 30 fps)
+    max_video_frames: int = 18000
     log_level: str = "INFO"
     replica: int = 0  # the data-parallel replica whose scheduler gets this worker's requests
     chat_template: str | None = None  # replaces the tokenizer's (`iris serve --chat-template`)
+
+    def mm_limit(self, modality: str) -> int:
+        """How many parts of `modality` ("image" or "video") a request may have."""
+        return self.limit_mm_per_prompt.get(modality, DEFAULT_MM_LIMITS[modality])
 
     @property
     def name(self) -> str:

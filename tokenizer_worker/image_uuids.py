@@ -15,14 +15,19 @@ A binding holds for the size bounds it was made under (`min_pixels`/`max_pixels`
 the key and the grid): the map is keyed by (uuid, size). It lives in the worker that
 processed the image (`server.image_router` routes the uuid there) and is bounded: least
 recently used bindings go first past `capacity` (about 200 bytes each).
+
+A video's uuid works the same way, in a map of its own: it names what the video became
+(`video_loader.VideoLayout`: every temporal patch's key), under the video settings it was
+sent with.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
+from collections.abc import Hashable
+from typing import Generic, NamedTuple, TypeVar
 
-from iris_serve.tokenizer_worker.prompt import Grid, ImageSize
+from iris_serve.tokenizer_worker.prompt import Grid
 
 
 class Binding(NamedTuple):
@@ -31,8 +36,13 @@ class Binding(NamedTuple):
     num_tokens: int
 
 
-class ImageUuids:
-    """uuid → `Binding`, per image size, LRU-bounded to `capacity` entries."""
+B = TypeVar("B")
+
+
+class ImageUuids(Generic[B]):
+    """uuid → binding (an image's `Binding`), per size, LRU-bounded to `capacity` entries.
+    The size is what else the binding depends on: an image's `ImageSize`, a video's
+    settings."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
@@ -40,12 +50,12 @@ class ImageUuids:
         self.capacity = capacity
         self.hits = 0  # parts without data whose uuid was known
         self.misses = 0  # parts without data whose uuid was not
-        self._bindings: OrderedDict[tuple[str, ImageSize], Binding] = OrderedDict()
+        self._bindings: OrderedDict[tuple[str, Hashable], B] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._bindings)
 
-    def bind(self, uuid: str, size: ImageSize, binding: Binding) -> None:
+    def bind(self, uuid: str, size: Hashable, binding: B) -> None:
         """The image sent with `uuid` (its data hashed to `binding.key`); replaces an
         earlier binding of the uuid at this size."""
         entry = (uuid, size)
@@ -54,7 +64,7 @@ class ImageUuids:
         while len(self._bindings) > self.capacity:
             self._bindings.popitem(last=False)
 
-    def recall(self, uuid: str, size: ImageSize) -> Binding | None:
+    def recall(self, uuid: str, size: Hashable) -> B | None:
         """The binding of a part sent with `uuid` and no data; None (counted) if unknown."""
         entry = (uuid, size)
         binding = self._bindings.get(entry)
@@ -65,6 +75,6 @@ class ImageUuids:
         self.hits += 1
         return binding
 
-    def peek(self, uuid: str, size: ImageSize) -> Binding | None:
+    def peek(self, uuid: str, size: Hashable) -> B | None:
         """The binding, without counting or refreshing it."""
         return self._bindings.get((uuid, size))

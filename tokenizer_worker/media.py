@@ -1,6 +1,7 @@
-"""Image bytes from a URL, within limits, and their decoding: the worker's attack surface.
+"""Image and video bytes from a URL, within limits, and images' decoding: the worker's
+attack surface (videos are decoded by `video_decode`).
 
-Sources: `data:image/...;base64,` URLs; `http(s)://` (a timeout per fetch, a size cap
+Sources: `data:image/...;base64,` URLs (`data:video/...` for a video); `http(s)://` (a timeout per fetch, a size cap
 read as a stream, redirects only between http and https and only to allowed hosts, an
 optional host allow-list, and no loopback, private or other non-public address unless
 the operator allows it, checked on the address connected to, on every hop:
@@ -10,6 +11,7 @@ allowed folder, symlinks and `..` resolved first. Anything else is refused. Deco
 checks the pixel count on the header before the pixels are decoded (decompression
 bombs), refuses truncated files and opens only common raster formats (never EPS, which
 would run Ghostscript). Every failure a client can cause is a `MediaError` (→ 400).
+Videos are fetched under the same rules, with their own size cap.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from time import monotonic
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urljoin, urlsplit
 
 from PIL import Image, ImageFile
@@ -39,7 +41,7 @@ _MAX_PARALLEL_FETCHES = 8
 
 
 class MediaError(ValueError):
-    """An image the client sent cannot be used; the request fails with `status`."""
+    """An image or video the client sent cannot be used; the request fails with `status`."""
 
     status = 400
 
@@ -49,8 +51,17 @@ class MediaError(ValueError):
         self.param = param
 
 
+class _Kind(NamedTuple):
+    """What a URL is expected to hold: `noun` for messages, a data URL's MIME type
+    (`mime/...`), the byte cap."""
+
+    noun: str
+    mime: str
+    max_bytes: int
+
+
 class MediaFetcher:
-    """Fetches the encoded bytes of image URLs under one policy. Thread-safe."""
+    """Fetches the encoded bytes of image and video URLs under one policy. Thread-safe."""
 
     def __init__(
         self,
@@ -60,6 +71,7 @@ class MediaFetcher:
         allow_private_hosts: bool = False,
         timeout_s: float = 10.0,
         max_bytes: int = 32 << 20,
+        max_video_bytes: int = 128 << 20,
     ) -> None:
         self.local_root: Path | None = None
         if allowed_local_media_path is not None:
@@ -72,6 +84,7 @@ class MediaFetcher:
         self.hosts = HostPolicy(self.domains, allow_private_hosts)
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
+        self.max_video_bytes = max_video_bytes
         self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
@@ -82,51 +95,63 @@ class MediaFetcher:
             allow_private_hosts=config.allow_private_media_hosts,
             timeout_s=config.media_timeout_s,
             max_bytes=config.max_image_bytes,
+            max_video_bytes=config.max_video_bytes,
         )
 
-    def fetch_all(self, urls: Sequence[str], parts: Sequence[str] | None = None) -> list[bytes]:
-        """Every URL's bytes in order; remote ones are fetched in parallel.
+    def fetch_all(
+        self, urls: Sequence[str], parts: Sequence[str] | None = None, *, video: bool = False
+    ) -> list[bytes]:
+        """Every URL's bytes in order (of videos when `video`); remote ones are fetched in
+        parallel.
 
-        The first failure in prompt order is raised, prefixed with where its image is:
+        The first failure in prompt order is raised, prefixed with where its part is:
         `parts[i]` (e.g. `messages[0].content[1]`, then also the error's `param`), else
-        the image's number.
+        the image's (video's) number.
         """
+        kind = self._kind(video)
         remote = [i for i, url in enumerate(urls) if _scheme(url) in ("http", "https")]
         futures: dict[int, Future[bytes]] = {}
         if len(remote) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(_MAX_PARALLEL_FETCHES, "iris-media")
-            futures = {i: self._pool.submit(self.fetch, urls[i]) for i in remote}
+            futures = {i: self._pool.submit(self.fetch, urls[i], video) for i in remote}
         try:
             results = []
             for i, url in enumerate(urls):
                 try:
-                    results.append(futures[i].result() if i in futures else self.fetch(url))
+                    results.append(futures[i].result() if i in futures else self.fetch(url, video))
                 except MediaError as e:
                     if parts is None:
-                        raise MediaError(f"image {i + 1}: {e.message}", e.param) from None
+                        raise MediaError(f"{kind.noun} {i + 1}: {e.message}", e.param) from None
                     raise MediaError(f"{parts[i]}: {e.message}", parts[i]) from None
             return results
         finally:
             for future in futures.values():
                 future.cancel()
 
-    def fetch(self, url: str) -> bytes:
+    def fetch(self, url: str, video: bool = False) -> bytes:
+        """The bytes `url` names: an image's, or a video's when `video`."""
+        kind = self._kind(video)
         if not isinstance(url, str) or not url:
-            raise MediaError("an image URL must be a non-empty string")
+            raise MediaError(f"the {kind.noun} URL must be a non-empty string")
         scheme = _scheme(url)
         if scheme == "data":
-            return self._decode_data_url(url)
+            return self._decode_data_url(url, kind)
         if scheme in ("http", "https"):
-            return self._fetch_http(url)
+            return self._fetch_http(url, kind)
         if scheme == "file":
-            return self._read_local(_file_url_path(url), url)
+            return self._read_local(_file_url_path(url), url, kind)
         if url.startswith("/"):
-            return self._read_local(Path(url), url)
+            return self._read_local(Path(url), url, kind)
         raise MediaError(
-            f"unsupported URL scheme in {_short(url)}: use data:image/...;base64, http(s):// "
-            "or, with --allowed-local-media-path, file://"
+            f"unsupported URL scheme in {_short(url)}: use data:{kind.mime}/...;base64, "
+            "http(s):// or, with --allowed-local-media-path, file://"
         )
+
+    def _kind(self, video: bool) -> _Kind:
+        if video:
+            return _Kind("video", "video", self.max_video_bytes)
+        return _Kind("image", "image", self.max_bytes)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -134,15 +159,18 @@ class MediaFetcher:
 
     # --- data: ---------------------------------------------------------------------
 
-    def _decode_data_url(self, url: str) -> bytes:
+    def _decode_data_url(self, url: str, kind: _Kind) -> bytes:
         header, comma, payload = url[len("data:") :].partition(",")
         params = [p.strip().lower() for p in header.split(";")]
-        if not comma or not params[0].startswith("image/"):
-            raise MediaError(f"a data URL must start with data:image/<type>: {_short(url)}")
+        if not comma or not params[0].startswith(f"{kind.mime}/"):
+            raise MediaError(
+                f"a data URL of {kind.noun}s must start with data:{kind.mime}/<type>: {_short(url)}"
+            )
         if params[-1] != "base64":
             raise MediaError(f"a data URL must be base64-encoded (';base64,'): {_short(url)}")
-        if len(payload) // 4 * 3 > self.max_bytes + 3:
-            raise MediaError(f"the data URL holds more than {self.max_bytes} bytes")
+        max_bytes = kind.max_bytes
+        if len(payload) // 4 * 3 > max_bytes + 3:
+            raise MediaError(f"the data URL holds more than {max_bytes} bytes")
         # Missing padding is unambiguous, so it is tolerated; anything else is not.
         missing = -len(payload) % 4
         try:
@@ -153,13 +181,13 @@ class MediaFetcher:
             raise MediaError(f"invalid base64 in the data URL: {e}") from None
         if not data:
             raise MediaError("the data URL holds no data")
-        if len(data) > self.max_bytes:
-            raise MediaError(f"the data URL holds more than {self.max_bytes} bytes")
+        if len(data) > max_bytes:
+            raise MediaError(f"the data URL holds more than {max_bytes} bytes")
         return data
 
     # --- local files -----------------------------------------------------------------
 
-    def _read_local(self, path: Path, url: str) -> bytes:
+    def _read_local(self, path: Path, url: str, kind: _Kind) -> bytes:
         if self.local_root is None:
             raise MediaError(LOCAL_FILES_DISABLED)
         try:
@@ -172,11 +200,11 @@ class MediaFetcher:
             raise MediaError(f"{_short(url)} is not a regular file")
         try:
             with resolved.open("rb") as f:
-                data = f.read(self.max_bytes + 1)
+                data = f.read(kind.max_bytes + 1)
         except OSError as e:
             raise MediaError(f"cannot read {_short(url)}: {e.strerror}") from None
-        if len(data) > self.max_bytes:
-            raise MediaError(f"{_short(url)} is larger than {self.max_bytes} bytes")
+        if len(data) > kind.max_bytes:
+            raise MediaError(f"{_short(url)} is larger than {kind.max_bytes} bytes")
         return data
 
     # --- http(s) -------------------------------------------------------------------
@@ -186,19 +214,19 @@ class MediaFetcher:
             parts = urlsplit(url)
             host = parts.hostname
         except ValueError as e:
-            raise MediaError(f"malformed image URL {_short(url)}: {e}") from None
+            raise MediaError(f"malformed URL {_short(url)}: {e}") from None
         if parts.scheme.lower() not in ("http", "https"):
             raise MediaError(
                 f"refused a redirect to {_short(url)}: only http and https are followed"
             )
         if not host:
-            raise MediaError(f"no host in image URL {_short(url)}")
+            raise MediaError(f"no host in URL {_short(url)}")
         if self.domains is not None and host not in self.domains:
             raise MediaError(
                 f"host {host!r} is not in the allowed media domains (--allowed-media-domains)"
             )
 
-    def _fetch_http(self, url: str) -> bytes:
+    def _fetch_http(self, url: str, kind: _Kind) -> bytes:
         self._check_remote(url)
         opener = urllib.request.build_opener(
             urllib.request.ProxyHandler({}),
@@ -206,14 +234,16 @@ class MediaFetcher:
             _CheckedHTTPSHandler(self.hosts),
             _RedirectHandler(self._check_remote),
         )
-        request = urllib.request.Request(url, headers={"User-Agent": "iris", "Accept": "image/*"})
+        request = urllib.request.Request(
+            url, headers={"User-Agent": "iris", "Accept": f"{kind.mime}/*"}
+        )
         deadline = monotonic() + self.timeout_s
         try:
             with opener.open(request, timeout=self.timeout_s) as response:
                 length = response.headers.get("Content-Length", "")
-                if length.isdigit() and int(length) > self.max_bytes:
-                    raise MediaError(f"{_short(url)} is larger than {self.max_bytes} bytes")
-                return self._read_capped(response, url, deadline)
+                if length.isdigit() and int(length) > kind.max_bytes:
+                    raise MediaError(f"{_short(url)} is larger than {kind.max_bytes} bytes")
+                return self._read_capped(response, url, deadline, kind.max_bytes)
         except MediaError:
             raise
         except RefusedHost as e:
@@ -228,7 +258,7 @@ class MediaFetcher:
         except (http.client.HTTPException, OSError, ValueError) as e:
             raise MediaError(f"cannot fetch {_short(url)}: {type(e).__name__}: {e}") from None
 
-    def _read_capped(self, response: Any, url: str, deadline: float) -> bytes:
+    def _read_capped(self, response: Any, url: str, deadline: float, max_bytes: int) -> bytes:
         """The body, refusing more than `max_bytes` or a trickle past the deadline.
 
         The socket timeout bounds each read; the deadline bounds the whole body, so a
@@ -238,8 +268,8 @@ class MediaFetcher:
         total = 0
         while chunk := response.read1(_CHUNK):
             total += len(chunk)
-            if total > self.max_bytes:
-                raise MediaError(f"{_short(url)} is larger than {self.max_bytes} bytes")
+            if total > max_bytes:
+                raise MediaError(f"{_short(url)} is larger than {max_bytes} bytes")
             if monotonic() > deadline:
                 raise self._timed_out(url)
             chunks.append(chunk)

@@ -6,8 +6,9 @@ in flight, pinned until the scheduler releases them, and in the rest the images 
 the next request that sends the same bytes under the same settings, evicted least
 recently used first (`ipc.shm_arena`).
 
-A value is the arena entry (the resized uint8 image), the image grid and the token count,
-and every hit is checked against both ("One cache entry per image"): a collision or a
+A value is the arena entry (the resized uint8 image `[H, W, 3]`, or a video's temporal
+patch `[frames, H, W, 3]`, `video_loader`), the grid and the token count, and every hit is
+checked against both ("One cache entry per image"): a collision or a
 bug must fail the request, never hand out another image's pixels or a wrong number of
 placeholder tokens.
 
@@ -44,7 +45,7 @@ class ProcessorCache:
         self,
         arena: ShmArena,
         num_tokens: Callable[[Grid], int],
-        pixel_shape: Callable[[Grid], tuple[int, ...]],
+        pixel_shape: Callable[[Grid, int], tuple[int, ...]],
         *,
         enabled: bool = True,
     ) -> None:
@@ -55,8 +56,9 @@ class ProcessorCache:
         self.hits = 0
         self.misses = 0
 
-    def lookup(self, key: bytes) -> CachedImage | None:
-        """The cached image for `key`, pinned for the caller; None on a miss (or disabled)."""
+    def lookup(self, key: bytes, frames: int = 1) -> CachedImage | None:
+        """The cached image (or temporal patch of `frames` frames) for `key`, pinned for
+        the caller; None on a miss (or disabled)."""
         if not self.enabled:
             return None
         hit = self.arena.get(key)
@@ -65,7 +67,7 @@ class ProcessorCache:
             return None
         grid, num_tokens = hit.meta
         shape = tuple(hit.pointer.shape)
-        if shape != self._pixel_shape(grid) or num_tokens != self._num_tokens(grid):
+        if shape != self._pixel_shape(grid, frames) or num_tokens != self._num_tokens(grid):
             self.arena.release(hit.pointer)
             raise CorruptEntry(
                 f"processor cache entry {key.hex()} holds pixels of shape {shape} and "

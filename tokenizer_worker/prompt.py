@@ -8,7 +8,9 @@ uint8, converted and resized as the processor does it (`image_resize`).
 `PromptBuilder.build` is the in-process path (tests, `iris generate`, benchmarks): the
 descriptor is the wire `Prompt`, and the pixels travel beside it (`ipc.local.PromptInput`).
 The tokenizer worker uses the same pieces (`encode`, `image_size`, `image_settings`,
-`resize_image`, `expand`) with its own image fetching, cache and arena.
+`resize_image`, `expand`) with its own image fetching, cache and arena, and for videos
+`video_settings` (the checkpoint's video processor, `video_rules`), `video_tokens` and
+`splice`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import ImageRef, Prompt
 from iris_serve.tokenizer_worker.image_key import image_key
 from iris_serve.tokenizer_worker.image_resize import PIXEL_FORMAT, Grid, ImageResizer, ImageSize
+from iris_serve.tokenizer_worker.video_rules import VideoProcessorSettings, timestamp_text
+
+# A placeholder's replacement: its token ids, and where each of its items (an image, a
+# video's temporal patch) lies in them, as (offset, length).
+Replacement = tuple[list[int], list[tuple[int, int]]]
 
 
 class PlaceholderMismatch(ValueError):
@@ -46,6 +53,10 @@ class PromptBuilder:
         config = json.loads((self.model_dir / "config.json").read_text())
         self.image_token_id: int = config["image_token_id"]
         self.video_token_id: int | None = config.get("video_token_id")
+        self.vision_start_token_id: int | None = config.get("vision_start_token_id")
+        self.vision_end_token_id: int | None = config.get("vision_end_token_id")
+        # None: the checkpoint takes no video
+        self.video_settings = VideoProcessorSettings.from_checkpoint(self.model_dir)
         text = config.get("text_config", config)
         self.vocab_size: int = text.get("vocab_size", config.get("vocab_size"))
         vision = config.get("vision_config", {})
@@ -90,10 +101,12 @@ class PromptBuilder:
         )
         return resized_height * resized_width * 3
 
-    def pixel_shape(self, grid: Grid) -> tuple[int, int, int]:
-        """Shape of the resized uint8 image of a grid: [height, width, 3]."""
+    def pixel_shape(self, grid: Grid, frames: int = 1) -> tuple[int, ...]:
+        """Shape of the resized uint8 image of a grid, [height, width, 3], or of a video's
+        temporal patch of `frames` frames, [frames, height, width, 3]."""
         patch = self.resizer.patch_size
-        return grid[1] * patch, grid[2] * patch, 3
+        shape = (grid[1] * patch, grid[2] * patch, 3)
+        return shape if frames == 1 else (frames, *shape)
 
     def resize_image(
         self, image: Image.Image, size: ImageSize | None = None
@@ -125,21 +138,66 @@ class PromptBuilder:
     def expand(self, ids: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]:
         """Replace the i-th image placeholder by `lengths[i]` of them; returns the expanded ids and
         each image's offset in them."""
-        placeholders = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(placeholders) != len(lengths):
-            raise PlaceholderMismatch(
-                f"the prompt has {len(placeholders)} image placeholders for {len(lengths)} images"
-            )
+        images = [([self.image_token_id] * length, [(0, length)]) for length in lengths]
+        token_ids, offsets = self.splice(ids, images)
+        return token_ids, [spans[0][0] for spans in offsets[0]]
+
+    def splice(
+        self, ids: Sequence[int], images: Sequence[Replacement], videos: Sequence[Replacement] = ()
+    ) -> tuple[list[int], tuple[list[list[tuple[int, int]]], list[list[tuple[int, int]]]]]:
+        """Replace the i-th image placeholder by `images[i]` and the i-th video placeholder
+        by `videos[i]`; returns the ids and, per image and per video, its items' spans
+        (offset, length) in them."""
+        kinds = {self.image_token_id: 0}
+        if self.video_token_id is not None:
+            kinds[self.video_token_id] = 1
+        replacements = (list(images), list(videos))
+        for kind, (name, given) in enumerate(zip(("image", "video"), replacements, strict=True)):
+            token = self.image_token_id if kind == 0 else self.video_token_id
+            count = sum(1 for t in ids if t == token) if token is not None else 0
+            if count != len(given):
+                raise PlaceholderMismatch(
+                    f"the prompt has {count} {name} placeholders for {len(given)} {name}s"
+                )
+        spans: tuple[list[list[tuple[int, int]]], list[list[tuple[int, int]]]] = ([], [])
         token_ids: list[int] = []
-        offsets: list[int] = []
-        previous = 0
-        for position, length in zip(placeholders, lengths, strict=True):
-            token_ids.extend(ids[previous:position])
-            offsets.append(len(token_ids))
-            token_ids.extend([self.image_token_id] * length)
-            previous = position + 1
-        token_ids.extend(ids[previous:])
-        return token_ids, offsets
+        taken = [0, 0]
+        for token in ids:
+            kind = kinds.get(token)
+            if kind is None:
+                token_ids.append(token)
+                continue
+            replacement, items = replacements[kind][taken[kind]]
+            taken[kind] += 1
+            start = len(token_ids)
+            spans[kind].append([(start + offset, length) for offset, length in items])
+            token_ids.extend(replacement)
+        return token_ids, spans
+
+    def video_tokens(
+        self, num_patches: int, tokens_per_patch: int, timestamps: Sequence[float] | None
+    ) -> Replacement:
+        """What a video placeholder becomes: Qwen2-VL's and Qwen2.5-VL's one run of video
+        pads (the template's vision start and end around it), or Qwen3-VL's block per
+        temporal patch, its timestamp before it (`Qwen3VLProcessor.replace_video_token`;
+        the template's outer vision start and end stay, as transformers keeps them)."""
+        assert self.video_token_id is not None, "the checkpoint takes no video"
+        pads = [self.video_token_id] * tokens_per_patch
+        if timestamps is None:
+            items = [(j * tokens_per_patch, tokens_per_patch) for j in range(num_patches)]
+            return pads * num_patches, items
+        assert self.vision_start_token_id is not None and self.vision_end_token_id is not None
+        token_ids: list[int] = []
+        items = []
+        for seconds in timestamps:
+            # special tokens split the text before it is tokenized, so the timestamp
+            # between two of them encodes as on its own
+            token_ids += self.encode(timestamp_text(seconds))
+            token_ids.append(self.vision_start_token_id)
+            items.append((len(token_ids), tokens_per_patch))
+            token_ids += pads
+            token_ids.append(self.vision_end_token_id)
+        return token_ids, items
 
     # --- in process --------------------------------------------------------------
 

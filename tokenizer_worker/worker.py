@@ -10,8 +10,9 @@
     ReleaseImages   → unpin
 
 Per image: `docs/design.md`, "Life of an image" (bytes, key, processor cache, arena and
-pin). Whatever fails, the pins this request took are dropped, so an error leaks no arena
-byte (entries stay cached, unpinned).
+pin); a video is a run of temporal patches, each pinned like an image (`video_loader`).
+Whatever fails, the pins this request took are dropped, so an error leaks no arena byte
+(entries stay cached, unpinned).
 """
 
 from __future__ import annotations
@@ -41,14 +42,17 @@ from iris_serve.ipc.messages import (
 from iris_serve.ipc.shm_arena import ArenaFull, EntryTooLarge, ShmArena, StaleHandle
 from iris_serve.ipc.shm_names import SHM_DIR, segment_name
 from iris_serve.tokenizer_worker.arena_wait import WaitingRequests
-from iris_serve.tokenizer_worker.chat import ChatError, ImagePart, parse_messages
+from iris_serve.tokenizer_worker.chat import ChatError, ImagePart, VideoPart, parse_messages
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.image_embeds import embeds_key, read_embeds
 from iris_serve.tokenizer_worker.image_key import image_key
 from iris_serve.tokenizer_worker.image_uuids import Binding, ImageUuids
 from iris_serve.tokenizer_worker.media import MediaError, MediaFetcher, decode_image
 from iris_serve.tokenizer_worker.processor_cache import CachedImage, ProcessorCache
-from iris_serve.tokenizer_worker.prompt import Grid, ImageSize, PromptBuilder
+from iris_serve.tokenizer_worker.prompt import Grid, ImageSize, PromptBuilder, Replacement
+from iris_serve.tokenizer_worker.video_loader import LoadedVideo, VideoLimits, VideoLoader
+from iris_serve.tokenizer_worker.video_parts import VideoParts, video_options
+from iris_serve.tokenizer_worker.video_rules import VideoOptions
 
 logger = logging.getLogger("iris.tokenizer")
 
@@ -101,7 +105,15 @@ class TokenizerWorker:
             enabled=config.enable_processor_cache,
         )
         self.fetcher = fetcher or MediaFetcher.from_config(config)
-        self.uuids = ImageUuids(config.max_image_uuids)
+        self.uuids: ImageUuids[Binding] = ImageUuids(config.max_image_uuids)
+        self.videos: VideoParts | None = None  # None: the model takes no video
+        if builder.video_settings is not None:
+            limits = VideoLimits(
+                config.max_video_frames, config.max_image_pixels, config.video_decode_threads
+            )
+            model = str(builder.model_dir.resolve())
+            loader = VideoLoader(builder.video_settings, self.cache, arena, limits, model)
+            self.videos = VideoParts(loader, arena, config.max_image_uuids)
         self.waiting = WaitingRequests()
         self._room_freed = False  # pins were dropped since the waiting requests' last try
         self.requests_processed = 0
@@ -249,9 +261,10 @@ class TokenizerWorker:
     def _tokenize(self, request: TokenizeRequest) -> EngineRequest:
         size = self._image_size(request)
         parts: list[ImagePart] = []
+        video_parts: list[VideoPart] = []
         if request.messages is not None:
             chat = parse_messages(request.messages)
-            parts = chat.images
+            parts, video_parts = chat.images, chat.videos
             embeds = next((part for part in parts if part.is_embeds), None)
             if embeds is not None and not self.config.enable_mm_embeds:
                 raise BadRequest(
@@ -259,9 +272,7 @@ class TokenizerWorker:
                     "--enable-mm-embeds (for trusted clients)",
                     embeds.where,
                 )
-            limit = self.config.limit_mm_per_prompt
-            if len(parts) > limit:
-                raise BadRequest(f"at most {limit} images per prompt, got {len(parts)}")
+            self._check_limits(parts, video_parts)
             try:
                 text = self.builder.render_chat(
                     chat.messages, request.tools, **(request.chat_template_kwargs or {})
@@ -269,32 +280,85 @@ class TokenizerWorker:
             except TemplateError as e:
                 raise BadRequest(f"the chat template rejected the messages: {e}") from None
             ids = self.builder.encode(text)
-            self._check_placeholders(ids, len(parts), "messages")
+            self._check_placeholders(ids, len(parts), len(video_parts), "messages")
             self._check_uuids(parts, size)
+            options = video_options(request)
+            if self.videos is not None:
+                self.videos.check_uuids(video_parts, options)
             encoded = self.fetcher.fetch_all(chat.image_urls, chat.image_url_parts)
+            encoded_videos = self.fetcher.fetch_all(
+                chat.video_urls, chat.video_url_parts, video=True
+            )
         else:
             assert request.prompt is not None
             ids = self._prompt_ids(request.prompt)
-            encoded = []
+            encoded, encoded_videos, options = [], [], VideoOptions()
         images = self._images(parts, encoded, size)
+        videos: list[LoadedVideo] = []
         try:
-            token_ids, offsets = self.builder.expand(ids, [i.num_tokens for i in images])
-            refs = [
-                ImageRef(
-                    image.key, offset, image.num_tokens, image.grid, image.pointer, image.embeds
-                )
-                for image, offset in zip(images, offsets, strict=True)
-            ]
-            reports = [
-                ImageReport(part.where, part.uuid, "processor" if image.cached else "none")
-                for part, image in zip(parts, images, strict=True)
-            ]
-            return EngineRequest(
-                request.request_id, pack_token_ids(token_ids), request.sampling, refs, reports
-            )
+            if self.videos is not None:
+                videos = self.videos.load(video_parts, encoded_videos, options)
+            return self._engine_request(request, ids, parts, images, video_parts, videos)
+        except ArenaFull as e:  # from the videos, which hold nothing; the images are held
+            held = [i.pointer.nbytes for i in images if i.pointer is not None]
+            self._unpin(images)
+            raise _NoRoom(sum(map(self.arena.block_bytes, held)) + e.nbytes) from e
         except BaseException:
             self._unpin(images)
+            if self.videos is not None:
+                self.videos.release(videos)
             raise
+
+    def _engine_request(
+        self,
+        request: TokenizeRequest,
+        ids: list[int],
+        parts: list[ImagePart],
+        images: list[_Image],
+        video_parts: list[VideoPart],
+        videos: list[LoadedVideo],
+    ) -> EngineRequest:
+        """The placeholders expanded, and an `ImageRef` per image and per temporal patch of
+        a video, in prompt order, with its report."""
+        builder = self.builder
+        image_tokens: list[Replacement] = [
+            ([builder.image_token_id] * i.num_tokens, [(0, i.num_tokens)]) for i in images
+        ]
+        video_tokens = [
+            builder.video_tokens(v.layout.num_patches, v.layout.num_tokens, v.layout.timestamps)
+            for v in videos
+        ]
+        token_ids, (image_spans, video_spans) = builder.splice(ids, image_tokens, video_tokens)
+        items: list[tuple[ImageRef, ImageReport]] = []
+        for part, image, spans in zip(parts, images, image_spans, strict=True):
+            offset, length = spans[0]
+            ref = ImageRef(image.key, offset, length, image.grid, image.pointer, image.embeds)
+            cache = "processor" if image.cached else "none"
+            items.append((ref, ImageReport(part.where, part.uuid, cache)))
+        for part, video, spans in zip(video_parts, videos, video_spans, strict=True):
+            assert self.videos is not None  # `_check_limits` refused videos otherwise
+            report = ImageReport(part.where, part.uuid, "processor" if video.cached else "none")
+            items += [(ref, report) for ref in self.videos.refs(video, spans)]
+        items.sort(key=lambda item: item[0].offset)
+        return EngineRequest(
+            request.request_id,
+            pack_token_ids(token_ids),
+            request.sampling,
+            [ref for ref, _ in items],
+            [report for _, report in items],
+        )
+
+    def _check_limits(self, parts: list[ImagePart], video_parts: list[VideoPart]) -> None:
+        for noun, given in (("image", parts), ("video", video_parts)):
+            limit = self.config.mm_limit(noun)
+            if len(given) > limit:
+                raise BadRequest(
+                    f"at most {limit} {noun}s per prompt, got {len(given)} (--limit-mm-per-prompt)"
+                )
+        if video_parts and self.videos is None:
+            raise BadRequest(
+                f"{video_parts[0].where}: this model takes no video", video_parts[0].where
+            )
 
     def _image_size(self, request: TokenizeRequest) -> ImageSize:
         for name in ("min_pixels", "max_pixels"):
@@ -317,23 +381,25 @@ class TokenizerWorker:
             ids = list(prompt)
         if not ids:
             raise BadRequest("the prompt is empty", "prompt")
-        self._check_placeholders(ids, 0, "prompt")
+        self._check_placeholders(ids, 0, 0, "prompt")
         return ids
 
-    def _check_placeholders(self, ids: Sequence[int], num_images: int, param: str) -> None:
+    def _check_placeholders(
+        self, ids: Sequence[int], num_images: int, num_videos: int, param: str
+    ) -> None:
         builder = self.builder
-        if builder.video_token_id is not None and builder.video_token_id in ids:
-            raise BadRequest(
-                "the prompt holds a video placeholder; videos are not supported", param
-            )
-        count = ids.count(builder.image_token_id)
-        if count != num_images:
-            pad = builder.tokenizer.convert_ids_to_tokens(builder.image_token_id)
-            raise BadRequest(
-                f"the prompt has {count} image placeholders for {num_images} images: "
-                f"the text must not contain {pad}",
-                param,
-            )
+        for noun, token, wanted in (
+            ("image", builder.image_token_id, num_images),
+            ("video", builder.video_token_id, num_videos),
+        ):
+            count = 0 if token is None else ids.count(token)
+            if count != wanted:
+                pad = builder.tokenizer.convert_ids_to_tokens(token)
+                raise BadRequest(
+                    f"the prompt has {count} {noun} placeholders for {wanted} {noun}s: "
+                    f"the text must not contain {pad}",
+                    param,
+                )
 
     # --- images ------------------------------------------------------------------
 

@@ -381,3 +381,20 @@ def test_a_chat_template_given_to_the_server_renders_tokenize(qwen2_vl_tiny, tok
     with TestClient(app) as client:
         body = client.post("/tokenize", json={"messages": USER}).json()
     assert body["tokens"] == tokenizer.encode("<<Say hello.>>", add_special_tokens=False)
+
+
+def test_video_parts_and_their_settings_reach_the_worker_as_sent(client, engine):
+    video = {"type": "video_url", "video_url": {"url": "https://x/clip.mp4"}, "uuid": "v1"}
+    messages = [{"role": "user", "content": [video, {"type": "text", "text": "What happens?"}]}]
+    kwargs = {"fps": 1.5, "min_frames": 4, "max_frames": 64, "max_pixels": 50176}
+    response = chat(client, messages=messages, mm_processor_kwargs=kwargs)
+    assert response.status_code == 200, response.text
+    [request] = engine.requests
+    assert request.messages == messages  # the server never fetches or decodes a video
+    assert (request.fps, request.num_frames, request.min_frames, request.max_frames) == (
+        1.5,
+        None,
+        4,
+        64,
+    )
+    assert request.max_pixels == 50176

@@ -69,11 +69,11 @@ def test_chat_request_errors(client, engine, fields, param):
 
 
 TEXT = {"type": "text", "text": "What is this?"}
-SUPPORTED = "the supported types are text, image_url and image_embeds"
+SUPPORTED = "the supported types are text, image_url, video_url and image_embeds"
 # (the refused part, what the error says of it)
 _PARTS_NOT_TAKEN = {
-    "video_url": ({"type": "video_url", "video_url": {"url": "https://x/v.mp4"}},
-                  "'video_url' are not supported (video is not supported yet)"),
+    "video": ({"type": "video", "video": "https://x/v.mp4"},
+              "'video' are not supported (send a video as {\"type\": \"video_url\""),
     "input_audio": ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
                     "'input_audio' are not supported (audio input is not supported)"),
     "file": ({"type": "file", "file": {"file_id": "f"}},
@@ -243,3 +243,37 @@ def test_an_unknown_model_is_a_404_everywhere_and_a_known_one_has_its_card(clien
     assert engine.requests == []
     card = client.get("/v1/models/alias")
     assert card.status_code == 200 and card.json()["id"] == "alias"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"do_sample_frames": False}, "mm_processor_kwargs.do_sample_frames"),
+        ({"size": {"longest_edge": 4096}}, "mm_processor_kwargs.size"),
+        ({"fps": 1, "num_frames": 4}, "fps and num_frames are mutually exclusive"),
+        ({"fps": 0}, "mm_processor_kwargs.fps"),
+        ({"num_frames": 1}, "mm_processor_kwargs.num_frames"),
+    ],
+)
+def test_a_processor_setting_iris_does_not_take_is_refused_by_name(client, engine, kwargs, says):
+    response = chat(client, mm_processor_kwargs=kwargs)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "mm_processor_kwargs" and says in error["message"]
+    assert engine.requests == []
+
+
+def test_a_video_part_needs_a_url_or_a_uuid(client, engine):
+    part = {"type": "video_url", "video_url": None}
+    response = chat(client, messages=[{"role": "user", "content": [TEXT, part]}])
+    assert response.status_code == 400, response.text
+    assert "a video part needs video_url.url" in response.json()["error"]["message"]
+    assert engine.requests == []
+
+
+def test_vllm_media_io_kwargs_are_refused_rather_than_ignored(client, engine):
+    response = chat(client, media_io_kwargs={"video": {"num_frames": 8}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "media_io_kwargs" and "mm_processor_kwargs" in error["message"]
+    assert engine.requests == []
