@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from iris_serve.ipc.local import PromptInput
@@ -98,4 +99,27 @@ def test_a_file_that_is_no_video_is_a_400_naming_its_part(server):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert "messages[0].content[0]" in (error.get("param") or "") + error["message"]
+    server.wait_for_metrics(IDLE)
+
+
+def test_the_openai_sdk_sends_a_video_with_its_processor_options(server):
+    """The SDK has no video part type: users send the dict, options in `extra_body`."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    url = video_data_url(make_clip(12, fps=8.0))
+    completion = client.chat.completions.create(
+        model="tiny",
+        messages=messages("What happens?", url),  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0.0,
+        extra_body={"mm_processor_kwargs": {"fps": 4}},
+    )
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="crop_size"):
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages("What happens?", url),  # type: ignore[arg-type]
+            max_tokens=4,
+            extra_body={"mm_processor_kwargs": {"crop_size": 4}},
+        )
     server.wait_for_metrics(IDLE)

@@ -17,7 +17,14 @@ from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import ImageRef, Prompt, Sampling
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
-from tests.reference import cpu_engine, hf_generate, hf_model, hf_video_pixel_values
+from tests.reference import (
+    chat_prompt,
+    cpu_engine,
+    hf_generate,
+    hf_model,
+    hf_video_pixel_values,
+    make_image,
+)
 
 torch.set_num_threads(2)
 MAX_NEW = 8
@@ -81,6 +88,20 @@ def test_a_video_of_timestamped_patches_gives_transformers_tokens(blocks_dir, bu
     prompt = video_prompt(builder, "What happens?", frames(builder, seed=1), one_block=False)
     iris = cpu_engine(blocks_dir, max_num_batched_tokens=budget)
     assert iris.generate([prompt], GREEDY) == [hf_generate(blocks_dir, prompt, MAX_NEW)]
+
+
+def test_an_image_then_a_video_give_transformers_tokens(qwen3_vl_tiny):
+    builder = PromptBuilder(qwen3_vl_tiny)
+    video = video_prompt(builder, "Same place?", frames(builder, seed=4), one_block=False)
+    image = chat_prompt(builder, "", [make_image(64, 48, seed=5)])
+    shift = len(image.token_ids)
+    moved = [msgspec.structs.replace(i, offset=i.offset + shift) for i in video.images]
+    prompt = PromptInput(
+        Prompt(image.token_ids + video.token_ids, image.images + moved),
+        [*image.pixels, *video.pixels],
+    )
+    iris = cpu_engine(qwen3_vl_tiny, max_num_batched_tokens=32)
+    assert iris.generate([prompt], GREEDY) == [hf_generate(qwen3_vl_tiny, prompt, MAX_NEW)]
 
 
 def test_a_second_question_about_the_video_encodes_no_patch(qwen3_vl_tiny):
