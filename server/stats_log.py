@@ -49,10 +49,15 @@ def throughput_line(
     hits, misses = grew("mm_embedding_cache_hits"), grew("mm_embedding_cache_misses")
     # as vLLM's "Prefix cache hit rate": hit tokens over the tokens looked up
     prefix, queried = grew("prefix_cache_hit_tokens"), grew("prefix_cache_query_tokens")
-    return (
+    line = (
         f"prompt {prompt / seconds:.1f} tok/s, generation {generated / seconds:.1f} tok/s, "
         f"running {running}, waiting {waiting}, KV cache "
         f"{100 * total(now, 'kv_pages_used') / pages if pages else 0:.1f}% used, prefix "
         f"cache hit rate {100 * prefix / queried if queried else 0:.1f}%, image "
         f"embeddings {100 * hits / (hits + misses) if hits + misses else 0:.1f}% cached"
     )
+    admitted = grew("linear_state_snapshot_queries")  # a hybrid model's (Qwen3.5)
+    if admitted:
+        restored = grew("linear_state_snapshot_hits")
+        line += f", linear-state snapshots restored for {100 * restored / admitted:.1f}%"
+    return line

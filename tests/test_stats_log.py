@@ -32,6 +32,15 @@ def test_the_throughput_line_sums_replicas_and_is_quiet_when_idle():
     assert still_running is not None and "prompt 0.0 tok/s" in still_running
     idle = [stats(prompt_tokens=5)]
     assert throughput_line(idle, idle, seconds=10.0) is None
+    assert "linear-state" not in line  # only a hybrid model's line says it
+
+
+def test_a_hybrid_models_line_says_how_often_a_snapshot_was_restored():
+    before = [stats()]
+    now = [stats(prompt_tokens=100, linear_state_snapshot_queries=4,
+                 linear_state_snapshot_hits=3)]  # fmt: skip
+    line = throughput_line(before, now, seconds=1.0)
+    assert line is not None and line.endswith("linear-state snapshots restored for 75.0%")
 
 
 def test_the_banner_names_the_model_device_cache_and_url():
