@@ -149,11 +149,6 @@ def _linear_states(
     return LinearStates(layout, config.max_num_seqs + snapshots + 1, device)
 
 
-def snapshot_slots(config: EngineConfig, states: LinearStates) -> int:
-    """How many of the pool's slots are snapshots (the rest: working slots, scratch)."""
-    return states.num_slots - config.max_num_seqs - 1
-
-
 def _say_hybrid(say: Callable[..., None], model: Qwen2VLForCausalLM, states: LinearStates) -> None:
     """The start-up lines of a hybrid model: what its state takes, and what the KV holds."""
     config = model.config

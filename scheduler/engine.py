@@ -28,13 +28,12 @@ from iris_serve.ipc.messages import (
 )
 from iris_serve.scheduler.batch_planner import BatchPlanner, StepPlan
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.device_state import DeviceState, snapshot_slots
+from iris_serve.scheduler.device_state import DeviceState
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
 from iris_serve.scheduler.encoder_executor import Tower, encoder_executor
 from iris_serve.scheduler.encoder_manager import EncoderManager, request_scoped_keys
 from iris_serve.scheduler.given_images import hold_given_images
 from iris_serve.scheduler.model_runner import Followers, ModelRunner, Sampled
-from iris_serve.scheduler.models.linear_state import LinearStates
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
 from iris_serve.scheduler.patches import PatchMaker
@@ -139,7 +138,11 @@ class Engine:
             config, self.embedding_cache, self.pixels, self.encoder_executor
         )
         self.policy = StepPolicy.build(config, self.device, self.encoder_manager)
-        self.state_slots = self._state_slots(state.linear_states)
+        self.state_slots = (  # a hybrid model's linear-attention state
+            None
+            if state.linear_states is None
+            else StateSlots.for_pool(config, state.linear_states, self.prefix_cache)
+        )
         self.planner = BatchPlanner(
             self.kv_cache.pool,
             config.page_size,
@@ -288,18 +291,8 @@ class Engine:
             mm_embedding_cache_hits=cache.hits,
             mm_embedding_cache_misses=cache.misses,
             mm_embedding_cache_usage_bytes=cache.usage_bytes,
-            **self._snapshot_stats(),
+            **({} if self.state_slots is None else self.state_slots.stats()),
         )
-
-    def _snapshot_stats(self) -> dict[str, int]:
-        slots = self.state_slots
-        if slots is None:
-            return {}
-        return {
-            "linear_state_snapshot_queries": slots.snapshot_queries,
-            "linear_state_snapshot_hits": slots.snapshot_hits,
-            "linear_state_snapshots": slots.num_stored,
-        }
 
     def has_unfinished_requests(self) -> bool:
         return self.planner.has_work()
@@ -429,22 +422,6 @@ class Engine:
         del self.requests[request.request_id]
         if error is not None:
             self._failed.append(FailedRequest(request.request_id, client_message(error)))
-
-    def _state_slots(self, pool: LinearStates | None) -> StateSlots | None:
-        """A hybrid model's state-slot owner; with the prefix cache on, a hit must end
-        where a snapshot of the linear layers' state was taken."""
-        if pool is None:
-            return None
-        cache = self.prefix_cache
-        slots = StateSlots(
-            self.config.max_num_seqs,
-            snapshot_slots(self.config, pool),
-            self.config.page_size,
-            None if cache is None else cache.page_keys,
-        )
-        if cache is not None:
-            cache.require_snapshots(slots.has_snapshot)
-        return slots
 
     def _image_reports(self, request: Request) -> list[ImageReport] | None:
         """On a chat request's first token (every image has been looked up by then), the

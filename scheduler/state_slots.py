@@ -35,7 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from iris_serve.scheduler.batch_planner import ScheduledChunk
-from iris_serve.scheduler.models.linear_state import SequenceStates
+from iris_serve.scheduler.config import EngineConfig
+from iris_serve.scheduler.models.linear_state import LinearStates, SequenceStates
+from iris_serve.scheduler.prefix_cache import PrefixCache
 from iris_serve.scheduler.request import Request, RequestResources
 
 # A request's prefix-cache keys: the first `num_pages` full pages' (or more)
@@ -87,9 +89,33 @@ class StateSlots(RequestResources):
         self.snapshot_hits = 0  # admissions that restored a snapshot
         self.snapshot_queries = 0  # first admissions (the hit rate's denominator)
 
+    @classmethod
+    def for_pool(
+        cls, config: EngineConfig, pool: LinearStates, prefix_cache: PrefixCache | None
+    ) -> StateSlots:
+        """The owner of a `DeviceState` pool's slots (working slots, then snapshots, then
+        the scratch slot). With a prefix cache, its hits must end at a snapshot."""
+        slots = cls(
+            config.max_num_seqs,
+            pool.num_slots - config.max_num_seqs - 1,
+            config.page_size,
+            None if prefix_cache is None else prefix_cache.page_keys,
+        )
+        if prefix_cache is not None:
+            prefix_cache.require_snapshots(slots.has_snapshot)
+        return slots
+
     @property
     def num_stored(self) -> int:
         return len(self._stored)
+
+    def stats(self) -> dict[str, int]:
+        """`EngineSnapshot`'s fields for the snapshots."""
+        return {
+            "linear_state_snapshot_queries": self.snapshot_queries,
+            "linear_state_snapshot_hits": self.snapshot_hits,
+            "linear_state_snapshots": self.num_stored,
+        }
 
     def has_snapshot(self, key: bytes) -> bool:
         return key in self._stored
