@@ -101,6 +101,8 @@ def test_vllm_server_flags_env_and_nothing_left_behind(tmp_path: Path, qwen2_5_v
     assert argv[argv.index("--port") + 1] == str(server.port)
     assert argv[argv.index("--dtype") + 1] == "float32"
     assert argv[argv.index("--max-model-len") + 1] == "16384"  # the checkpoint allows 32768
+    # vLLM's loader samples the frames; the generated processor must not sample them again
+    assert json.loads(argv[argv.index("--mm-processor-kwargs") + 1]) == {"do_sample_frames": False}
     assert started["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert started["env"]["HF_HUB_OFFLINE"] == "1"
     assert "PYTHONPATH" not in started["env"]  # Iris's packages must not reach vLLM's venv
