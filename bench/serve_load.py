@@ -216,8 +216,9 @@ def steps(
     with httpx.Client(timeout=600) as client:
         if any(isinstance(w, scenario.Agent) for w in plan.workloads):
             scenario.warm_up(client, server, model)
-        if any(isinstance(w, VideoWorkload) for w in plan.workloads):
-            video_scenario.warm_up(client, server, model)
+        videos = [w for w in plan.workloads if isinstance(w, VideoWorkload)]
+        if videos:
+            video_scenario.warm_up(client, server, model, videos)
     for round_ in range(plan.rounds):
         for i, w in enumerate(plan.workloads):
             seed = workload_seed(args, round_, i)

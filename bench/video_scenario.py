@@ -20,7 +20,8 @@ over from one to the next. Answers are greedy with `ignore_eos`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,13 +128,21 @@ def summary(workload: VideoWorkload, rows: list[dict[str, Any]]) -> dict[str, An
     }
 
 
-def warm_up(client: httpx.Client, server: IrisServer, model: str) -> None:
-    """First-video costs out of the measurement (the decoder's and the video processor's
-    first call, the first patches through the vision tower): a short small clip of a
-    recording the workloads never send, per tokenizer worker."""
+def warm_up(
+    client: httpx.Client, server: IrisServer, model: str, workloads: Sequence[VideoWorkload]
+) -> None:
+    """First-video costs out of the measurement: the decoder's and the video processor's
+    first call, and the vision tower's first call at each size (a cost paid once per
+    shape: on Iris, a video's first request after a shorter or smaller warm-up takes far
+    longer than the next one of the same size). For each frame size, rate and clip length
+    of `workloads`, a clip of a recording they never send, one per tokenizer worker; so
+    a workload's first request is a new video, not a new shape."""
+    shapes = dict.fromkeys(
+        (w.size, w.fps, end - start) for w in workloads for start, end in w.spans
+    )
     conversations = []
-    for seed in WARM_UP_SEEDS:
-        data = clip_bytes(Recording(160, 90, 8.0, seed), 0.0, 2.0)
+    for (size, fps, seconds), seed in itertools.product(shapes, WARM_UP_SEEDS):
+        data = clip_bytes(Recording(*size, fps, seed), 0.0, seconds)
         question = {"type": "text", "text": "What happens?"}
         conversations.append([{"role": "user", "content": [video_part(data), question]}])
     scenario.warm_up(client, server, model, conversations)
