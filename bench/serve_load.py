@@ -2,7 +2,7 @@
 figures against the first's.
 
     python -m bench.serve_load [--size tiny|small] [--arch ARCH | --model DIR] [--quick]
-        [--workloads image,text,append,window,decode] [--variant NAME=FLAGS ...]
+        [--workloads image,text,append,window,decode,video,clips] [--variant NAME=FLAGS ...]
         [--before-tree DIR] [--flags=FLAGS] [--rounds N] [--interleave] [--threads N]
         [--client builtin|vllm] [--vllm PATH] [--num-prompts N] [--concurrency N]
         [--output-len N] [--decode CONTEXTxBATCH,...] [--no-bound] [--name NAME] [--out DIR]
@@ -33,7 +33,12 @@ The workloads (`--workloads`, default `image,text`), greedy:
   steps 0-6, mean over 1-6), one request at a time, `ignore_eos`;
 - `decode`: per `--decode` point, `batch` distinct random prompts of `context` tokens
   sent at once, 64 tokens each with `ignore_eos`: the median inter-token latency is the
-  served decode step at that batch and context.
+  served decode step at that batch and context;
+- `video` and `clips`: the video workloads of `bench.video_scenario`: one 10 s clip of a
+  640×360 30 fps screen recording asked 8 questions in a growing conversation (the first
+  is the cold video), and its clips 0-10 s, 5-15 s and 10-20 s, each asked once; one
+  request at a time, `ignore_eos`. The report adds how fast one tokenizer worker decodes
+  and resizes each workload's clip (`bench.video_decoding`, in process).
 
 `--rounds N` sends every workload N times, new requests each round; `--interleave` starts
 every server at once and takes their workloads in turns (a burst of other work on the
@@ -62,7 +67,7 @@ from typing import Any
 
 import httpx
 
-from bench import scenario
+from bench import scenario, video_scenario
 from bench.compute_bound import compute_bound
 from bench.load_client import Workload, chat_bodies, find_vllm, run_builtin, run_vllm, vllm_command
 from bench.results_io import (
@@ -74,17 +79,26 @@ from bench.results_io import (
 )
 from bench.serve_load_report import Run, report
 from bench.server_process import IrisServer, group_processes, measure_each, run_interleaved
+from bench.video_decoding import decode_rates
+from bench.video_scenario import VideoWorkload
 
-WORKLOADS = ("image", "text", "append", "window", "decode")
+WORKLOADS = ("image", "text", "append", "window", "decode", "video", "clips")
 SCREENSHOT = (640, 480)
 DECODE_TOKENS = 64
+RECORDING, QUICK_RECORDING = ((640, 360), 30.0), ((160, 90), 8.0)  # (width, height), fps
+VIDEO_QUESTIONS = 8
+CLIP_SPANS = ((0.0, 10.0), (5.0, 15.0), (10.0, 20.0))  # seconds of one recording
+QUICK_CLIP_SPANS = ((0.0, 2.0), (1.0, 3.0))
+DECODE_REPEATS = 5  # of the in-process decoding of each video workload's clip
+
+Planned = Workload | scenario.Agent | VideoWorkload
 
 
 @dataclass(frozen=True)
 class Plan:
     """What every server gets: the workloads in order, and how many rounds of them."""
 
-    workloads: list[Workload | scenario.Agent]
+    workloads: list[Planned]
     rounds: int
 
 
@@ -98,7 +112,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     c = args.concurrency or (2 if quick else 4)
     in_len, image = (32, (448, 252)) if quick else (200, (1280, 720))
     shot = (320, 180) if quick else SCREENSHOT
-    chosen: list[Workload | scenario.Agent] = []
+    (size, fps), spans = (QUICK_RECORDING, QUICK_CLIP_SPANS) if quick else (RECORDING, CLIP_SPANS)
+    chosen: list[Planned] = []
     for name in names:
         if name in ("image", "text"):
             chosen.append(Workload(name, in_len, out, n, c, image if name == "image" else None))
@@ -108,6 +123,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
             )
         elif name == "window":
             chosen.append(scenario.Agent("window", 2 if quick else 7, shot, out, 1))
+        elif name == "video":
+            questions = 2 if quick else VIDEO_QUESTIONS
+            chosen.append(VideoWorkload("video", spans[:1], questions, size, fps, out, 2))
+        elif name == "clips":
+            chosen.append(VideoWorkload("clips", spans, 1, size, fps, out, 1))
         else:
             for point in ("128x2" if quick else args.decode).split(","):
                 context, batch = map(int, point.split("x"))
@@ -193,12 +213,15 @@ def steps(
         metrics = run_builtin(server.base_url, chat_bodies(tokenizer, model, warm, 900), 1)
         if metrics["failed"]:
             raise RuntimeError(f"{entry.name}: warm-up failed: {metrics['errors']}")
-    if any(isinstance(w, scenario.Agent) for w in plan.workloads):
-        with httpx.Client(timeout=600) as client:
+    with httpx.Client(timeout=600) as client:
+        if any(isinstance(w, scenario.Agent) for w in plan.workloads):
             scenario.warm_up(client, server, model)
+        videos = [w for w in plan.workloads if isinstance(w, VideoWorkload)]
+        if videos:
+            video_scenario.warm_up(client, server, model, videos)
     for round_ in range(plan.rounds):
         for i, w in enumerate(plan.workloads):
-            seed = args.seed + 1000 * round_ + 100 * i  # the agents use seed + 0..16
+            seed = workload_seed(args, round_, i)
             run = Run(entry.name, w.name, round_, seed)
             cpu_before = cpu_seconds(server)
             try:
@@ -214,8 +237,14 @@ def steps(
             yield run
 
 
+def workload_seed(args: argparse.Namespace, round_: int, index: int) -> int:
+    """The seed of the `index`th workload's requests in round `round_` (the agents use
+    seed + 0..16, a video workload the recording `seed`)."""
+    return args.seed + 1000 * round_ + 100 * index
+
+
 def measure(
-    w: Workload | scenario.Agent, server: IrisServer, model: str, seed: int,
+    w: Planned, server: IrisServer, model: str, seed: int,
     args: argparse.Namespace, model_dir: Path, tokenizer: Any, scratch: Path,
 ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:  # fmt: skip
     """(summary metrics, per-request rows of an agent workload, client command) of one
@@ -223,6 +252,9 @@ def measure(
     if isinstance(w, scenario.Agent):
         rows = list(scenario.requests(w, server, model, seed))
         return scenario.summary(w, rows), rows, ""
+    if isinstance(w, VideoWorkload):
+        rows = list(video_scenario.requests(w, server, model, seed))
+        return video_scenario.summary(w, rows), rows, ""
     if w.name.startswith("decode") or args.client == "builtin":
         bodies = chat_bodies(tokenizer, model, w, seed)
         if w.name.startswith("decode"):
@@ -345,8 +377,13 @@ def run(
             log(f"compute bound / {w.name}")
             source = "vllm" if args.client == "vllm" else "bench.images"
             bounds.append(compute_bound(checkpoint.model_dir, w, lens, args.seed + 500 + i, source))
+    videos = [(w, workload_seed(args, 0, i)) for i, w in enumerate(plan.workloads)
+              if isinstance(w, VideoWorkload)]  # fmt: skip
+    if videos:
+        log("video decoding, in process")
+    rates = decode_rates(checkpoint.model_dir, videos, 1 if args.quick else DECODE_REPEATS)
     name = args.name or name + ("_quick" if args.quick else "")
-    report(args, checkpoint, name, plan, servers, runs, bounds, load)
+    report(args, checkpoint, name, plan, servers, runs, bounds, load, rates)
     return runs
 
 

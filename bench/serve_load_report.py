@@ -1,6 +1,7 @@
 """Tables and result file of `bench.serve_load` (and `bench.peers`): the means over rounds
-with the first server's lead over each other one, every run, the agent workloads'
-requests, the compute bound, and how each server was started."""
+with the first server's lead over each other one, every run, the agent and video
+workloads' requests, the compute bound, a worker's video decoding, and how each server
+was started."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from bench.compute_bound import Bound
 from bench.results_io import RESULTS_DIR, Checkpoint, markdown_table, write_result
+from bench.video_decoding import DecodeRate
+from bench.video_scenario import VideoWorkload
 
 if TYPE_CHECKING:
     from bench.serve_load import Plan, Server
@@ -33,6 +36,12 @@ AGENT = [
     ("mean E2E ms", "mean_e2e_ms", LOWER),
     ("mean TPOT ms", "mean_tpot_ms", LOWER),
 ]
+VIDEO = [  # the first request (the cold video), the later ones, the whole conversation
+    ("cold TTFT ms", "cold_ttft_ms", LOWER),
+    ("cold E2E ms", "cold_e2e_ms", LOWER),
+    *AGENT,
+    ("all requests E2E ms", "total_e2e_ms", LOWER),
+]
 DECODE = [
     ("median ITL ms", "median_itl_ms", LOWER),
     ("mean TPOT ms", "mean_tpot_ms", LOWER),
@@ -45,12 +54,13 @@ RUN_COLUMNS = [  # (header, metrics key) of the every-run table
     ("p99 ITL ms", "p99_itl_ms"), ("mean E2E ms", "mean_e2e_ms"),
     ("images encoded / req", "images_encoded"),
 ]  # fmt: skip
-DETAIL = [  # (row key, header) of an agent workload's requests; Iris's /metrics last
+DETAIL = [  # (row key, header) of an agent or video workload's requests; Iris's /metrics last
     ("prompt_tokens", "prompt tok"), ("cached_tokens", "cached tok"),
     ("completion_tokens", "out tok"), ("ttft_ms", "TTFT ms"), ("e2e_ms", "E2E ms"),
     ("encoded", "Iris: images encoded"), ("vit_ms", "Iris: ViT ms"),
     ("server_ttft_ms", "Iris: server TTFT ms"),
 ]  # fmt: skip
+TURN = {"append": "round", "window": "step", "video": "question", "clips": "clip"}
 
 
 @dataclass
@@ -69,7 +79,9 @@ class Run:
 
 
 def metrics_of(workload: str) -> list[tuple[str, str, str]]:
-    if workload in ("append", "window"):
+    if workload == "video":
+        return VIDEO
+    if workload in ("append", "window", "clips"):
         return AGENT
     return DECODE if workload.startswith("decode") else RANDOM
 
@@ -124,14 +136,17 @@ def runs_table(runs: Sequence[Run], plan: Plan) -> str:
 
 
 def detail_table(runs: Sequence[Run], workload: str) -> str:
-    chosen = sorted((r for r in runs if r.workload == workload), key=lambda r: r.round)
-    rows = sorted(
-        ([row["turn"], run.server, run.round, *(row.get(k, MISSING) for k, _ in DETAIL)]
-         for run in chosen for row in run.rows),
-        key=lambda row: (row[2], row[0]),
+    """Every request of an agent or video workload, by round, then turn, then server;
+    `clips` names each request's clip beside its number."""
+    entries = sorted(
+        (((run.round, row["turn"]), [
+            f"{row['turn']} ({row['clip']})" if workload == "clips" else row["turn"],
+            run.server, run.round, *(row.get(k, MISSING) for k, _ in DETAIL),
+        ]) for run in runs if run.workload == workload for row in run.rows),
+        key=lambda entry: entry[0],
     )  # fmt: skip
-    turn = "round" if workload == "append" else "step"
-    return markdown_table([turn, "server", "run", *(h for _, h in DETAIL)], rows)
+    header = [TURN[workload], "server", "run", *(h for _, h in DETAIL)]
+    return markdown_table(header, [row for _, row in entries])
 
 
 def bound_table(bounds: Sequence[Bound], runs: Sequence[Run], base: str) -> str:
@@ -162,7 +177,9 @@ def setup_text(
     )
     parts = [checkpoint.sentence]
     for w in plan.workloads:
-        if getattr(w, "turns", None):
+        if isinstance(w, VideoWorkload):
+            parts.append(w.describe())
+        elif getattr(w, "turns", None):
             parts.append(f"`{w.name}`: {w.turns} requests one at a time, "
                          f"{w.size[0]}×{w.size[1]} screenshots, {w.max_tokens} tokens back "
                          f"(`ignore_eos`), summary over turns {w.summary_from} on.")  # fmt: skip
@@ -186,9 +203,24 @@ def setup_text(
     return " ".join(parts)
 
 
+def decoding_table(rates: Sequence[DecodeRate]) -> str:
+    header = [
+        "video workload", "clip", "MP4 KiB", "frames", "size", "decoded", "sampled", "resized to",
+        "decode ms", "resize ms", "decoded frames/s", "resized frames/s", "× real time",
+    ]  # fmt: skip
+    rows = [
+        [r.workload, r.span, r.mp4_bytes / 1024, r.frames, "×".join(map(str, r.size)), r.decoded,
+         r.sampled, "×".join(map(str, r.resized)), 1e3 * r.decode_s, 1e3 * r.resize_s,
+         r.decoded / r.decode_s, r.sampled / r.resize_s, r.seconds / r.total_s]
+        for r in rates
+    ]  # fmt: skip
+    return markdown_table(header, rows)
+
+
 def report(
     args: argparse.Namespace, checkpoint: Checkpoint, name: str, plan: Plan,
     servers: Sequence[Server], runs: list[Run], bounds: list[Bound], load: tuple[float, float],
+    rates: Sequence[DecodeRate] = (),
 ) -> Path:  # fmt: skip
     out = args.out or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -197,16 +229,29 @@ def report(
         setup_text(args, checkpoint, plan, load), "",
         "## Summary (means over rounds)", "",
         f"`{names[0]} ahead of X`: X's latency ÷ {names[0]}'s, {names[0]}'s throughput ÷ "
-        f"X's: above 1, {names[0]} is better. Agent rows: means over the turns named above; "
-        "TPOT = (E2E - TTFT) / (output tokens - 1).", "",
+        f"X's: above 1, {names[0]} is better. Agent and video rows: means over the turns "
+        "named above; `cold`: a video workload's first request; `all requests E2E`: the sum "
+        "over its requests; TPOT = (E2E - TTFT) / (output tokens - 1).", "",
         summary_table(names, runs), "",
         "## Servers", "",
         markdown_table(["server", "started as"], [[s.name, s.how] for s in servers]), "",
         "## Every run", "", runs_table(runs, plan),
     ]  # fmt: skip
-    for workload in ("append", "window"):
+    for workload in TURN:
         if any(r.rows for r in runs if r.workload == workload):
             lines += ["", f"## `{workload}`, each request", "", detail_table(runs, workload)]
+            if workload in ("video", "clips"):
+                lines += ["", "`Iris: images encoded`: temporal patches (two frames each)."]
+    if rates:
+        lines += [
+            "", "## Video decoding, one tokenizer worker (in process)", "",
+            "Each video workload's first clip (round 0) through Iris's own decoding and "
+            "resizing (`bench.video_decoding`), one torch and one FFmpeg thread as in a "
+            f"worker, the servers stopped; median of {rates[0].repeats} run(s). `decoded`: "
+            "frames decoded, every one up to the last sampled; `× real time`: seconds of "
+            "video per second of decoding and resizing.", "",
+            decoding_table(rates),
+        ]  # fmt: skip
     hybrid = hybrid_state_table(checkpoint.model_dir)
     if hybrid:
         lines += ["", "## Hybrid model: state beside the KV (Iris, float32)", "", hybrid]
@@ -226,6 +271,7 @@ def report(
     raw = {
         "runs": [vars(r) | {"metrics": _summary_only(r.metrics)} for r in runs],
         "bounds": [vars(b) | {"request_throughput": b.request_throughput} for b in bounds],
+        "video_decoding": [vars(r) for r in rates],
     }
     (out / f"{name}.json").write_text(json.dumps(raw, indent=1))
     title = f"Served load: {', '.join(names)} ({checkpoint.title})"

@@ -9,9 +9,11 @@ as installed once the install script has stamped it (the stamp says the three fi
 build needs are in, see the script). The server runs on 127.0.0.1 and a free port with
 the settings of the measured recipe: `--dtype float32` (Iris's dtype on a CPU; bfloat16 for
 hybrid checkpoints, see `serve_dtype`), a KV cache of `VLLM_CPU_KVCACHE_SPACE` GiB, offline
-(`HF_HUB_OFFLINE=1`), everything else vLLM's defaults (prefix caching and its multimodal
-caches on; for a hybrid checkpoint vLLM turns on its `align` state cache with them). Start-up takes 1-2 min on 2 idle
-cores (several times that on busy ones), hence the long default start timeout.
+(`HF_HUB_OFFLINE=1`), for a Qwen2-VL checkpoint whose video processor samples frames the
+processor told not to sample them again (`video_flags`), everything else vLLM's defaults
+(prefix caching and its multimodal caches on; for a hybrid checkpoint vLLM turns on its
+`align` state cache with them). Start-up takes 1-2 min on 2 idle cores (several times
+that on busy ones), hence the long default start timeout.
 
 Stopping: vLLM's API server runs its engine in a child process; both get SIGTERM (the
 whole process group), and whatever of the group is left after the API server exits is
@@ -97,11 +99,32 @@ def serve_dtype(model_dir: Path) -> str:
     return "bfloat16" if hybrid else "float32"
 
 
+def video_flags(model_dir: Path) -> list[str]:
+    """`--mm-processor-kwargs '{"do_sample_frames": false}'` for a Qwen2-VL or Qwen2.5-VL
+    checkpoint whose video processor samples frames itself, else nothing.
+
+    vLLM's loader for these models samples a video's frames as transformers' processor
+    would (2 per second, the same frames Iris picks) and hands the processor only those,
+    with metadata that still counts the whole video. A processor configured to sample
+    (`do_sample_frames`, which the generated checkpoints set so that transformers samples
+    as Iris does) then samples again, indexing the few frames it got as if they were the
+    whole video, and vLLM refuses every video with a 400 ("Failed to apply
+    Qwen2_5_VLProcessor", from `IndexError: index 4 is out of bounds for axis 0 with size
+    4`). Telling the processor not to sample keeps vLLM's own sampling."""
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    video_config = model_dir / "video_preprocessor_config.json"
+    if model_type not in ("qwen2_vl", "qwen2_5_vl") or not video_config.is_file():
+        return []
+    if not json.loads(video_config.read_text()).get("do_sample_frames"):
+        return []
+    return ["--mm-processor-kwargs", json.dumps({"do_sample_frames": False})]
+
+
 def serve_flags(model_dir: Path, served_model_name: str) -> list[str]:
     """The flags `VllmServer` gives `vllm serve` besides the address."""
     return [
         "--dtype", serve_dtype(model_dir), "--max-model-len", str(max_model_len(model_dir)),
-        "--served-model-name", served_model_name,
+        "--served-model-name", served_model_name, *video_flags(model_dir),
     ]  # fmt: skip
 
 

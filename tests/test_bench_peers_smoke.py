@@ -101,6 +101,8 @@ def test_vllm_server_flags_env_and_nothing_left_behind(tmp_path: Path, qwen2_5_v
     assert argv[argv.index("--port") + 1] == str(server.port)
     assert argv[argv.index("--dtype") + 1] == "float32"
     assert argv[argv.index("--max-model-len") + 1] == "16384"  # the checkpoint allows 32768
+    # vLLM's loader samples the frames; the generated processor must not sample them again
+    assert json.loads(argv[argv.index("--mm-processor-kwargs") + 1]) == {"do_sample_frames": False}
     assert started["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert started["env"]["HF_HUB_OFFLINE"] == "1"
     assert "PYTHONPATH" not in started["env"]  # Iris's packages must not reach vLLM's venv
@@ -160,8 +162,17 @@ class IrisAsAPeer(TransformersServer):
 def test_peers_quick_measures_another_server_as_a_client_sees_it(
     tmp_path: Path, qwen2_5_vl_tiny: Path
 ):
+    workloads = "image,append,window,decode,video,clips"
     args = peers.parse_arguments(
-        ["--quick", "--model", str(qwen2_5_vl_tiny), "--out", str(tmp_path)]
+        [
+            "--quick",
+            "--model",
+            str(qwen2_5_vl_tiny),
+            "--workloads",
+            workloads,
+            "--out",
+            str(tmp_path),
+        ]
     )
 
     def servers(model_dir: Path, logs: Path) -> list[Server]:
@@ -176,9 +187,10 @@ def test_peers_quick_measures_another_server_as_a_client_sees_it(
     check_provenance(text)
     (header, summary), *_ = markdown_tables(text)
     assert header == ["workload", "metric", "Iris", "Other", "Iris ahead of Other"]
-    assert [row[0] for row in summary] == ["image"] * 5 + ["append"] * 3 + ["window"] * 3 + [
-        "decode 128x2"
-    ] * 3
+    assert [row[0] for row in summary] == (
+        ["image"] * 5 + ["append"] * 3 + ["window"] * 3 + ["decode 128x2"] * 3 + ["video"] * 6
+        + ["clips"] * 3
+    )  # fmt: skip
     assert all(float(row[-1]) > 0 for row in summary), summary
 
     tables = {h[0]: (h, rows) for h, rows in markdown_tables(text)}
@@ -196,6 +208,17 @@ def test_peers_quick_measures_another_server_as_a_client_sees_it(
     ok = {(row[0], row[1]): row[header.index("ok")] for row in rows}
     assert ok["image", "Iris"] == ok["image", "Other"] == "4/4"
     assert ok["decode 128x2", "Other"] == "2/2"
+    assert ok["video", "Other"] == ok["clips", "Other"] == "2/2"
+
+    header, video = tables["question"]  # the same video, re-sent with the history
+    column = {name: header.index(name) for name in header}
+    by = {(row[0], row[1]): row for row in video}
+    for question in ("1", "2"):
+        iris, other = by[question, "Iris"], by[question, "Other"]
+        assert iris[column["prompt tok"]] == other[column["prompt tok"]]
+        assert iris[column["out tok"]] == other[column["out tok"]] == "8"
+        assert other[column["Iris: images encoded"]] == "–"
+    assert by["2", "Iris"][column["Iris: images encoded"]] == "0"  # nothing encoded again
 
 
 def test_a_full_run_plans_as_serve_load_does(qwen2_5_vl_tiny: Path) -> None:

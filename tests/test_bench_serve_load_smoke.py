@@ -1,6 +1,7 @@
 """The served-load benchmark runs end to end (built-in client, a named variant beside
-`iris`, the compute bound), its summary says who is ahead, and the vLLM client's install
-script parses and pins what it installs."""
+`iris`, the compute bound, the video workloads and a worker's video decoding), its summary
+says who is ahead, and the vLLM client's install script parses and pins what it
+installs."""
 
 from __future__ import annotations
 
@@ -19,38 +20,65 @@ from tests.bench_smoke import REPO, check_provenance, markdown_tables, run_bench
 INSTALL_SCRIPT = REPO / "bench" / "install_vllm_client.sh"
 
 
+WORKLOADS = ("image", "text", "video", "clips")
+
+
 def test_serve_load_quick_compares_a_named_variant_with_iris(tmp_path):
     out = tmp_path / "results"
     run_bench(
         "bench.serve_load", "--quick", "--threads", "1", "--variant",
-        "paced=OMP_WAIT_POLICY=PASSIVE --max-itl-stretch 3", "--out", str(out),
-        cache_dir=tmp_path, timeout=420,
+        "paced=OMP_WAIT_POLICY=PASSIVE --max-itl-stretch 3", "--workloads", ",".join(WORKLOADS),
+        "--out", str(out), cache_dir=tmp_path, timeout=420,
     )  # fmt: skip
     text = (out / "serve_load_tiny_quick.md").read_text()
     check_provenance(text)
-    (header, summary), (_, servers), (runs_header, runs), (bound_header, bounds) = markdown_tables(
-        text
-    )
+    tables = markdown_tables(text)
+    (header, summary), (_, servers), (runs_header, runs), video, clips, decoding, bound = tables
     assert header == ["workload", "metric", "iris", "paced", "iris ahead of paced"]
-    assert {row[0] for row in summary} == {"image", "text"}
+    assert list(dict.fromkeys(row[0] for row in summary)) == list(WORKLOADS)
     assert all(float(row[-1]) > 0 for row in summary), summary
     assert "OMP_WAIT_POLICY=PASSIVE iris serve MODEL_DIR" in servers[1][1]
     assert (
         servers[1][1].endswith("--max-itl-stretch 3`") and "--scheduler-threads 1" in servers[1][1]
     )
     ok = runs_header.index("ok")
+    sizes = {"image": "4/4", "text": "4/4", "video": "2/2", "clips": "2/2"}
     assert [(r[0], r[1], r[ok]) for r in runs] == [
-        (w, s, "4/4") for s in ("iris", "paced") for w in ("image", "text")
+        (w, s, sizes[w]) for s in ("iris", "paced") for w in WORKLOADS
     ]
     # The image workload's prompts hold the image's tokens (448x252: 16 x 9 merged patches).
     prompt = {r[0]: float(r[runs_header.index("in tok/req")]) for r in runs if r[1] == "iris"}
     assert prompt["image"] - prompt["text"] == pytest.approx(144, abs=8)
+    bound_header, bounds = bound
     assert [row[0] for row in bounds] == ["image", "text"]
     assert all(float(row[bound_header.index("bound req/s")]) > 0 for row in bounds)
     raw = json.loads((out / "serve_load_tiny_quick.json").read_text())
     assert {(r["server"], r["workload"]) for r in raw["runs"]} == {
-        (s, w) for s in ("iris", "paced") for w in ("image", "text")
+        (s, w) for s in ("iris", "paced") for w in WORKLOADS
     }
+    check_video_tables(video, clips, decoding)
+
+
+def check_video_tables(video, clips, decoding) -> None:
+    """The second question about a clip re-sends it and Iris encodes none of its temporal
+    patches again (2 s at 8 fps, sampled at 2 fps: 4 frames, 2 patches); each overlapping
+    clip is a new video; the decoding table has a row per video workload."""
+    header, rows = video
+    assert header[:3] == ["question", "server", "run"]
+    encoded = header.index("Iris: images encoded")
+    by = {(row[0], row[1]): row for row in rows}
+    for server in ("iris", "paced"):
+        assert by["1", server][encoded] == "2" and by["2", server][encoded] == "0"
+        assert int(by["2", server][header.index("cached tok")]) > 0
+    header, rows = clips
+    assert [(row[0], row[1]) for row in rows] == [
+        (clip, server) for clip in ("1 (0-2 s)", "2 (1-3 s)") for server in ("iris", "paced")
+    ]
+    assert all(row[header.index("Iris: images encoded")] == "2" for row in rows)
+    header, rows = decoding
+    assert [row[0] for row in rows] == ["video", "clips"]
+    assert all(row[header.index("sampled")] == "4" for row in rows)
+    assert all(float(row[header.index("× real time")]) > 0 for row in rows)
 
 
 def test_a_variant_names_its_flags_and_its_environment():
