@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from bench.video_scenario import VideoWorkload
-from iris_serve.tokenizer_worker.video_decode import open_video
-from iris_serve.tokenizer_worker.video_rules import (
+from iris_serve.tokenizer_worker import (
     VideoProcessorSettings,
+    open_video,
     plan_video,
     resize_frame,
 )

@@ -8,7 +8,10 @@ Its public surface (`docs/design.md`, "Packages and seams"), resolved on first u
 - `PromptBuilder`: the in-process prompt path (chat template, image processor, image
   placeholders expanded), which `iris generate` composes with the scheduler's engine;
 - `load_image`: image bytes to the RGB picture the prompt path takes, as the worker
-  decodes them (`bench.compute_bound` times it).
+  decodes them (`bench.compute_bound` times it);
+- `open_video`, `plan_video`, `resize_frame`, `VideoProcessorSettings`: a video's decoder,
+  the model's frame sampling and sizing, and one frame's resize, as the worker runs them
+  (`bench.video_decoding` times them).
 """
 
 from __future__ import annotations
@@ -21,12 +24,31 @@ if TYPE_CHECKING:
     from iris_serve.tokenizer_worker.config import WorkerConfig
     from iris_serve.tokenizer_worker.entry import run_worker
     from iris_serve.tokenizer_worker.prompt import PromptBuilder, load_image
+    from iris_serve.tokenizer_worker.video_decode import open_video
+    from iris_serve.tokenizer_worker.video_rules import (
+        VideoProcessorSettings,
+        plan_video,
+        resize_frame,
+    )
 
-__all__ = ["PromptBuilder", "WorkerConfig", "load_image", "run_worker"]
+__all__ = [
+    "PromptBuilder",
+    "VideoProcessorSettings",
+    "WorkerConfig",
+    "load_image",
+    "open_video",
+    "plan_video",
+    "resize_frame",
+    "run_worker",
+]
 _HOMES = {
     "PromptBuilder": "prompt",
+    "VideoProcessorSettings": "video_rules",
     "WorkerConfig": "config",
     "load_image": "prompt",
+    "open_video": "video_decode",
+    "plan_video": "video_rules",
+    "resize_frame": "video_rules",
     "run_worker": "entry",
 }
 
