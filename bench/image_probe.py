@@ -32,8 +32,11 @@ On a GPU (`--model`, a real-size checkpoint of `iris tiny-model --like`), the sw
 1280x720 up to 64 images with the first two variants, each server a share of the GPU
 (`gpu_setting`).
 
+`--media video`: the same sweep with one video of 16, 32 … 256 frames per request instead
+of N images, the first two variants (`bench.video_probe`).
+
     python -m bench.image_probe [--size tiny|small | --model DIR] [--max-images N] [--quick]
-        [--out DIR]
+        [--media image|video] [--out DIR]
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,7 @@ from typing import Any
 import httpx
 import torch
 
+from bench import video_probe
 from bench.images import image_part
 from bench.results_io import (
     RESULTS_DIR,
@@ -92,6 +96,9 @@ class Setting:
     variants: list[tuple[str, list[str]]]
     timeout: float  # seconds per request before the sweep of a resolution stops
     flags: list[str]  # for every server
+    # (model, resolution, N) -> the request; (resolution, N) of the warm-up requests
+    body: Callable[[str, tuple[int, int], int], dict[str, Any]] = lambda *a: body(*a)
+    warm_up: tuple[tuple[tuple[int, int], int], ...] = (((96, 64), 1), ((128, 96), 2))
 
 
 # Enough KV for MAX_MODEL_LEN tokens (the engine caps the context at what the pool holds):
@@ -132,6 +139,23 @@ def setting(quick: bool, size: str, max_images: int) -> Setting:
     flags += ["--mm-processor-cache-gb", "1"]
     counts = [2**i for i in range(7) if 2**i <= max_images]
     return Setting([(640, 480), (1280, 720)], counts, VARIANTS, 240.0, flags)
+
+
+def video_setting(quick: bool, size: str) -> Setting:
+    """`--media video`: one video of N frames per request (`bench.video_probe`)."""
+    resolution = video_probe.QUICK_SIZE if quick else video_probe.SIZE
+    flags = [
+        "--max-num-batched-tokens", str(STEP_BUDGET),
+        "--limit-mm-per-prompt", '{"video": 1}',
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-cache-memory", KV_CACHE_MEMORY[size],
+        "--tokenizer-workers", "1",
+        "--mm-processor-cache-gb", "0.125" if quick else "1",
+    ]  # fmt: skip
+    counts = video_probe.QUICK_COUNTS if quick else video_probe.COUNTS
+    warm_up = ((resolution, video_probe.WARM_UP_FRAMES),)
+    timeout = 60.0 if quick else 240.0
+    return Setting([resolution], counts, VARIANTS[:2], timeout, flags, video_probe.body, warm_up)
 
 
 # -- the scheduler's memory ---------------------------------------------------------------
@@ -306,16 +330,16 @@ def sweep(run: Setting, name: str, server: IrisServer) -> Iterator[list[dict[str
     limits = httpx.Timeout(run.timeout, connect=10.0)
     with httpx.Client(timeout=limits) as client:
         model = server.model_name()
-        # First-call costs out of the measurement: small images the sweep never sends.
-        stream_chat(client, server.base_url, body(model, (96, 64), 1))
-        stream_chat(client, server.base_url, body(model, (128, 96), 2))
+        # First-call costs out of the measurement: requests the sweep never sends.
+        for size, n in run.warm_up:
+            stream_chat(client, server.base_url, run.body(model, size, n))
         if text_reference:
             complete(client, server.base_url, text_body(model, 600, 0))
         device_idle = server.metrics().get("iris_device_memory_allocated_bytes", 0.0)
         for size in run.resolutions:
             for n in run.counts:
                 row: dict[str, Any] = {"variant": name, "size": size, "n": n}
-                request = body(model, size, n)
+                request = run.body(model, size, n)
 
                 def chat(request: dict[str, Any] = request) -> tuple[int, float]:
                     answer = stream_chat(client, server.base_url, request)
@@ -371,7 +395,13 @@ HEADER = [
 ]  # fmt: skip
 
 
-def plot(run: Setting, results: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
+def plot(
+    run: Setting,
+    results: dict[str, list[dict[str, Any]]],
+    path: Path,
+    title: str,
+    unit: str = "images",
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -394,7 +424,7 @@ def plot(run: Setting, results: dict[str, list[dict[str, Any]]], path: Path, tit
         for ax in (memory_ax, ttft_ax):
             ax.set_xscale("log", base=2)
             ax.set_xticks(run.counts, [str(n) for n in run.counts])
-            ax.set_xlabel("images in the request")
+            ax.set_xlabel(f"{unit} in the request")
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
@@ -534,23 +564,23 @@ def main() -> None:
         default=None,
         help=f"largest N (default: {DEFAULT_MAX_IMAGES}); results get a _maxN suffix",
     )
+    parser.add_argument(
+        "--media",
+        choices=("image", "video"),
+        default="image",
+        help="video: one video of 16 … 256 frames per request (`bench.video_probe`)",
+    )
     args = parser.parse_args()
+    if args.media == "video":
+        video_main(args)
+        return
     gpu = torch.cuda.is_available() and not args.quick
     default_max = MAX_IMAGES if gpu else DEFAULT_MAX_IMAGES[args.size]
     max_images = default_max if args.max_images is None else args.max_images
     run = gpu_setting(max_images) if gpu else setting(args.quick, args.size, max_images)
     checkpoint = Checkpoint.of(args)
     model_dir = checkpoint.model_dir
-    # Read by glibc in the servers' processes (IrisServer copies this environment).
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    servers = [(name, IrisServer(model_dir, [*run.flags, *flags])) for name, flags in run.variants]
-    by_server = run_interleaved(servers, lambda name, server: sweep(run, name, server))
-    every = [row for points in by_server.values() for point in points for row in point]
-    results: dict[str, list[dict[str, Any]]] = {}  # by variant, text-only last
-    for name in [*(name for name, _ in run.variants), TEXT_ONLY]:
-        rows = [r for r in every if r["variant"] == name]
-        if rows:
-            results[name] = rows
+    results = measure(run, model_dir)
     name = f"image_probe_{checkpoint.label}"
     name += f"_max{max_images}" if max_images != default_max else ""
     name += "_quick" if args.quick else ""
@@ -565,6 +595,37 @@ def main() -> None:
         report(checkpoint, run, results, png),
         out_dir,
     )
+
+
+def measure(run: Setting, model_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every variant's rows, by variant, text-only last."""
+    # Read by glibc in the servers' processes (IrisServer copies this environment).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    servers = [(name, IrisServer(model_dir, [*run.flags, *flags])) for name, flags in run.variants]
+    by_server = run_interleaved(servers, lambda name, server: sweep(run, name, server))
+    every = [row for points in by_server.values() for point in points for row in point]
+    results: dict[str, list[dict[str, Any]]] = {}
+    for name in [*(name for name, _ in run.variants), TEXT_ONLY]:
+        rows = [r for r in every if r["variant"] == name]
+        if rows:
+            results[name] = rows
+    return results
+
+
+def video_main(args: argparse.Namespace) -> None:
+    run = video_setting(args.quick, args.size)
+    checkpoint = Checkpoint.of(args)
+    results = measure(run, checkpoint.model_dir)
+    name = f"image_probe_video_{checkpoint.label}" + ("_quick" if args.quick else "")
+    out_dir = args.out or RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = f"{name}.png"
+    plot(run, results, out_dir / png, f"one video of N frames ({checkpoint.title})", "frames")
+    summary_table = (video_probe.header(SUMMARY_HEADER), summary(run, results))
+    rows = (video_probe.header(HEADER), table(run, results))
+    text = video_probe.report(checkpoint, run.flags, run.variants, summary_table, rows, png)
+    title = f"One video of N frames: TTFT and scheduler peak memory (HTTP, {checkpoint.title})"
+    write_result(name, title, text, out_dir)
 
 
 if __name__ == "__main__":
