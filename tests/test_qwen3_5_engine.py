@@ -12,15 +12,14 @@ import pytest
 import torch
 
 from iris_serve.ipc.local import PromptInput
-from iris_serve.ipc.messages import Prompt, Sampling
+from iris_serve.ipc.messages import Prompt
 from iris_serve.scheduler.engine import Engine
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt as chat
 from tests.reference import cpu_engine, hf_generate, make_image
+from tests.test_prefix_cache_engine import GREEDY, MAX_NEW, run
 
 torch.set_num_threads(2)
-MAX_NEW = 8
-GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW)
 PAGE = 8
 
 
@@ -32,16 +31,6 @@ def hybrid_dir(request) -> str:
 @pytest.fixture(scope="module")
 def hybrid_builder(hybrid_dir: str) -> PromptBuilder:
     return PromptBuilder(hybrid_dir)
-
-
-def run(iris: Engine, request_id: str, prompt: PromptInput) -> tuple[list[int], int]:
-    """One request to completion: its tokens and its `num_cached_tokens`."""
-    iris.add_request(request_id, prompt, GREEDY)
-    tokens, cached = [], -1
-    for out in iris.run_until_idle():
-        tokens += out.new_token_ids
-        cached = out.cached_tokens
-    return tokens, cached
 
 
 def floor_pages(num_tokens: int) -> int:

@@ -10,10 +10,7 @@ import pytest
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import make_image
 from tests.server_harness import iris_server
-from tests.test_server_e2e import chat_body, png_bytes, reference_text
-
-IDLE = {"iris_kv_cache_used_pages": 0.0, "iris_scheduler_pinned_images": 0.0,
-        "iris_shm_arena_pinned_entries": 0.0, "iris_num_requests_running": 0.0}  # fmt: skip
+from tests.test_server_e2e import IDLE, chat_body, png_bytes, reference_text
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,11 @@ from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import hf_generate
 from tests.server_harness import iris_server
+from tests.test_server_e2e import IDLE
 from tests.video_clips import make_clip, video_data_url, video_part
 from tests.worker_harness import worker_factory
 
 MAX_TOKENS = 8
-IDLE = {"iris_kv_cache_used_pages": 0.0, "iris_scheduler_pinned_images": 0.0,
-        "iris_shm_arena_pinned_entries": 0.0, "iris_num_requests_running": 0.0}  # fmt: skip
 CLIP = make_clip(9)
 
 
