@@ -52,7 +52,7 @@ class SlotOp:
     source: int | None = None
 
 
-@dataclass(eq=False)  # a capture is itself, not its fields (the rolling one moves)
+@dataclass
 class _Capture:
     position: int  # tokens the state has seen
     slot: int
@@ -65,7 +65,8 @@ class _Held:
 
     working: int
     rolling: _Capture | None = None  # its latest page boundary, rewritten as it goes
-    pinned: list[_Capture] = field(default_factory=list)  # images' bounds, prompt's end
+    # images' bounds and prompt's end captured by the step running now (stored once it ran)
+    pinned: list[_Capture] = field(default_factory=list)
 
 
 class StateSlots(RequestResources):
@@ -85,7 +86,6 @@ class StateSlots(RequestResources):
         self._stored: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, oldest use first
         self._held: dict[str, _Held] = {}
         self._ops: list[SlotOp] = []
-        self._offered: list[_Capture] = []  # captured by the step that is running now
         self.snapshot_hits = 0  # admissions that restored a snapshot
         self.snapshot_queries = 0  # first admissions (the hit rate's denominator)
 
@@ -151,13 +151,10 @@ class StateSlots(RequestResources):
         """The forward of the step `sequences` last described has run: the snapshots it
         wrote at images and prompt ends go to the store (the latest boundary's stays with
         its request, which rewrites it)."""
-        for capture in self._offered:
-            for held in self._held.values():
-                if capture in held.pinned:
-                    held.pinned.remove(capture)
-                    break
-            self._store(capture)
-        self._offered = []
+        for held in self._held.values():
+            for capture in held.pinned:
+                self._store(capture)
+            held.pinned = []
 
     def take_ops(self) -> list[SlotOp]:
         """The slot clears and copies queued since the last call, in order."""
@@ -170,13 +167,9 @@ class StateSlots(RequestResources):
         held = self._held.get(request.request_id)
         if held is None:
             return
-        kept = []
-        for capture in self._offered:
-            if capture in held.pinned and capture.position > num_computed_tokens:
+        for capture in held.pinned:
+            if capture.position > num_computed_tokens:
                 self._free_snapshots.append(capture.slot)
-            else:
-                kept.append(capture)
-        self._offered = kept
         held.pinned = [c for c in held.pinned if c.position <= num_computed_tokens]
         if held.rolling is not None and held.rolling.position > num_computed_tokens:
             self._free_snapshots.append(held.rolling.slot)
@@ -193,7 +186,6 @@ class StateSlots(RequestResources):
             return
         self._free_working.append(held.working)
         captures = held.pinned + ([held.rolling] if held.rolling is not None else [])
-        self._offered = [c for c in self._offered if c not in held.pinned]
         for capture in captures:
             self._store(capture)
 
@@ -222,7 +214,6 @@ class StateSlots(RequestResources):
                 break
             capture = _Capture(boundary, slot, key)
             held.pinned.append(capture)
-            self._offered.append(capture)
             captures.append((boundary - chunk.start, slot))
         boundary = last * size
         if not captures or captures[-1][0] != boundary - chunk.start:
