@@ -290,6 +290,8 @@ class RequestOutput(_Struct):
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # of `cached_tokens`, those reloaded from the host tier (None: the server has none)
+    host_cached_tokens: int | None = None
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     images: list[ImageReport] | None = None  # on a chat request's first token only
@@ -363,6 +365,18 @@ class EngineStats(_Message, tag=_ENGINE_STATS):
     linear_state_snapshot_queries: int = 0
     linear_state_snapshot_hits: int = 0
     linear_state_snapshots: int = 0
+    # the host tier (`--kv-offload-gib`; zeros without it): prompt tokens and images its
+    # reloads served, its capacity and use, entries, bytes each way and copy time
+    prefix_cache_host_hit_tokens: int = 0
+    mm_embedding_cache_host_hits: int = 0
+    host_tier_capacity_bytes: int = 0
+    host_tier_usage_bytes: int = 0
+    host_tier_pages: int = 0
+    host_tier_embeddings: int = 0
+    host_tier_bytes_to_host: int = 0
+    host_tier_bytes_to_device: int = 0
+    host_tier_copy_seconds: float = 0.0
+    host_tier_failed_reloads: int = 0
 
 
 class WorkerStats(_Message, tag=_WORKER_STATS):
@@ -422,6 +436,9 @@ class RankStep(_Message, tag=_RANK_STEP):
     dropped: list[str] = []
     # a hybrid model's slot clears (source -1) and copies, (target, source), in order
     slot_ops: list[tuple[int, int]] = []
+    # the host tier's page copies rank 0 made since the last step, (to host, page, block),
+    # in order: each rank makes them on its shard before its forward
+    host_copies: list[tuple[bool, int, int]] = []
 
 
 class StopRanks(_Message, tag=_STOP_RANKS):

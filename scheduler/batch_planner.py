@@ -25,10 +25,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from iris_serve.scheduler.kv_cache import PagePool
-from iris_serve.scheduler.prefix_cache import PrefixCache
+from iris_serve.scheduler.prefix_cache import PrefixCache, PrefixMatch
 from iris_serve.scheduler.request import Request, RequestResources, RequestStatus
 
 
@@ -91,6 +91,7 @@ class PrefillPolicy(Protocol):
 
 
 UNCAPPED = PrefillCaps()
+_RELOAD_FAILED = object()  # `_take_prefix`: a host-tier reload failed, nothing was taken
 
 
 def _anywhere(request: Request, start: int) -> int:
@@ -193,7 +194,7 @@ class BatchPlanner(RequestResources):
         now (nothing is taken)."""
         if self.prefix_cache is None:
             return 0
-        return len(self.prefix_cache.match(request)) * self.page_size
+        return self.prefix_cache.match(request).num_pages * self.page_size
 
     def release(self, request: Request) -> None:
         """Drop a request wherever it is and return its pages; safe to call twice."""
@@ -213,9 +214,23 @@ class BatchPlanner(RequestResources):
     def _admit(self, request: Request, budget: int) -> int | None:
         """Gives a waiting request (it holds no pages) its cached prefix and the pages
         for its first chunk, and returns the chunk's size; with nothing taken, 0 when its
-        first uncached tokens are an image not ready yet, None when the pages do not fit."""
-        cached = self.prefix_cache.match(request) if self.prefix_cache is not None else []
-        num_cached_tokens = len(cached) * self.page_size
+        first uncached tokens are an image not ready yet, None when the pages do not fit.
+        A prefix partly in the host tier is reloaded into pages of its own; should a
+        reload fail, the request takes the device part alone and computes the rest."""
+        if self.prefix_cache is None:
+            return self._take_prefix(request, PrefixMatch(), budget)
+        match = self.prefix_cache.match(request)
+        taken = self._take_prefix(request, match, budget)
+        if taken is _RELOAD_FAILED:
+            taken = self._take_prefix(request, match.without_host(), budget)
+        assert taken is not _RELOAD_FAILED, "a match without host pages reloads nothing"
+        return taken
+
+    def _take_prefix(self, request: Request, match: PrefixMatch, budget: int) -> Any:
+        """`_admit` of one match: the chunk's size, 0, None, or `_RELOAD_FAILED` (nothing
+        taken)."""
+        cached = match.pages
+        num_cached_tokens = match.num_pages * self.page_size
         num_tokens = min(request.num_tokens - num_cached_tokens, budget)
         ready = self.ready_until(request, num_cached_tokens) - num_cached_tokens
         num_tokens = max(0, min(num_tokens, ready))
@@ -227,13 +242,24 @@ class BatchPlanner(RequestResources):
             return None
         self.pool.share(cached)  # before allocating, so no allocation evicts them
         after = cached[-1] if cached else None
-        request.page_table.admit(cached, num_cached_tokens, self.pool.allocate(missing, after))
+        new = self.pool.allocate(missing, after)
+        reloaded = new[: len(match.host_keys)]
+        if reloaded:
+            assert self.prefix_cache is not None
+            if not self.prefix_cache.reload(request, match, reloaded):
+                self.pool.free(new)
+                self.pool.free(cached)
+                return _RELOAD_FAILED
+        request.page_table.admit(cached + reloaded, num_cached_tokens, new[len(reloaded) :])
         self.admitted(request, num_cached_tokens)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached_tokens
+            request.num_host_cached_tokens = len(reloaded) * self.page_size
             request.queue_seconds = time.monotonic() - request.added_at
             if self.prefix_cache is not None:
-                self.prefix_cache.count_first_admission(num_cached_tokens, request.num_tokens)
+                self.prefix_cache.count_first_admission(
+                    num_cached_tokens, request.num_tokens, request.num_host_cached_tokens
+                )
         return num_tokens
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:

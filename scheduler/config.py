@@ -154,6 +154,19 @@ class EngineConfig:
             group=_CACHES,
         ),
     )
+    kv_offload_bytes: int = field(
+        default=0,
+        metadata=_flag(
+            "--kv-offload-gib",
+            "host memory (pinned on CUDA) under the prefix and embedding caches: KV pages and "
+            "image embeddings they evict go there, and a request whose prefix is there "
+            "reloads it instead of computing it again; one LRU, per tensor-parallel rank "
+            "for its shard of the KV (0: off)",
+            parse="gib",
+            metavar="GIB",
+            group=_CACHES,
+        ),
+    )
     # "request": one key over all of a request's images (a new image invalidates them all).
     mm_cache_granularity: Literal["image", "request"] = field(
         default="image",
@@ -244,6 +257,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be positive")
         if self.mm_embedding_cache_bytes < 0:
             raise ValueError("mm_embedding_cache_bytes must not be negative")
+        if self.kv_offload_bytes < 0:
+            raise ValueError("kv_offload_bytes must not be negative")
         if self.mm_cache_granularity not in ("image", "request"):
             raise ValueError("mm_cache_granularity must be 'image' or 'request'")
         if self.linear_state_snapshots is not None and self.linear_state_snapshots < 0:

@@ -17,6 +17,7 @@ import torch
 from iris_serve.scheduler.attention import AttentionBackend, create_backend
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.decode_graphs import CudaGraphCapture, DecodeGraphs
+from iris_serve.scheduler.host_tier import HostPages, host_blocks
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.memory_profile import profile_activations
 from iris_serve.scheduler.models.linear_state import LinearStates
@@ -45,6 +46,8 @@ class DeviceState:
     decode_graphs: DecodeGraphs | None
     # a hybrid model's: `max_num_seqs` working slots, then `linear_state_snapshots`
     linear_states: LinearStates | None = None
+    # this rank's host-tier blocks (`kv_offload_bytes`), None without the tier
+    host_pages: HostPages | None = None
 
     @classmethod
     def build(cls, config: EngineConfig, tp: TPShard = SINGLE, replica: int = 0) -> DeviceState:
@@ -84,6 +87,18 @@ class DeviceState:
         )
         if linear_states is not None:
             _say_hybrid(say, model, linear_states)
+        host_pages = None
+        if config.kv_offload_bytes:
+            host_pages = HostPages(layout, host_blocks(config.kv_offload_bytes, layout), device)
+            say(
+                "host tier: %.2f GiB of %s host memory per rank, up to %d KV pages (%d tokens; "
+                "%.1fx the device's) and the image embeddings evicted",
+                config.kv_offload_bytes / 2**30,
+                "pinned" if device.type == "cuda" else "pageable",
+                host_pages.num_blocks,
+                host_pages.num_blocks * config.page_size,
+                host_pages.num_blocks / num_pages,
+            )
         attention = create_backend(config.attention_backend, kv_cache, device)
         max_model_len = min(
             config.max_model_len or model.config.max_position_embeddings,
@@ -95,7 +110,17 @@ class DeviceState:
             graphs = _capture_decode_graphs(
                 model, attention, device, config, max_model_len, tp, linear_states
             )
-        return cls(device, dtype, model, kv_cache, attention, max_model_len, graphs, linear_states)
+        return cls(
+            device,
+            dtype,
+            model,
+            kv_cache,
+            attention,
+            max_model_len,
+            graphs,
+            linear_states,
+            host_pages,
+        )
 
 
 @dataclass(frozen=True)

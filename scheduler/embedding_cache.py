@@ -17,6 +17,10 @@ then re-encode, so its pixels (the larger: 4 patches of 3·2·14·14 values per 
 against one hidden vector) would stay pinned in shared memory until it ends. Pinned from
 first use to the end, the pixels can go at first use.
 
+With a host tier (host_tier.py), an entry evicted here moves to host memory, and a
+lookup that misses here but finds it there fills the entry at once: a hit (`host_hits`
+counts them), no vision tower.
+
 A hit whose token count is not the caller's (`docs/design.md`, "One cache entry per
 image") is logged and treated as a miss: the entry is replaced when nobody uses it,
 otherwise the caller gets `Lookup.UNCACHEABLE` and encodes the image for its request alone.
@@ -29,8 +33,12 @@ import logging
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from iris_serve.scheduler.host_tier import HostTier
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +59,14 @@ class _Entry:
 
 
 class EmbeddingCache:
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, host: HostTier | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError("the embedding cache capacity must not be negative")
         self.capacity_bytes = capacity_bytes
+        self.host = host  # where evicted embeddings go (None: nowhere)
         self.usage_bytes = 0
         self.hits = 0
+        self.host_hits = 0  # of `hits`, entries reloaded from the host tier
         self.misses = 0
         self._entries: dict[CacheKey, _Entry] = {}
         self._unused: OrderedDict[CacheKey, None] = OrderedDict()  # no users, LRU first
@@ -110,8 +120,15 @@ class EmbeddingCache:
         if entry is None:
             self._entries[key] = _Entry(num_tokens, {request_id})
             self._keys_of.setdefault(request_id, {})[key] = None
-            self.misses += 1
-            return Lookup.MISS
+            reloaded = None if self.host is None else self.host.reload_embedding(key, num_tokens)
+            if reloaded is None:
+                self.misses += 1
+                return Lookup.MISS
+            self.hits += 1
+            self.host_hits += 1
+            self._fill(key, reloaded)
+            self._evict()
+            return Lookup.HIT
         if request_id not in entry.users:
             self.hits += 1
             if not entry.users:
@@ -129,9 +146,7 @@ class EmbeddingCache:
             raise ValueError(
                 f"an embedding of {embedding.shape[0]} tokens for an entry of {entry.num_tokens}"
             )
-        self._tensors[key] = embedding
-        entry.nbytes = embedding.numel() * embedding.element_size()
-        self.usage_bytes += entry.nbytes
+        self._fill(key, embedding)
         self._evict()
 
     def release(self, request_id: str) -> None:
@@ -150,9 +165,17 @@ class EmbeddingCache:
 
     # -- internals ------------------------------------------------------------------------
 
+    def _fill(self, key: CacheKey, embedding: torch.Tensor) -> None:
+        entry = self._entries[key]
+        self._tensors[key] = embedding
+        entry.nbytes = embedding.numel() * embedding.element_size()
+        self.usage_bytes += entry.nbytes
+
     def _evict(self) -> None:
         while self.usage_bytes > self.capacity_bytes and self._unused:
             key, _ = self._unused.popitem(last=False)
+            if self.host is not None:
+                self.host.spill_embedding(key, self._tensors[key])
             self._drop(key)
 
     def _drop(self, key: CacheKey) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -32,7 +31,9 @@ from iris_serve.scheduler.device_state import DeviceState
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
 from iris_serve.scheduler.encoder_executor import Tower, encoder_executor
 from iris_serve.scheduler.encoder_manager import EncoderManager, request_scoped_keys
+from iris_serve.scheduler.engine_snapshot import EngineSnapshot
 from iris_serve.scheduler.given_images import hold_given_images
+from iris_serve.scheduler.host_tier import HostTier
 from iris_serve.scheduler.model_runner import Followers, ModelRunner, Sampled
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
@@ -56,31 +57,6 @@ logger = logging.getLogger(__name__)
 # How long a step with nothing to run (every request waits for an image being encoded)
 # waits for the encoder thread before returning, so callers do not spin.
 ENCODE_WAIT_SECONDS = 0.01
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's gauges and counters at one moment (names as in `ipc.EngineStats`)."""
-
-    num_running: int
-    num_waiting: int
-    kv_pages_used: int
-    kv_pages_total: int
-    pinned_images: int  # shared-memory pins held (none in process)
-    num_preemptions: int
-    images_encoded: int  # images run through the vision tower
-    prompt_tokens: int  # of the requests admitted
-    generation_tokens: int
-    prefix_cache_hit_tokens: int  # prompt tokens found in the prefix cache
-    prefix_cache_query_tokens: int  # prompt tokens looked up in it
-    mm_embedding_cache_hits: int  # images a request got without the vision tower
-    mm_embedding_cache_misses: int
-    mm_embedding_cache_usage_bytes: int
-    # a hybrid model's: first admissions, those that restored a linear-state snapshot,
-    # and the snapshots kept
-    linear_state_snapshot_queries: int = 0
-    linear_state_snapshot_hits: int = 0
-    linear_state_snapshots: int = 0
 
 
 class Engine:
@@ -118,13 +94,25 @@ class Engine:
                 self.max_model_len,
                 capacity,
             )
+        self.host_tier = (  # evicted pages and embeddings, in host memory
+            None
+            if state.host_pages is None
+            else HostTier(
+                config.kv_offload_bytes,
+                self.kv_cache,
+                state.host_pages,
+                self.device,
+                record_copies=followers is not None,
+            )
+        )
         self.prefix_cache = (
-            PrefixCache(self.kv_cache.pool, config.page_size)
+            PrefixCache(self.kv_cache.pool, config.page_size, self.host_tier)
             if config.enable_prefix_caching
             else None
         )
         self.embedding_cache = EmbeddingCache(
-            config.mm_embedding_cache_bytes if config.enable_mm_embedding_cache else 0
+            config.mm_embedding_cache_bytes if config.enable_mm_embedding_cache else 0,
+            self.host_tier if config.enable_mm_embedding_cache else None,
         )
         self.pixels = PixelStore()
         self.patches = PatchMaker.from_checkpoint(config.model, self.device, self.dtype)
@@ -162,6 +150,7 @@ class Engine:
             state.decode_graphs,
             state.linear_states,
             self.state_slots,
+            self.host_tier,
         )
         # Every owner of per-request state, in the order `_finish` releases them (the
         # planner first: the pages it registers are what snapshots are keyed by).
@@ -292,6 +281,11 @@ class Engine:
             mm_embedding_cache_misses=cache.misses,
             mm_embedding_cache_usage_bytes=cache.usage_bytes,
             **({} if self.state_slots is None else self.state_slots.stats()),
+            **({} if self.host_tier is None else self.host_tier.stats()),
+            prefix_cache_host_hit_tokens=(
+                self.prefix_cache.host_hit_tokens if self.prefix_cache is not None else 0
+            ),
+            mm_embedding_cache_host_hits=cache.host_hits,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -359,6 +353,9 @@ class Engine:
                     finish_reason=reason,
                     prompt_tokens=request.prompt_len,
                     cached_tokens=request.num_cached_tokens,
+                    host_cached_tokens=None
+                    if self.host_tier is None
+                    else request.num_host_cached_tokens,
                     completion_tokens=len(request.output_token_ids),
                     images=images,
                     queue_seconds=request.queue_seconds

@@ -11,6 +11,7 @@ preempted; a page another request still holds is never freed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,8 @@ class PagePool:
     request holds a page"."""
 
     def __init__(self, num_pages: int) -> None:
+        """`on_evict(page, key, token_bytes)`, when set, hears of each cached page as it is
+        evicted, before its new owner writes it (the host tier spills it)."""
         if num_pages < 1:
             raise ValueError("the KV cache needs at least one page; raise its memory budget")
         self.num_pages = num_pages
@@ -77,6 +80,7 @@ class PagePool:
         self._page_of_key: dict[bytes, int] = {}
         self._content: dict[int, tuple[bytes, bytes]] = {}  # page -> (key, token bytes)
         self.num_evictions = 0
+        self.on_evict: Callable[[int, bytes, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -112,9 +116,11 @@ class PagePool:
             self._refcounts[page] = 1
         while len(pages) < count:
             page, _ = self._evictable.popitem(last=False)
-            key, _ = self._content.pop(page)
+            key, tokens = self._content.pop(page)
             del self._page_of_key[key]
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(page, key, tokens)
             self._refcounts[page] = 1
             pages.append(page)
         return pages

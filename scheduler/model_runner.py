@@ -16,6 +16,7 @@ from iris_serve.ipc.messages import TokenLogprob
 from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk
 from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
 from iris_serve.scheduler.encoder_manager import ChunkImages
+from iris_serve.scheduler.host_tier import HostTier, PageCopy
 from iris_serve.scheduler.models.linear_state import (
     LinearStates,
     LinearStepContext,
@@ -45,6 +46,9 @@ class StepInputs:
     # copies to apply before the forward reads any
     linear: list[SequenceStates] | None = None
     slot_ops: list[SlotOp] = field(default_factory=list)
+    # the host tier's page copies rank 0 made while planning, for the other ranks to make
+    # before their forward (rank 0's `forward` does not: they are made)
+    host_copies: list[PageCopy] = field(default_factory=list)
     # host copies of input_ids and positions (rank 0 sends them without a device read)
     host_input_ids: list[int] | None = None
     host_positions: torch.Tensor | None = None
@@ -76,10 +80,13 @@ class ModelRunner(RequestResources):
         decode_graphs: DecodeGraphs | None = None,
         linear_states: LinearStates | None = None,
         state_slots: StateSlots | None = None,
+        host_tier: HostTier | None = None,
     ) -> None:
         """`linear_states` (this rank's pool) and `state_slots` (rank 0's bookkeeping of
-        it): a hybrid model's linear-attention state; None for the others."""
+        it): a hybrid model's linear-attention state; None for the others. `host_tier`:
+        rank 0's, whose page copies the other ranks repeat."""
         self.model = model
+        self.host_tier = host_tier
         self.linear_states = linear_states
         self.state_slots = state_slots
         self.decode_graphs = decode_graphs
@@ -155,6 +162,7 @@ class ModelRunner(RequestResources):
             host_positions=positions,
             linear=None if slots is None else slots.sequences(chunks),
             slot_ops=[] if slots is None else slots.take_ops(),
+            host_copies=[] if self.host_tier is None else self.host_tier.take_copies(),
         )
 
     @torch.inference_mode()

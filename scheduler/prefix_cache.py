@@ -15,19 +15,26 @@ reusing it is exact.
 at admission `match` finds the longest chain of cached pages over a request's tokens
 (never its last token: one token must be computed to get logits); as a request computes
 tokens `register` adds its newly full pages, prompt and decode pages alike (the next
-turn of a conversation contains the previous answer).
+turn of a conversation contains the previous answer). With a host tier (host_tier.py) the
+chain goes on in host memory where the device's ends, and `reload` copies those pages
+back into pages the request was given.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from iris_serve.ipc.messages import ImageRef
 from iris_serve.scheduler.kv_cache import PagePool
 from iris_serve.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from iris_serve.scheduler.host_tier import HostTier
 
 assert array("i").itemsize == 4, "token ids are hashed as int32"
 
@@ -60,18 +67,45 @@ def image_overlaps(images: list[ImageRef], start: int, end: int) -> list[tuple[b
     ]
 
 
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A request's cached prefix: the device `pages` holding its first tokens, then the
+    keys of the pages after them that the host tier holds (`host_keys`, reloaded at
+    admission). `fallback`: how many of `pages` to take should a reload fail (all of them;
+    a hybrid model's, those up to its deepest snapshot on the device side)."""
+
+    pages: list[int] = field(default_factory=list)
+    host_keys: list[bytes] = field(default_factory=list)
+    fallback: int = 0
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages) + len(self.host_keys)
+
+    def without_host(self) -> PrefixMatch:
+        return PrefixMatch(self.pages[: self.fallback], [], self.fallback)
+
+
 class PrefixCache:
-    def __init__(self, pool: PagePool, page_size: int) -> None:
+    def __init__(self, pool: PagePool, page_size: int, host: HostTier | None = None) -> None:
         self.pool = pool
         self.page_size = page_size
+        self.host = host  # where evicted pages went (None: nowhere)
+        if host is not None:
+            pool.on_evict = host.spill_page
         # a hybrid model's: whether a page's key has a state snapshot (state_slots.py)
         self._restorable: Callable[[bytes], bool] | None = None
         self.hit_tokens = 0  # tokens found cached at requests' first admission
+        self.host_hit_tokens = 0  # of those, reloaded from the host tier
         self.query_tokens = 0  # tokens looked up then (the hit rate's denominator)
 
-    def count_first_admission(self, hit_tokens: int, query_tokens: int) -> None:
-        """A request's first admission found `hit_tokens` of its `query_tokens` cached."""
+    def count_first_admission(
+        self, hit_tokens: int, query_tokens: int, host_hit_tokens: int = 0
+    ) -> None:
+        """A request's first admission found `hit_tokens` of its `query_tokens` cached,
+        `host_hit_tokens` of them in the host tier."""
         self.hit_tokens += hit_tokens
+        self.host_hit_tokens += host_hit_tokens
         self.query_tokens += query_tokens
 
     def require_snapshots(self, restorable: Callable[[bytes], bool]) -> None:
@@ -79,10 +113,11 @@ class PrefixCache:
         `restorable` says has a snapshot of the linear layers' state, or is empty."""
         self._restorable = restorable
 
-    def match(self, request: Request) -> list[int]:
-        """Cached pages holding the longest prefix of the request's tokens, stopping
-        before its last token (and, with `require_snapshots`, at a snapshot). Read-only:
-        the caller takes references with `pool.share`."""
+    def match(self, request: Request) -> PrefixMatch:
+        """The longest cached prefix of the request's tokens, on the device then in the
+        host tier, stopping before its last token (and, with `require_snapshots`, at a
+        snapshot). Takes nothing: the caller shares the pages (`pool.share`) and reloads
+        the host ones (`reload`)."""
         max_pages = (request.num_tokens - 1) // self.page_size
         keys = self.page_keys(request, max_pages)
         pages = []
@@ -91,10 +126,33 @@ class PrefixCache:
             if page is None:
                 break
             pages.append(page)
-        if self._restorable is not None:
-            while pages and not self._restorable(keys[len(pages) - 1]):
-                pages.pop()
-        return pages
+        host_keys = []
+        if self.host is not None:
+            for index in range(len(pages), max_pages):
+                if not self.host.has_page(keys[index], self._page_tokens(request, index)):
+                    break
+                host_keys.append(keys[index])
+        if self._restorable is None:
+            return PrefixMatch(pages, host_keys, len(pages))
+        fallback = self._restorable_depth(keys, len(pages))
+        depth = self._restorable_depth(keys, len(pages) + len(host_keys))
+        if depth <= len(pages):
+            return PrefixMatch(pages[:depth], [], depth)
+        return PrefixMatch(pages, host_keys[: depth - len(pages)], fallback)
+
+    def reload(self, request: Request, match: PrefixMatch, pages: Sequence[int]) -> bool:
+        """Copies the match's host pages into `pages` (held by the request, one each) and
+        registers them under their keys. False when a reload failed: nothing is
+        registered, and the request computes those tokens instead."""
+        assert self.host is not None and len(pages) == len(match.host_keys)
+        first = len(match.pages)
+        tokens = [self._page_tokens(request, first + i) for i in range(len(pages))]
+        for key, page, page_tokens in zip(match.host_keys, pages, tokens, strict=True):
+            if not self.host.reload_page(key, page_tokens, page):
+                return False
+        for key, page, page_tokens in zip(match.host_keys, pages, tokens, strict=True):
+            self.pool.cache(page, key, page_tokens)
+        return True
 
     def register(self, request: Request) -> None:
         """Caches the request's pages that its computed tokens have filled since the last
@@ -124,6 +182,13 @@ class PrefixCache:
             )
             table.add_key(page_key(parent, self._page_tokens(request, index), images))
         return keys
+
+    def _restorable_depth(self, keys: Sequence[bytes], num_pages: int) -> int:
+        """The most of the first `num_pages` pages a hybrid model can resume after."""
+        assert self._restorable is not None
+        while num_pages and not self._restorable(keys[num_pages - 1]):
+            num_pages -= 1
+        return num_pages
 
     def _page_tokens(self, request: Request, index: int) -> bytes:
         return token_bytes(request.token_ids(index * self.page_size, (index + 1) * self.page_size))

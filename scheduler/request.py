@@ -69,6 +69,7 @@ class Request:
     grammar: GrammarMatcher | None = None  # structured output: where the output is in it
 
     num_cached_tokens: int = 0  # found in the prefix cache at the first admission (usage)
+    num_host_cached_tokens: int = 0  # of those, reloaded from the host tier
     added_at: float = field(default_factory=time.monotonic)  # when the engine took it
     queue_seconds: float | None = None  # from `added_at` to its first step
     page_table: PageTable = field(default_factory=PageTable)

@@ -485,12 +485,14 @@ class DetokenizeBody(_Body):
 # --- responses -----------------------------------------------------------------------
 
 
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
 def _omitted_when_none() -> Any:
     return Field(default=None, exclude_if=lambda value: value is None)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # from the prefix cache, whichever tier held them
+    # of those, reloaded from host memory (Iris's vendor field, with `--kv-offload-gib`)
+    host_cached_tokens: int | None = _omitted_when_none()
 
 
 class ImageCacheEntry(BaseModel):
@@ -544,12 +546,15 @@ class Usage(BaseModel):
         completion_tokens: int,
         cached_tokens: int,
         image_cache: list[ImageCacheEntry] | None = None,
+        host_cached_tokens: int | None = None,
     ) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=cached_tokens, host_cached_tokens=host_cached_tokens
+            ),
             image_cache=image_cache,
         )
 

@@ -456,7 +456,13 @@ def _fields(meta: _Meta) -> dict[str, Any]:
 def _usage(output: RequestOutput, previous: Usage) -> Usage:
     """The usage so far; the image report comes on the first token only, and stays."""
     images = image_cache(output.images) if output.images else previous.image_cache
-    return Usage.of(output.prompt_tokens, output.completion_tokens, output.cached_tokens, images)
+    return Usage.of(
+        output.prompt_tokens,
+        output.completion_tokens,
+        output.cached_tokens,
+        images,
+        output.host_cached_tokens,
+    )
 
 
 async def _unless_disconnected(raw: Request, awaitable: Awaitable[T]) -> T:

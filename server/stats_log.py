@@ -60,4 +60,10 @@ def throughput_line(
     if admitted:
         restored = grew("linear_state_snapshot_hits")
         line += f", linear-state snapshots restored for {100 * restored / admitted:.1f}%"
+    if total(now, "host_tier_capacity_bytes"):  # `--kv-offload-gib`
+        host = grew("prefix_cache_host_hit_tokens")
+        line += (
+            f", host tier {100 * host / queried if queried else 0:.1f}% of prefix tokens, "
+            f"{total(now, 'host_tier_usage_bytes') / 2**30:.2f} GiB held"
+        )
     return line

@@ -89,8 +89,14 @@ def combined_usage(choices: list[Usage]) -> Usage:
     completion tokens."""
     first = choices[0]
     completion = sum(usage.completion_tokens for usage in choices)
-    cached = first.prompt_tokens_details.cached_tokens
-    return Usage.of(first.prompt_tokens, completion, cached, first.image_cache)
+    details = first.prompt_tokens_details
+    return Usage.of(
+        first.prompt_tokens,
+        completion,
+        details.cached_tokens,
+        first.image_cache,
+        details.host_cached_tokens,
+    )
 
 
 async def _choice_events(

@@ -95,14 +95,14 @@ def test_same_tokens_with_another_image_share_only_the_pages_before_it():
 
     other = request("other-image", tokens, [image(KEY_B, 5, 6)])
     same = request("same-image", tokens, [image(KEY_A, 5, 6)])
-    assert len(p.prefix_cache.match(other)) == 1
-    assert len(p.prefix_cache.match(same)) == 3  # all but the page of the last token
+    assert len(p.prefix_cache.match(other).pages) == 1
+    assert len(p.prefix_cache.match(same).pages) == 3  # all but the page of the last token
 
     p.add(other)
     assert run_step(p) == {"other-image": (4, 12)}
     assert other.num_cached_tokens == 4
     # The image pages of the two requests are different pages.
-    first_image_pages = set(p.prefix_cache.match(same)[1:3])
+    first_image_pages = set(p.prefix_cache.match(same).pages[1:3])
     assert first_image_pages.isdisjoint(other.page_table.pages)
 
 
@@ -118,7 +118,7 @@ def test_only_full_computed_pages_are_registered_decode_pages_included():
     assert p.pool.num_cached == 3
     tokens = r.token_ids(0, 12)  # prompt plus two sampled tokens
     p.release(r)
-    assert len(p.prefix_cache.match(request("next-turn", [*tokens, 50]))) == 3
+    assert len(p.prefix_cache.match(request("next-turn", [*tokens, 50])).pages) == 3
 
 
 def test_the_last_token_is_never_served_from_the_cache():

@@ -3,12 +3,14 @@
 Greedy fp32 against transformers `generate`, on both architectures: a multi-turn
 conversation (each turn is the previous prompt, its answer and a new image), two prompts
 that differ only in their image, a small pool that evicts all the time, and a cache hit
-that ends inside an image.
+that ends inside an image. Each case runs with the host tier off and on (`--kv-offload-gib`):
+pages evicted to host memory and reloaded change no token either.
 """
 
 from __future__ import annotations
 
 import msgspec
+import pytest
 import torch
 
 from iris_serve.ipc.local import PromptInput
@@ -22,6 +24,12 @@ from tests.reference import hf_generate, make_image
 torch.set_num_threads(2)
 MAX_NEW = 8
 GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW)
+
+
+@pytest.fixture(params=[0, 8 << 20], ids=["device-only", "host-tier"])
+def tier(request) -> dict[str, int]:
+    """The engine's `kv_offload_bytes`: off, then 8 MiB of host tier."""
+    return {"kv_offload_bytes": request.param}
 
 
 def next_turn(
@@ -62,10 +70,12 @@ def floor_pages(num_tokens: int, page_size: int) -> int:
     return num_tokens // page_size * page_size
 
 
-def test_a_four_turn_conversation_reuses_every_previous_turn(each_arch_dir, each_arch_builder):
+def test_a_four_turn_conversation_reuses_every_previous_turn(
+    each_arch_dir, each_arch_builder, tier
+):
     page = 16
     iris, plain = (
-        engine(each_arch_dir, page_size=page),
+        engine(each_arch_dir, page_size=page, **tier),
         engine(each_arch_dir, enable_prefix_caching=False),
     )
     prompt = chat(each_arch_builder, "Describe this picture.", [make_image(112, 84, seed=20)])
@@ -102,10 +112,10 @@ def test_a_four_turn_conversation_reuses_every_previous_turn(each_arch_dir, each
 
 
 def test_prompts_that_differ_only_in_the_image_share_no_image_page(
-    each_arch_dir, each_arch_builder
+    each_arch_dir, each_arch_builder, tier
 ):
     page = 8
-    iris = engine(each_arch_dir, page_size=page)
+    iris = engine(each_arch_dir, page_size=page, **tier)
     a = chat(each_arch_builder, "What is this?", [make_image(112, 112, seed=31)])
     b = chat(each_arch_builder, "What is this?", [make_image(112, 112, seed=32)])
     assert a.token_ids == b.token_ids and a.images[0].key != b.images[0].key
@@ -134,7 +144,9 @@ def test_prompts_that_differ_only_in_the_image_share_no_image_page(
     assert outputs["b"] == hf_generate(each_arch_dir, b, MAX_NEW)
 
 
-def test_a_small_pool_that_evicts_all_the_time_changes_no_token(each_arch_dir, each_arch_builder):
+def test_a_small_pool_that_evicts_all_the_time_changes_no_token(
+    each_arch_dir, each_arch_builder, tier
+):
     shared_image = make_image(112, 84, seed=40)
     prompts = [
         chat(each_arch_builder, f"Question {i}: " + "what and why? " * (1 + i % 3), [shared_image])
@@ -142,12 +154,14 @@ def test_a_small_pool_that_evicts_all_the_time_changes_no_token(each_arch_dir, e
     ]
     longest = max(len(p.token_ids) for p in prompts) + MAX_NEW
     page = 8
-    iris = engine(each_arch_dir, page_size=page, num_kv_pages=-(-longest // page) + 1)
+    iris = engine(each_arch_dir, page_size=page, num_kv_pages=-(-longest // page) + 1, **tier)
     first = iris.generate(prompts, GREEDY)
     again = iris.generate(prompts[::-1], GREEDY)[::-1]  # evicts and hits in another order
     pool = iris.kv_cache.pool
     assert iris.stats().num_preemptions > 0 and pool.num_evictions > 0
     assert iris.stats().prefix_cache_hit_tokens > 0
+    if tier["kv_offload_bytes"]:  # what the device evicted came back from host memory
+        assert iris.stats().prefix_cache_host_hit_tokens > 0
     assert again == first
     for prompt, tokens in zip(prompts, first, strict=True):
         assert tokens == hf_generate(each_arch_dir, prompt, MAX_NEW)
@@ -155,7 +169,7 @@ def test_a_small_pool_that_evicts_all_the_time_changes_no_token(each_arch_dir, e
 
 
 def test_a_hit_that_ends_inside_an_image_splices_the_rest_of_the_image(
-    each_arch_dir, each_arch_builder
+    each_arch_dir, each_arch_builder, tier
 ):
     page = 4
     prompt = chat(each_arch_builder, "Look closely.", [make_image(112, 112, seed=50)])
@@ -164,7 +178,11 @@ def test_a_hit_that_ends_inside_an_image_splices_the_rest_of_the_image(
     # inline, so that one step computes tokens 0..middle, half of the image (beside the
     # steps: tests/test_encoder_beside.py)
     iris = engine(
-        each_arch_dir, page_size=page, max_num_batched_tokens=middle, mm_encoder_placement="inline"
+        each_arch_dir,
+        page_size=page,
+        max_num_batched_tokens=middle,
+        mm_encoder_placement="inline",
+        **tier,
     )
     iris.add_request("cut", prompt, GREEDY)
     iris.step()

@@ -1,0 +1,235 @@
+"""The host tier (`--kv-offload-gib`): KV pages and image embeddings the device caches
+evict go to host memory and come back, token for token.
+
+The bookkeeping on a small KV cache (bytes round-trip, one LRU over pages and embeddings
+in one budget, a tensor-parallel rank that repeats rank 0's copies gets the same bytes),
+then engines against transformers: an agent that returns after others pushed its
+history out, a prefix half on the device and half in host memory, an image whose
+embedding comes back from host memory, a reload that fails (recomputed, that request
+alone), and a hybrid model (Qwen3.5) resuming from host pages. Parity with the tier on
+and off in every prefix-cache case: test_prefix_cache_engine.py; under tensor parallelism:
+test_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iris_serve.ipc.messages import Sampling
+from iris_serve.scheduler.host_tier import HostPages, HostTier
+from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
+from tests.reference import chat_prompt as chat
+from tests.reference import cpu_engine as engine
+from tests.reference import hf_generate, make_image
+from tests.test_prefix_cache_engine import next_turn
+
+torch.set_num_threads(2)
+MAX_NEW = 6
+GREEDY = Sampling(temperature=0.0, max_tokens=MAX_NEW)
+TIER = 8 << 20
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float32)
+CPU = torch.device("cpu")
+
+
+def filled_cache(num_pages: int) -> KVCache:
+    kv = KVCache(LAYOUT, num_pages, CPU)
+    kv.slots.copy_(torch.randn_like(kv.slots))
+    return kv
+
+
+def page_of(kv: KVCache, page: int) -> torch.Tensor:
+    return kv.slots[:, :, :, page * 4 : (page + 1) * 4].clone()
+
+
+def tier_of(kv: KVCache, num_pages: int, **kwargs) -> HostTier:
+    pages = HostPages(LAYOUT, num_pages, CPU)
+    return HostTier(num_pages * LAYOUT.bytes_per_page, kv, pages, CPU, **kwargs)
+
+
+def test_a_spilled_page_reloads_its_exact_bytes_and_only_for_its_tokens():
+    kv = filled_cache(4)
+    tier = tier_of(kv, 2)
+    original = page_of(kv, 1)
+    tier.spill_page(1, b"key", b"tokens")
+    kv.slots.zero_()  # the page's new owner writes over it
+    assert not tier.reload_page(b"key", b"other tokens", 3)  # a collision is never served
+    assert tier.reload_page(b"key", b"tokens", 3)
+    assert torch.equal(page_of(kv, 3), original)
+    assert tier.reload_page(b"key", b"tokens", 2)  # a reload keeps the host copy
+    tier.spill_page(2, b"key", b"tokens")  # evicted again: held already, nothing copied
+    assert tier.bytes_to_host == LAYOUT.bytes_per_page
+    assert tier.bytes_to_device == 2 * LAYOUT.bytes_per_page
+
+
+def test_a_full_tier_evicts_its_least_recently_used_entry_pages_and_embeddings_alike():
+    kv = filled_cache(4)
+    tier = tier_of(kv, 2)  # two pages' bytes
+    embedding = torch.randn(LAYOUT.bytes_per_page // 4, 1)  # one page's bytes
+    tier.spill_page(0, b"a", b"")
+    tier.spill_embedding("image", embedding)
+    assert tier.has_page(b"a", b"")  # touched: "image" is now the oldest
+    tier.spill_page(1, b"b", b"")  # full: evicts the embedding, never refuses
+    assert tier.reload_embedding("image", embedding.shape[0]) is None
+    assert tier.has_page(b"a", b"") and tier.has_page(b"b", b"")
+    assert tier.usage_bytes == tier.capacity_bytes and tier.num_pages == 2
+    tier.spill_embedding("too large", torch.zeros(3 * LAYOUT.bytes_per_page // 4))
+    assert tier.num_pages == 2  # an entry larger than the tier is dropped, not kept
+
+
+def test_an_embedding_reloads_on_the_device_with_its_token_count_checked():
+    tier = tier_of(filled_cache(1), 4)
+    embedding = torch.randn(5, 8)
+    tier.spill_embedding("image", embedding)
+    assert tier.reload_embedding("image", 4) is None  # another token count: not this entry
+    assert torch.equal(tier.reload_embedding("image", 5), embedding)
+    assert tier.num_embeddings == 1
+
+
+def test_another_rank_repeating_rank_0s_copies_holds_the_same_bytes():
+    kv, mirror = filled_cache(3), KVCache(LAYOUT, 3, CPU)
+    mirror.slots.copy_(kv.slots)
+    tier = tier_of(kv, 2, record_copies=True)
+    follower = HostPages(LAYOUT, 2, CPU)
+    # one step's planning: two pages evicted, one of them reloaded at once elsewhere
+    tier.spill_page(0, b"a", b"")
+    tier.spill_page(1, b"b", b"")
+    assert tier.reload_page(b"a", b"", 2)
+    copies = tier.take_copies()
+    assert [c.to_host for c in copies] == [True, True, False] and tier.take_copies() == []
+    follower.apply(mirror, copies)  # before the step's forward, which writes pages 0 and 1
+    assert torch.equal(mirror.slots, kv.slots)
+    assert torch.equal(follower.blocks, tier.pages.blocks)
+
+
+# -- engines against transformers --------------------------------------------------------
+
+
+def run(iris, request_id: str, prompt) -> tuple[list[int], int, int]:
+    """Tokens, cached tokens and host-reloaded tokens of one request run alone."""
+    iris.add_request(request_id, prompt, GREEDY)
+    tokens, cached, host = [], -1, -1
+    for out in iris.run_until_idle():
+        tokens += out.new_token_ids
+        cached, host = out.cached_tokens, out.host_cached_tokens
+    return tokens, cached, host
+
+
+def evict_cached_pages(iris, count: int) -> None:
+    """Another request takes every free page and `count` cached ones, then lets them go:
+    the pool evicts its least recently released pages, a chain's tail first."""
+    pool = iris.kv_cache.pool
+    pages = pool.allocate(pool.num_free - pool.num_evictable + count)
+    pool.free(pages)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def builder(model_dir) -> PromptBuilder:
+    return PromptBuilder(model_dir)
+
+
+def test_an_agent_whose_history_was_evicted_reloads_it_and_answers_the_same(model_dir, builder):
+    page = 8
+    agents = [
+        chat(builder, f"Agent {i}: what changed on screen?", [make_image(84, 84, seed=60 + i)])
+        for i in range(3)
+    ]
+    pages_per_turn = -(-(max(len(p.token_ids) for p in agents) + MAX_NEW) // page)
+    iris = engine(
+        model_dir,
+        page_size=page,
+        num_kv_pages=pages_per_turn + 4,  # about one agent's history
+        kv_offload_bytes=TIER,
+        mm_embedding_cache_bytes=0,  # an embedding lives on the device only while used
+    )
+    answers = [run(iris, f"turn-0-{i}", agent)[0] for i, agent in enumerate(agents)]
+    assert iris.kv_cache.pool.num_evictions > 0
+    returning = next_turn(builder, agents[0], answers[0], "And now?", make_image(84, 56, seed=70))
+    encoded = iris.stats().images_encoded
+    tokens, cached, host = run(iris, "turn-1-0", returning)
+    assert tokens == hf_generate(model_dir, returning, MAX_NEW)
+    last_kv = len(agents[0].token_ids) + len(answers[0]) - 1
+    assert cached == last_kv // page * page  # its whole previous turn, as if never evicted
+    assert 0 < host <= cached
+    assert iris.stats().images_encoded - encoded == 1  # only the new screenshot
+    stats = iris.stats()
+    assert stats.prefix_cache_host_hit_tokens == host
+    assert stats.host_tier_bytes_to_device >= host // page * iris.kv_cache.layout.bytes_per_page
+    assert iris.kv_cache.pool.num_free == iris.kv_cache.pool.num_pages
+
+
+def test_a_prefix_half_on_the_device_half_in_host_memory(model_dir, builder):
+    page = 4
+    prompt = chat(builder, "Count the boats, then the birds.", [make_image(112, 84, seed=80)])
+    iris = engine(model_dir, page_size=page, kv_offload_bytes=TIER)
+    first, _, _ = run(iris, "first", prompt)
+    cached_pages = iris.kv_cache.pool.num_cached
+    evict_cached_pages(iris, cached_pages // 2)  # the tail half goes to host memory
+    tokens, cached, host = run(iris, "again", prompt)
+    assert tokens == first == hf_generate(model_dir, prompt, MAX_NEW)
+    assert cached == (len(prompt.token_ids) - 1) // page * page
+    assert 0 < host < cached  # the head from the device, the tail from host memory
+    assert cached - host == (cached_pages - cached_pages // 2) * page  # what stayed
+
+
+def test_an_image_whose_embedding_was_evicted_comes_back_without_the_vision_tower(
+    model_dir, builder
+):
+    image = make_image(112, 112, seed=90)
+    iris = engine(model_dir, kv_offload_bytes=TIER, mm_embedding_cache_bytes=0)
+    run(iris, "first", chat(builder, "What is this?", [image]))
+    assert len(iris.embedding_cache) == 0  # nobody uses it: gone from the device
+    other = builder.build(  # other text before the image: no prefix-cache hit reaches it
+        "<|im_start|>user\nA new question. <|vision_start|><|image_pad|><|vision_end|>"
+        "Which colours?<|im_end|>\n<|im_start|>assistant\n",
+        [image],
+    )
+    encoded = iris.stats().images_encoded
+    tokens, _, _ = run(iris, "second", other)
+    assert iris.stats().images_encoded == encoded  # reloaded, not encoded
+    assert iris.stats().mm_embedding_cache_host_hits == 1
+    assert tokens == hf_generate(model_dir, other, MAX_NEW)
+
+
+def test_a_failed_reload_recomputes_that_request_alone(model_dir, builder, monkeypatch):
+    page = 4
+    prompt = chat(builder, "Where is the lighthouse?", [make_image(84, 112, seed=95)])
+    iris = engine(model_dir, page_size=page, kv_offload_bytes=TIER)
+    first, _, _ = run(iris, "first", prompt)
+    evict_cached_pages(iris, iris.kv_cache.pool.num_cached // 2)
+    apply = HostPages.apply
+
+    def failing_reloads(self, kv, copies):
+        copies = list(copies)
+        if any(not copy.to_host for copy in copies):
+            raise RuntimeError("injected: the host copy failed")
+        apply(self, kv, copies)
+
+    monkeypatch.setattr(HostPages, "apply", failing_reloads)
+    tokens, cached, host = run(iris, "failing", prompt)
+    assert tokens == first  # recomputed what it could not reload
+    assert host == 0 and 0 < cached < (len(prompt.token_ids) - 1) // page * page
+    assert iris.stats().host_tier_failed_reloads == 1
+    monkeypatch.setattr(HostPages, "apply", apply)
+    assert run(iris, "after", prompt)[0] == first  # nothing wrong was registered
+    pool = iris.kv_cache.pool
+    assert pool.num_free == pool.num_pages
+
+
+def test_a_hybrid_model_resumes_from_host_pages_and_its_snapshot(tiny_checkpoint):
+    model_dir = str(tiny_checkpoint("qwen3_5"))
+    builder = PromptBuilder(model_dir)
+    page = 8
+    prompt = chat(builder, "Read the sign in this photo.", [make_image(96, 64, seed=99)])
+    iris = engine(model_dir, page_size=page, kv_offload_bytes=TIER)
+    first, _, _ = run(iris, "first", prompt)
+    evict_cached_pages(iris, iris.kv_cache.pool.num_cached)  # every page; snapshots stay
+    tokens, cached, host = run(iris, "again", prompt)
+    assert tokens == first == hf_generate(model_dir, prompt, MAX_NEW)
+    assert cached == host > 0  # all from host memory, resumed at a snapshot
