@@ -7,13 +7,15 @@ workloads.
     python -m bench.peers [--size small] [--arch ARCH | --model DIR]
         [--peers iris,vllm,transformers] [--workloads image,append,window,decode,video,clips]
         [--client builtin|vllm] [--vllm-venv DIR] [--iris-flags FLAGS] [--quick] [--out DIR]
+        [--variant NAME=FLAGS ...] [--kv-tokens N]
 
 This is `bench.serve_load` (same workloads, same measurement, same report) with other
 servers: `serve_load` compares Iris with Iris (flag variants, another commit), this
 compares Iris with the servers its users would pick instead. Peers (`--peers`; default
 every one installed, always in this order):
 
-- `iris`: `iris serve` with its defaults and the peers' KV cache size (4 GiB);
+- `iris`: `iris serve` with its defaults and the peers' KV cache size (4 GiB); each
+  `--variant NAME=FLAGS` is one more Iris server, with FLAGS instead of `--iris-flags`;
 - `vllm`: `vllm serve` from the venv of `bench/install_vllm_cpu_peer.sh`
   (`bench.vllm_peer.VllmServer`: float32, bfloat16 for hybrid checkpoints such as
   Qwen3.5's, a 4 GiB KV cache, everything else vLLM's defaults); asked for and not
@@ -29,8 +31,12 @@ history of 640×480 screenshots, and the last 10 of them), `decode` (4k and 8k c
 1 and 8 at once: the served decode step), and when asked for, `video` and `clips`
 (`bench.video_scenario`: eight questions about one 10 s clip in a growing conversation;
 three overlapping clips of one screen recording; `video_url` parts, as Iris and vLLM
-take them). Every peer is measured as a client sees it; Iris's rows also hold its /metrics
-counters.
+take them), and `agents` (`bench.scenario`: 12 agents taking turns). Every peer is
+measured as a client sees it; Iris's rows also hold its /metrics counters.
+
+`--kv-tokens N` gives every server a KV cache of N tokens instead of 4 GiB, for workloads
+about eviction (`agents`): Iris the bytes of N tokens of its full-attention layers at its
+dtype, vLLM `--num-gpu-blocks-override` of its 128-token CPU blocks.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from bench.drop_fields_proxy import ProxyServer
 from bench.load_client import DEFAULT_CLIENT_VENV, INSTALL_HINT
 from bench.results_io import Checkpoint
 from bench.scenario import QUICK_FLAGS
-from bench.serve_load import Server, add_arguments, log
+from bench.serve_load import Server, add_arguments, log, parse_variant
 from bench.serve_load import run as serve_load_run
 from bench.server_process import IrisServer
 from bench.vllm_peer import (
@@ -54,6 +60,7 @@ from bench.vllm_peer import (
     VllmServer,
     find_vllm_venv,
     is_installed,
+    text_config,
     vllm_venv,
     vllm_version,
 )
@@ -61,6 +68,7 @@ from bench.vllm_peer import serve_flags as vllm_flags
 
 PEER_KEYS = ("iris", "vllm", "transformers")
 KV_CACHE_GIB = 4
+VLLM_CPU_BLOCK = 128  # vLLM's CPU block size, tokens
 
 
 class TransformersServer(IrisServer):
@@ -150,20 +158,54 @@ def choose_peers(args: argparse.Namespace) -> list[str]:
     return wanted
 
 
+def kv_bytes_per_token(model_dir: Path, iris_flags: Sequence[str]) -> int:
+    """Bytes of KV one token takes in Iris (every layer's K and V at this rank's heads:
+    Iris on a CPU, float32 unless `--dtype bfloat16` is among its flags)."""
+    text = text_config(model_dir)
+    if "linear_attention" in (text.get("layer_types") or ()):
+        raise SystemExit("--kv-tokens sizes full-attention KV only; not for a hybrid checkpoint")
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    flags = list(iris_flags)
+    dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else "float32"
+    element = 2 if dtype in ("bfloat16", "float16") else 4
+    return (
+        2 * text["num_hidden_layers"] * text.get("num_key_value_heads", heads) * head_dim * element
+    )
+
+
 def make_servers(args: argparse.Namespace, wanted: list[str], model_dir: Path, logs: Path):
     """The chosen peers as `serve_load.Server`s, not started."""
     servers = []
     kv = 1 if args.quick else KV_CACHE_GIB
     if "iris" in wanted:
-        flags = QUICK_FLAGS if args.quick else ["--kv-cache-memory", f"{KV_CACHE_GIB}GiB"]
-        flags = [*flags, *shlex.split(args.iris_flags)]
-        server = IrisServer(model_dir, flags, log_path=logs / "iris.log")
-        how = f"`{shlex.join(['iris', 'serve', 'MODEL_DIR', *flags])}`"
-        servers.append(Server("Iris", server, how))
+        base = QUICK_FLAGS if args.quick else ["--kv-cache-memory", f"{KV_CACHE_GIB}GiB"]
+        variants = [("Iris", shlex.split(args.iris_flags))]
+        variants += [(f"Iris {name}", flags) for name, flags, _ in map(parse_variant, args.variant)]
+        for name, extra in variants:
+            flags = [*base, *extra]
+            if args.kv_tokens:
+                flags += [
+                    "--kv-cache-memory",
+                    str(args.kv_tokens * kv_bytes_per_token(model_dir, flags)),
+                ]
+            log_name = name.lower().replace(" ", "-")
+            server = IrisServer(model_dir, flags, log_path=logs / f"{log_name}.log")
+            how = f"`{shlex.join(['iris', 'serve', 'MODEL_DIR', *flags])}`"
+            servers.append(Server(name, server, how))
     if "vllm" in wanted:
         venv = args.vllm_venv
-        server = VllmServer(model_dir, venv, kv_cache_gib=kv, log_path=logs / "vllm.log")
-        command = shlex.join(["vllm", "serve", "MODEL_DIR", *vllm_flags(model_dir, "vllm")])
+        extra = []
+        if args.kv_tokens:
+            blocks = -(-args.kv_tokens // VLLM_CPU_BLOCK)  # vLLM refuses a longer context
+            extra = [
+                "--num-gpu-blocks-override",
+                str(blocks),
+                "--max-model-len",
+                str(args.kv_tokens),
+            ]
+        server = VllmServer(model_dir, venv, extra, kv_cache_gib=kv, log_path=logs / "vllm.log")
+        command = shlex.join(["vllm", "serve", "MODEL_DIR", *vllm_flags(model_dir, "vllm"), *extra])
         how = f"{vllm_version(venv)} (CPU build): `VLLM_CPU_KVCACHE_SPACE={kv} {command}`"
         servers.append(Server("vLLM", server, how))
     if "transformers" in wanted:
@@ -184,6 +226,20 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_arguments(parser, "image,append,window,decode")
     parser.add_argument("--peers", default=None, help=f"among {','.join(PEER_KEYS)}")
     parser.add_argument("--vllm-venv", default=None, help="the venv of install_vllm_cpu_peer.sh")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="one more Iris server, named 'Iris NAME', with FLAGS instead of "
+        "--iris-flags (repeatable)",
+    )
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="every server's KV cache in tokens instead of 4 GiB (see above)",
+    )
     parser.add_argument("--iris-flags", default="",
                         help="more flags for iris serve (e.g. '--dtype bfloat16', vLLM's "
                         "dtype for a hybrid checkpoint)")  # fmt: skip

@@ -8,6 +8,10 @@ from its /metrics counters.
 - `window`: an agent sending its last 10 screenshots, newest last: step 0 brings 10 new
   ones, every later step drops the oldest and adds one. The first image (and with it the
   prompt's prefix) changes at every step, so only the per-image caches can help.
+- `agents`: `append`'s agent, many of them taking turns (round 1 of every agent, then
+  round 2 of every agent, ...): with a KV cache that holds a few of their histories, an
+  agent comes back after the others pushed its pages out, and only a tier below the
+  device's prefix cache (`--kv-offload-gib`) can spare it the re-prefill.
 
 Answers are greedy with `ignore_eos`, so every server generates as many tokens.
 """
@@ -36,6 +40,7 @@ SYSTEM = {
     "append": "You are a careful assistant. Compare each new screenshot with the earlier ones.",
     "window": "You are a computer-use agent. Reply with the next action only.",
 }
+SYSTEM["agents"] = SYSTEM["append"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +54,11 @@ class Agent:
     max_tokens: int
     summary_from: int
     max_pixels: int | None = None  # mm_processor_kwargs.max_pixels; None: the processor's
+    agents: int = 1  # `agents`: how many take turns
 
     @property
     def first(self) -> int:
-        return 1 if self.name == "append" else 0
+        return 0 if self.name == "window" else 1
 
 
 def warm_up(
@@ -87,6 +93,9 @@ def measured_chat(
         row["encoded"] = int(delta(after, before, "iris_mm_images_encoded_total"))
         row["vit_ms"] = 1e3 * delta(after, before, "iris_mm_encoder_seconds_sum")
         row["server_ttft_ms"] = 1e3 * delta(after, before, "iris_time_to_first_token_seconds_sum")
+        if after.get("iris_host_tier_capacity_bytes"):
+            row["host_copy_ms"] = 1e3 * delta(after, before, "iris_host_tier_copy_seconds_total")
+            row["host_page_copies"] = int(delta(after, before, "iris_host_tier_page_copies_total"))
     return answer.text, row
 
 
@@ -98,30 +107,43 @@ def client_costs(answer: StreamedChat) -> dict[str, Any]:
         "completion_tokens": answer.completion_tokens,
         "ttft_ms": 1e3 * answer.ttft,
         "e2e_ms": 1e3 * answer.latency,
+        **(
+            {}
+            if answer.host_cached_tokens is None
+            else {"host_cached_tokens": answer.host_cached_tokens}
+        ),
     }
 
 
 def requests(agent: Agent, server: IrisServer, model: str, seed: int) -> Iterator[dict[str, Any]]:
-    """Sends the workload's requests one by one (screenshot i has seed `seed + i`),
-    yielding a row of measurements after each."""
+    """Sends the workload's requests one by one (agent a's screenshot i has seed
+    `seed + 17 * a + i`), yielding a row of measurements after each."""
+    if agent.name == "window":
+        yield from _window(agent, server, model, seed)
+        return
     system = {"role": "system", "content": SYSTEM[agent.name]}
-    history: list[dict[str, Any]] = [system]
+    histories: list[list[dict[str, Any]]] = [[system] for _ in range(agent.agents)]
     with httpx.Client(timeout=600) as client:
         for turn in range(agent.first, agent.first + agent.turns):
-            if agent.name == "append":
+            for index, history in enumerate(histories):
                 question = f"Round {turn}: what is new in this screenshot?"
-                content = [image_part(*agent.size, seed=seed + turn)]
+                content = [image_part(*agent.size, seed=seed + 17 * index + turn)]
                 history.append({"role": "user", "content": [*content, _text(question)]})
-                messages = history
-            else:
-                shots = [image_part(*agent.size, seed=seed + i) for i in range(turn, turn + WINDOW)]
-                question = f"Step {turn}: the last {WINDOW} screenshots, newest last. Next action?"
-                messages = [system, {"role": "user", "content": [*shots, _text(question)]}]
-            body = chat_body(model, messages, agent.max_tokens, agent.max_pixels)
-            text, row = measured_chat(client, server, body)
-            yield {"turn": turn, **row}
-            if agent.name == "append":
+                body = chat_body(model, history, agent.max_tokens, agent.max_pixels)
+                text, row = measured_chat(client, server, body)
+                yield {"turn": turn, **({"agent": index} if agent.agents > 1 else {}), **row}
                 history.append({"role": "assistant", "content": text})
+
+
+def _window(agent: Agent, server: IrisServer, model: str, seed: int) -> Iterator[dict[str, Any]]:
+    system = {"role": "system", "content": SYSTEM[agent.name]}
+    with httpx.Client(timeout=600) as client:
+        for turn in range(agent.first, agent.first + agent.turns):
+            shots = [image_part(*agent.size, seed=seed + i) for i in range(turn, turn + WINDOW)]
+            question = f"Step {turn}: the last {WINDOW} screenshots, newest last. Next action?"
+            messages = [system, {"role": "user", "content": [*shots, _text(question)]}]
+            body = chat_body(model, messages, agent.max_tokens, agent.max_pixels)
+            yield {"turn": turn, **measured_chat(client, server, body)[1]}
 
 
 def _text(text: str) -> dict[str, str]:
@@ -156,4 +178,11 @@ def turn_means(rows: list[dict[str, Any]], summary_from: int) -> dict[str, Any]:
     }
     if "encoded" in kept[0]:
         figures["images_encoded"] = statistics.fmean(r["encoded"] for r in kept)
+    prompt = sum(r["prompt_tokens"] for r in kept)
+    figures["prefix_hit_rate"] = sum(r["cached_tokens"] for r in kept) / prompt
+    if "host_cached_tokens" in kept[0]:  # Iris with a host tier: its share of the hits
+        figures["host_hit_rate"] = sum(r["host_cached_tokens"] for r in kept) / prompt
+    copies = sum(r.get("host_page_copies", 0) for r in rows)
+    if copies:  # every request's copies, spills included: µs per KV page either way
+        figures["host_copy_us_per_page"] = 1e3 * sum(r["host_copy_ms"] for r in rows) / copies
     return figures

@@ -2,7 +2,7 @@
 figures against the first's.
 
     python -m bench.serve_load [--size tiny|small] [--arch ARCH | --model DIR] [--quick]
-        [--workloads image,text,append,window,decode,video,clips] [--variant NAME=FLAGS ...]
+        [--workloads image,text,append,window,agents,decode,video,clips] [--variant NAME=FLAGS ...]
         [--before-tree DIR] [--flags=FLAGS] [--rounds N] [--interleave] [--threads N]
         [--client builtin|vllm] [--vllm PATH] [--num-prompts N] [--concurrency N]
         [--output-len N] [--decode CONTEXTxBATCH,...] [--no-bound] [--name NAME] [--out DIR]
@@ -31,6 +31,10 @@ The workloads (`--workloads`, default `image,text`), greedy:
 - `append` and `window`: the agent workloads of `bench.scenario` (a history that grows by
   one 640×480 screenshot per round, 16 rounds, mean over 9-16; the last 10 screenshots,
   steps 0-6, mean over 1-6), one request at a time, `ignore_eos`;
+- `agents`: 12 `append` agents taking turns, 4 rounds each, mean over the returning rounds
+  2-4, with the prefix cache's hit rate (and on Iris with `--kv-offload-gib`, the host
+  tier's share of it and its copy cost per KV page); give the servers a KV cache that
+  holds a few histories (`bench.peers --kv-tokens`) so that agents come back evicted;
 - `decode`: per `--decode` point, `batch` distinct random prompts of `context` tokens
   sent at once, 64 tokens each with `ignore_eos`: the median inter-token latency is the
   served decode step at that batch and context;
@@ -82,7 +86,8 @@ from bench.server_process import IrisServer, group_processes, measure_each, run_
 from bench.video_decoding import decode_rates
 from bench.video_scenario import VideoWorkload
 
-WORKLOADS = ("image", "text", "append", "window", "decode", "video", "clips")
+WORKLOADS = ("image", "text", "append", "window", "agents", "decode", "video", "clips")
+AGENTS = 12  # `agents`: conversations taking turns
 SCREENSHOT = (640, 480)
 DECODE_TOKENS = 64
 RECORDING, QUICK_RECORDING = ((640, 360), 30.0), ((160, 90), 8.0)  # (width, height), fps
@@ -123,6 +128,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
             )
         elif name == "window":
             chosen.append(scenario.Agent("window", 2 if quick else 7, shot, out, 1))
+        elif name == "agents":  # every agent's round 1 is cold; its later rounds return
+            turns, agents = (2, 3) if quick else (4, AGENTS)
+            chosen.append(scenario.Agent("agents", turns, shot, out, 2, agents=agents))
         elif name == "video":
             questions = 2 if quick else VIDEO_QUESTIONS
             chosen.append(VideoWorkload("video", spans[:1], questions, size, fps, out, 2))

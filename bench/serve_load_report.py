@@ -56,11 +56,21 @@ RUN_COLUMNS = [  # (header, metrics key) of the every-run table
 ]  # fmt: skip
 DETAIL = [  # (row key, header) of an agent or video workload's requests; Iris's /metrics last
     ("prompt_tokens", "prompt tok"), ("cached_tokens", "cached tok"),
+    ("host_cached_tokens", "Iris: from host tier tok"),
     ("completion_tokens", "out tok"), ("ttft_ms", "TTFT ms"), ("e2e_ms", "E2E ms"),
     ("encoded", "Iris: images encoded"), ("vit_ms", "Iris: ViT ms"),
     ("server_ttft_ms", "Iris: server TTFT ms"),
 ]  # fmt: skip
-TURN = {"append": "round", "window": "step", "video": "question", "clips": "clip"}
+TURN = {
+    "append": "round", "window": "step", "agents": "round (agent)", "video": "question",
+    "clips": "clip",
+}  # fmt: skip
+AGENTS = [  # the `agents` workload: AGENT, and where its prompt tokens came from
+    *AGENT,
+    ("prefix cache hit rate", "prefix_hit_rate", HIGHER),
+    ("of it, host tier", "host_hit_rate", HIGHER),
+    ("host tier copy µs / KV page", "host_copy_us_per_page", LOWER),
+]
 
 
 @dataclass
@@ -81,6 +91,8 @@ class Run:
 def metrics_of(workload: str) -> list[tuple[str, str, str]]:
     if workload == "video":
         return VIDEO
+    if workload == "agents":
+        return AGENTS
     if workload in ("append", "window", "clips"):
         return AGENT
     return DECODE if workload.startswith("decode") else RANDOM
@@ -140,13 +152,19 @@ def detail_table(runs: Sequence[Run], workload: str) -> str:
     `clips` names each request's clip beside its number."""
     entries = sorted(
         (((run.round, row["turn"]), [
-            f"{row['turn']} ({row['clip']})" if workload == "clips" else row["turn"],
+            _turn(row, workload),
             run.server, run.round, *(row.get(k, MISSING) for k, _ in DETAIL),
         ]) for run in runs if run.workload == workload for row in run.rows),
         key=lambda entry: entry[0],
     )  # fmt: skip
     header = [TURN[workload], "server", "run", *(h for _, h in DETAIL)]
     return markdown_table(header, [row for _, row in entries])
+
+
+def _turn(row: dict[str, Any], workload: str) -> object:
+    if workload == "clips":
+        return f"{row['turn']} ({row['clip']})"
+    return f"{row['turn']} ({row['agent']})" if "agent" in row else row["turn"]
 
 
 def bound_table(bounds: Sequence[Bound], runs: Sequence[Run], base: str) -> str:
@@ -179,6 +197,12 @@ def setup_text(
     for w in plan.workloads:
         if isinstance(w, VideoWorkload):
             parts.append(w.describe())
+        elif getattr(w, "agents", 1) > 1:
+            parts.append(f"`{w.name}`: {w.agents} agents taking turns, {w.turns} rounds each "
+                         f"(one request at a time, one new {w.size[0]}×{w.size[1]} screenshot "
+                         f"per round, the history kept), {w.max_tokens} tokens back "
+                         f"(`ignore_eos`), summary over rounds {w.summary_from} on (agents "
+                         "coming back).")  # fmt: skip
         elif getattr(w, "turns", None):
             parts.append(f"`{w.name}`: {w.turns} requests one at a time, "
                          f"{w.size[0]}×{w.size[1]} screenshots, {w.max_tokens} tokens back "

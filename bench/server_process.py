@@ -323,6 +323,7 @@ class StreamedChat:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    host_cached_tokens: int | None = None  # Iris with a host tier: reloaded from it
 
 
 def chat_body(
@@ -385,6 +386,7 @@ def stream_chat(client: httpx.Client, base_url: str, body: dict[str, Any]) -> St
         prompt_tokens=usage["prompt_tokens"],
         cached_tokens=details.get("cached_tokens", 0),
         completion_tokens=usage["completion_tokens"],
+        host_cached_tokens=details.get("host_cached_tokens"),
     )
 
 

@@ -376,6 +376,7 @@ class EngineStats(_Message, tag=_ENGINE_STATS):
     host_tier_bytes_to_host: int = 0
     host_tier_bytes_to_device: int = 0
     host_tier_copy_seconds: float = 0.0
+    host_tier_page_copies: int = 0  # KV pages copied either way
     host_tier_failed_reloads: int = 0
 
 

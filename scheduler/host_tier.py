@@ -148,6 +148,7 @@ class HostTier:
             "host_tier_bytes_to_host": self.bytes_to_host,
             "host_tier_bytes_to_device": self.bytes_to_device,
             "host_tier_copy_seconds": self.copy_seconds,
+            "host_tier_page_copies": self.pages_spilled + self.pages_reloaded,
             "host_tier_failed_reloads": self.failed_reloads,
         }
 

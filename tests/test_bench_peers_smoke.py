@@ -237,3 +237,35 @@ def test_iris_flags_reach_iris_and_its_row_says_so(tmp_path: Path, qwen2_5_vl_ti
     [iris] = peers.make_servers(args, ["iris"], qwen2_5_vl_tiny, tmp_path)
     assert iris.server.flags[-2:] == ["--dtype", "bfloat16"]
     assert "--dtype bfloat16`" in iris.how
+
+
+def test_agents_taking_turns_come_back_from_the_host_tier(tmp_path: Path, qwen2_5_vl_tiny: Path):
+    """`agents` with a KV cache smaller than three agents' histories: without a tier every
+    returning agent recomputes its history; the `--kv-offload-gib` variant reloads it, and
+    its rows say how much came from host memory and what a page's copy cost."""
+    args = peers.parse_arguments(
+        ["--quick", "--model", str(qwen2_5_vl_tiny), "--workloads", "agents",
+         "--variant", "tier=--kv-offload-gib 0.05", "--kv-tokens", "256", "--out", str(tmp_path)]
+    )  # fmt: skip
+    servers = peers.make_servers(args, ["iris"], qwen2_5_vl_tiny, tmp_path)
+    per_token = peers.kv_bytes_per_token(qwen2_5_vl_tiny, [])
+    assert [s.name for s in servers] == ["Iris", "Iris tier"]
+    assert servers[1].server.flags[-4:] == [
+        "--kv-offload-gib", "0.05", "--kv-cache-memory", str(256 * per_token)
+    ]  # fmt: skip
+    runs = serve_load.run(args, lambda *_: servers, "agents", bound=False)
+    assert [(r.server, r.workload) for r in runs if r.error] == []
+
+    text = (tmp_path / "agents_quick.md").read_text()
+    (header, summary), *_ = markdown_tables(text)
+    tables = {h[0]: (h, rows) for h, rows in markdown_tables(text)}
+    rates = {row[1]: row[2:4] for row in summary if row[0] == "agents"}
+    assert rates["of it, host tier"][0] == "–" and float(rates["of it, host tier"][1]) > 0
+    assert float(rates["host tier copy µs / KV page"][1]) > 0
+    header, rows = tables["round (agent)"]
+    column = {name: header.index(name) for name in header}
+    returning = [row for row in rows if row[0].startswith("2 (")]
+    assert len(returning) == 6  # three agents, two servers
+    for row in returning:
+        host = row[column["Iris: from host tier tok"]]
+        assert (host == "–") if row[1] == "Iris" else int(host) > 0
