@@ -437,9 +437,10 @@ class RankStep(_Message, tag=_RANK_STEP):
     dropped: list[str] = []
     # a hybrid model's slot clears (source -1) and copies, (target, source), in order
     slot_ops: list[tuple[int, int]] = []
-    # the host tier's page copies rank 0 made since the last step, (to host, page, block),
-    # in order: each rank makes them on its shard before its forward
-    host_copies: list[tuple[bool, int, int]] = []
+    # the host tier's copies rank 0 made since the last step, (kind, device page or slot,
+    # host block or snapshot id), in order: each rank makes them on its shard before its
+    # forward and its slot ops (`scheduler/host_tier.py`, `HostCopy`)
+    host_copies: list[tuple[str, int, int]] = []
 
 
 class StopRanks(_Message, tag=_STOP_RANKS):

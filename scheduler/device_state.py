@@ -17,7 +17,7 @@ import torch
 from iris_serve.scheduler.attention import AttentionBackend, create_backend
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.decode_graphs import CudaGraphCapture, DecodeGraphs
-from iris_serve.scheduler.host_tier import HostPages, host_blocks
+from iris_serve.scheduler.host_tier import HostMemory, host_blocks
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.memory_profile import profile_activations
 from iris_serve.scheduler.models.linear_state import LinearStates
@@ -46,8 +46,8 @@ class DeviceState:
     decode_graphs: DecodeGraphs | None
     # a hybrid model's: `max_num_seqs` working slots, then `linear_state_snapshots`
     linear_states: LinearStates | None = None
-    # this rank's host-tier blocks (`kv_offload_bytes`), None without the tier
-    host_pages: HostPages | None = None
+    # this rank's side of the host tier (`kv_offload_bytes`), None without the tier
+    host_memory: HostMemory | None = None
 
     @classmethod
     def build(cls, config: EngineConfig, tp: TPShard = SINGLE, replica: int = 0) -> DeviceState:
@@ -87,17 +87,18 @@ class DeviceState:
         )
         if linear_states is not None:
             _say_hybrid(say, model, linear_states)
-        host_pages = None
+        host_memory = None
         if config.kv_offload_bytes:
-            host_pages = HostPages(layout, host_blocks(config.kv_offload_bytes, layout), device)
+            blocks = host_blocks(config.kv_offload_bytes, layout)
+            host_memory = HostMemory(kv_cache, blocks, linear_states)
             say(
                 "host tier: %.2f GiB of %s host memory per rank, up to %d KV pages (%d tokens; "
-                "%.1fx the device's) and the image embeddings evicted",
+                "%.1fx the device's), with the image embeddings and state snapshots evicted",
                 config.kv_offload_bytes / 2**30,
                 "pinned" if device.type == "cuda" else "pageable",
-                host_pages.num_blocks,
-                host_pages.num_blocks * config.page_size,
-                host_pages.num_blocks / num_pages,
+                blocks,
+                blocks * config.page_size,
+                blocks / num_pages,
             )
         attention = create_backend(config.attention_backend, kv_cache, device)
         max_model_len = min(
@@ -119,7 +120,7 @@ class DeviceState:
             max_model_len,
             graphs,
             linear_states,
-            host_pages,
+            host_memory,
         )
 
 

@@ -96,11 +96,10 @@ class Engine:
             )
         self.host_tier = (  # evicted pages and embeddings, in host memory
             None
-            if state.host_pages is None
+            if state.host_memory is None
             else HostTier(
                 config.kv_offload_bytes,
-                self.kv_cache,
-                state.host_pages,
+                state.host_memory,
                 self.device,
                 record_copies=followers is not None,
             )
@@ -129,7 +128,7 @@ class Engine:
         self.state_slots = (  # a hybrid model's linear-attention state
             None
             if state.linear_states is None
-            else StateSlots.for_pool(config, state.linear_states, self.prefix_cache)
+            else StateSlots.for_pool(config, state.linear_states, self.prefix_cache, self.host_tier)
         )
         self.planner = BatchPlanner(
             self.kv_cache.pool,

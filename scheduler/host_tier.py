@@ -1,7 +1,7 @@
-"""The host tier: where the prefix cache's evicted KV pages and the embedding cache's
-evicted image embeddings go, so that an agent coming back after others pushed its
-history out reloads it instead of re-prefilling and re-encoding (`--kv-offload-gib`;
-`docs/design.md`, "The host tier").
+"""The host tier: where the prefix cache's evicted KV pages, the embedding cache's
+evicted image embeddings and a hybrid model's evicted linear-state snapshots go, so that
+an agent coming back after others pushed its history out reloads it instead of
+re-prefilling and re-encoding (`--kv-offload-gib`; `docs/design.md`, "The host tier").
 
 The device caches stay the one authority on what is resident: the tier hears of an entry
 only as the device cache evicts it (`spill_*`) and hands one back only when a device
@@ -10,14 +10,17 @@ what is where; an entry may be in both (a reload keeps the host copy, so evictin
 page again costs no copy).
 
 Two parts, as with the KV cache:
-- `HostPages`, on every rank: this rank's host blocks, one KV page each (its shard under
-  tensor parallelism), and the copies between them and the device pages.
-- `HostTier`, rank 0's alone: which key is in which block, one LRU over pages and
-  embeddings in one byte budget (a full tier evicts its oldest entry, never refuses), and
-  the counters. Rank 0 copies as it decides, during planning: a spill before the step's
-  forward overwrites the page, a reload before the forward reads it. The same page copies,
-  in the same order, go to the other ranks with the step (`take_copies`), which apply them
-  before their forward: their pages have changed no more than rank 0's had.
+- `HostMemory`, on every rank: this rank's host blocks, one KV page each (its shard under
+  tensor parallelism), its copies of linear-state snapshots, and the copies between them
+  and the device (`HostCopy`).
+- `HostTier`, rank 0's alone: which key is where, one LRU over pages, snapshots and
+  embeddings in one byte budget (a full tier evicts its oldest entry, never refuses; an
+  entry a match found since the last step is not evicted before the step that reloads
+  it), and the counters. Rank 0 copies as it decides, during planning: a spill before the
+  step's forward overwrites the page or slot, a reload before the forward reads it. The
+  same copies, in the same order, go to the other ranks with the step (`take_copies`),
+  which make them before their forward (and before its slot clears and copies): their
+  pages and slots have changed no more than rank 0's had.
 
 On CUDA the blocks are pinned and the copies are asynchronous on the step's stream, ordered
 with the forwards around them; a reload's failure surfaces here only on the CPU (where
@@ -32,32 +35,48 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from itertools import count
+from typing import Any, Literal
 
 import torch
 
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.models.linear_state import LinearStates
 
 logger = logging.getLogger(__name__)
 
 
+CopyKind = Literal["page_out", "page_in", "state_out", "state_in", "state_drop"]
+
+
 @dataclass(frozen=True)
-class PageCopy:
-    """One KV page's bytes between the device and a host block: page → block when
-    `to_host` (a spill), block → page otherwise (a reload)."""
+class HostCopy:
+    """One copy every rank makes on its shard: KV page `device` to host block `host`
+    ("page_out", a spill) or back ("page_in", a reload); linear-state slot `device` to the
+    host snapshot `host` ("state_out") or back ("state_in"), or that snapshot freed
+    ("state_drop")."""
 
-    to_host: bool
-    page: int
-    block: int
+    kind: CopyKind
+    device: int
+    host: int
 
 
-class HostPages:
-    """This rank's host blocks, `[num_blocks, layers, 2, kv_heads, page_size, head_dim]`:
-    one block holds one device page's K and V for every layer."""
+class HostMemory:
+    """This rank's host side of the tier: `blocks` `[num_blocks, layers, 2, kv_heads,
+    page_size, head_dim]`, one device page's K and V for every layer each (pinned on
+    CUDA), and its copies of a hybrid model's snapshots by host id."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        kv: KVCache,
+        num_blocks: int,
+        linear_states: LinearStates | None = None,
+    ) -> None:
+        layout = kv.layout
+        self.kv = kv
+        self.linear_states = linear_states
         self.num_blocks = num_blocks
-        self.page_size = layout.page_size
+        self.pinned = kv.slots.device.type == "cuda"
         self.blocks = torch.empty(
             num_blocks,
             layout.num_layers,
@@ -66,27 +85,53 @@ class HostPages:
             layout.page_size,
             layout.head_dim,
             dtype=layout.dtype,
-            pin_memory=device.type == "cuda",
+            pin_memory=self.pinned,
         )
+        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def apply(self, kv: KVCache, copies: Iterable[PageCopy]) -> None:
-        """Runs `copies` in order (a reload may read a block that an earlier spill wrote)."""
+    def apply(self, copies: Iterable[HostCopy]) -> None:
+        """Makes `copies` in order (a reload may read what an earlier spill wrote)."""
         for copy in copies:
-            page = self._page(kv, copy.page)
-            if copy.to_host:
-                self.blocks[copy.block].copy_(page, non_blocking=True)
+            if copy.kind == "page_out":
+                self.blocks[copy.host].copy_(self._page(copy.device), non_blocking=True)
+            elif copy.kind == "page_in":
+                self._page(copy.device).copy_(self.blocks[copy.host], non_blocking=True)
+            elif copy.kind == "state_out":
+                pool = self._pool()
+                self.states[copy.host] = (
+                    self._host_copy(pool.conv[:, copy.device]),
+                    self._host_copy(pool.recurrent[:, copy.device]),
+                )
+            elif copy.kind == "state_in":
+                pool = self._pool()
+                conv, recurrent = self.states[copy.host]
+                pool.conv[:, copy.device].copy_(conv, non_blocking=True)
+                pool.recurrent[:, copy.device].copy_(recurrent, non_blocking=True)
             else:
-                page.copy_(self.blocks[copy.block], non_blocking=True)
+                self.states.pop(copy.host, None)
 
-    def _page(self, kv: KVCache, page: int) -> torch.Tensor:
-        size = self.page_size
-        return kv.slots[:, :, :, page * size : (page + 1) * size]
+    def _page(self, page: int) -> torch.Tensor:
+        size = self.kv.page_size
+        return self.kv.slots[:, :, :, page * size : (page + 1) * size]
+
+    def _pool(self) -> LinearStates:
+        assert self.linear_states is not None, "only a hybrid model has state snapshots"
+        return self.linear_states
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pinned)
+        return host.copy_(tensor, non_blocking=True)
 
 
 @dataclass
 class _Page:
     block: int
     token_bytes: bytes  # checked on reload, as the device cache checks a hit
+
+
+@dataclass
+class _State:
+    host: int  # its id in every rank's `HostMemory.states`
 
 
 @dataclass
@@ -99,30 +144,34 @@ class _Embedding:
 
 
 class HostTier:
-    """Rank 0's host tier over `pages` (see the module docstring). `record_copies`: keep
-    the page copies for the other tensor-parallel ranks (`take_copies`)."""
+    """Rank 0's host tier over its `memory` (see the module docstring). `record_copies`:
+    keep the copies for the other tensor-parallel ranks (`take_copies`)."""
 
     def __init__(
         self,
         capacity_bytes: int,
-        kv: KVCache,
-        pages: HostPages,
+        memory: HostMemory,
         device: torch.device,
         record_copies: bool = False,
     ) -> None:
         self.capacity_bytes = capacity_bytes
-        self.kv = kv
-        self.pages = pages
+        self.memory = memory
         self.device = device
-        self.page_bytes = kv.layout.bytes_per_page
-        self._entries: OrderedDict[Hashable, _Page | _Embedding] = OrderedDict()  # LRU first
-        self._free_blocks = list(range(pages.num_blocks - 1, -1, -1))
+        self.page_bytes = memory.kv.layout.bytes_per_page
+        states = memory.linear_states
+        self.state_bytes = 0 if states is None else states.layout.bytes_per_slot
+        self._entries: OrderedDict[Hashable, _Page | _State | _Embedding] = OrderedDict()
+        self._fresh: set[Hashable] = set()  # found by a match since the last step
+        self._free_blocks = list(range(memory.num_blocks - 1, -1, -1))
+        self._state_ids = count()
         self._record = record_copies
-        self._copies: list[PageCopy] = []
+        self._copies: list[HostCopy] = []
         self.usage_bytes = 0
         # counters (exported as metrics)
         self.pages_spilled = 0
         self.pages_reloaded = 0
+        self.states_spilled = 0
+        self.states_reloaded = 0
         self.embeddings_spilled = 0
         self.embeddings_reloaded = 0
         self.bytes_to_host = 0
@@ -132,11 +181,15 @@ class HostTier:
 
     @property
     def num_pages(self) -> int:
-        return self.pages.num_blocks - len(self._free_blocks)
+        return self.memory.num_blocks - len(self._free_blocks)
 
     @property
     def num_embeddings(self) -> int:
         return sum(isinstance(entry, _Embedding) for entry in self._entries.values())
+
+    @property
+    def num_states(self) -> int:
+        return sum(isinstance(entry, _State) for entry in self._entries.values())
 
     def stats(self) -> dict[str, Any]:
         """The tier's gauges and counters, by `EngineSnapshot`'s names."""
@@ -152,15 +205,22 @@ class HostTier:
             "host_tier_failed_reloads": self.failed_reloads,
         }
 
+    def take_copies(self) -> list[HostCopy]:
+        """The copies made since the last call, in order, for the other ranks; a step
+        starts, so the entries matches found may be evicted again."""
+        copies, self._copies = self._copies, []
+        self._fresh.clear()
+        return copies
+
     # -- KV pages -------------------------------------------------------------------------
 
     def has_page(self, key: bytes, token_bytes: bytes) -> bool:
-        """Whether the tier holds the page `key` (with these tokens); a hit is touched, so
-        a match's pages are the last to go before their reload."""
+        """Whether the tier holds the page `key` (with these tokens); a hit is kept until
+        the next step, for the reload."""
         entry = self._entries.get(("page", key))
         if not isinstance(entry, _Page) or entry.token_bytes != token_bytes:
             return False
-        self._entries.move_to_end(("page", key))
+        self._touch(("page", key))
         return True
 
     def spill_page(self, page: int, key: bytes, token_bytes: bytes) -> None:
@@ -174,7 +234,7 @@ class HostTier:
         if not self._make_room(self.page_bytes):
             return
         block = self._free_blocks.pop()
-        self._copy(PageCopy(True, page, block))
+        self._copy(HostCopy("page_out", page, block))
         self._entries[name] = _Page(block, token_bytes)
         self.usage_bytes += self.page_bytes
         self.pages_spilled += 1
@@ -188,7 +248,7 @@ class HostTier:
         if not isinstance(entry, _Page) or entry.token_bytes != token_bytes:
             return False
         try:
-            self._copy(PageCopy(False, page, entry.block))
+            self._copy(HostCopy("page_in", page, entry.block))
         except Exception:
             logger.exception("reloading a KV page from host memory failed; recomputing it")
             self.failed_reloads += 1
@@ -199,10 +259,43 @@ class HostTier:
         self.bytes_to_device += self.page_bytes
         return True
 
-    def take_copies(self) -> list[PageCopy]:
-        """The page copies made since the last call, in order, for the other ranks."""
-        copies, self._copies = self._copies, []
-        return copies
+    # -- a hybrid model's linear-state snapshots ------------------------------------------
+
+    def has_state(self, key: bytes) -> bool:
+        """Whether the tier holds the snapshot keyed `key` (kept until the next step)."""
+        if ("state", key) not in self._entries:
+            return False
+        self._touch(("state", key))
+        return True
+
+    def spill_state(self, key: bytes, slot: int) -> None:
+        """The snapshot store evicts slot `slot`'s snapshot `key`: a copy goes to host
+        memory before the slot is written again."""
+        name = ("state", key)
+        if name in self._entries:
+            self._entries.move_to_end(name)
+            return
+        if not self._make_room(self.state_bytes):
+            return
+        host = next(self._state_ids)
+        self._copy(HostCopy("state_out", slot, host))
+        self._entries[name] = _State(host)
+        self.usage_bytes += self.state_bytes
+        self.states_spilled += 1
+        self.bytes_to_host += self.state_bytes
+
+    def reload_state(self, key: bytes, slot: int) -> bool:
+        """Copies the snapshot `key` into slot `slot` (a request's working slot); False
+        when the tier does not hold it."""
+        name = ("state", key)
+        entry = self._entries.get(name)
+        if not isinstance(entry, _State):
+            return False
+        self._copy(HostCopy("state_in", slot, entry.host))
+        self._entries.move_to_end(name)
+        self.states_reloaded += 1
+        self.bytes_to_device += self.state_bytes
+        return True
 
     # -- image embeddings -----------------------------------------------------------------
 
@@ -243,28 +336,40 @@ class HostTier:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _copy(self, copy: PageCopy) -> None:
+    def _copy(self, copy: HostCopy) -> None:
         started = time.perf_counter()
-        self.pages.apply(self.kv, (copy,))
+        self.memory.apply((copy,))
         self.copy_seconds += time.perf_counter() - started
         if self._record:
             self._copies.append(copy)
 
+    def _touch(self, name: Hashable) -> None:
+        self._entries.move_to_end(name)
+        self._fresh.add(name)
+
     def _make_room(self, nbytes: int) -> bool:
-        """Evicts least recently used entries until `nbytes` more fit; False if they never
-        can (larger than the tier). The blocks are as many pages as the budget holds, so
-        while the bytes fit a page, a block is free."""
+        """Evicts least recently used entries (not those a match found since the last
+        step) until `nbytes` more fit; False if they cannot. The blocks are as many pages
+        as the budget holds, so while the bytes fit a page, a block is free."""
         if nbytes > self.capacity_bytes:
             return False
+        victims = (name for name in list(self._entries) if name not in self._fresh)
         while self.usage_bytes + nbytes > self.capacity_bytes:
-            self._drop(next(iter(self._entries)))
+            victim = next(victims, None)
+            if victim is None:
+                return False
+            self._drop(victim)
         return True
 
     def _drop(self, name: Hashable) -> None:
         entry = self._entries.pop(name)
+        self._fresh.discard(name)
         if isinstance(entry, _Page):
             self._free_blocks.append(entry.block)
             self.usage_bytes -= self.page_bytes
+        elif isinstance(entry, _State):
+            self._copy(HostCopy("state_drop", -1, entry.host))
+            self.usage_bytes -= self.state_bytes
         else:
             self.usage_bytes -= entry.nbytes
 

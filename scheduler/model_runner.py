@@ -16,7 +16,7 @@ from iris_serve.ipc.messages import TokenLogprob
 from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk
 from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
 from iris_serve.scheduler.encoder_manager import ChunkImages
-from iris_serve.scheduler.host_tier import HostTier, PageCopy
+from iris_serve.scheduler.host_tier import HostCopy, HostTier
 from iris_serve.scheduler.models.linear_state import (
     LinearStates,
     LinearStepContext,
@@ -46,9 +46,9 @@ class StepInputs:
     # copies to apply before the forward reads any
     linear: list[SequenceStates] | None = None
     slot_ops: list[SlotOp] = field(default_factory=list)
-    # the host tier's page copies rank 0 made while planning, for the other ranks to make
-    # before their forward (rank 0's `forward` does not: they are made)
-    host_copies: list[PageCopy] = field(default_factory=list)
+    # the host tier's copies rank 0 made while planning, for the other ranks to make before
+    # their forward and its slot ops (rank 0's `forward` does not: they are made)
+    host_copies: list[HostCopy] = field(default_factory=list)
     # host copies of input_ids and positions (rank 0 sends them without a device read)
     host_input_ids: list[int] | None = None
     host_positions: torch.Tensor | None = None

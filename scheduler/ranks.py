@@ -42,7 +42,7 @@ from iris_serve.scheduler.attention import SequenceChunk
 from iris_serve.scheduler.batch_planner import StepPlan
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.device_state import DeviceState, rank_device
-from iris_serve.scheduler.host_tier import PageCopy
+from iris_serve.scheduler.host_tier import HostCopy
 from iris_serve.scheduler.model_runner import ModelRunner, StepInputs
 from iris_serve.scheduler.models.linear_state import SequenceStates
 from iris_serve.scheduler.models.tensor_parallel import TPShard
@@ -160,7 +160,7 @@ class StepBroadcaster:
             slot_ops=[
                 (op.target, -1 if op.source is None else op.source) for op in inputs.slot_ops
             ],
-            host_copies=[(c.to_host, c.page, c.block) for c in inputs.host_copies],
+            host_copies=[(c.kind, c.device, c.host) for c in inputs.host_copies],
         )
 
     def close(self) -> None:
@@ -196,9 +196,9 @@ class Follower:
         for request_id in message.dropped:
             self.tables.pop(request_id, None)
         if message.host_copies:
-            host = self.state.host_pages
-            assert host is not None, "rank 0 has a host tier, so every rank has its blocks"
-            host.apply(self.state.kv_cache, (PageCopy(*copy) for copy in message.host_copies))
+            host = self.state.host_memory
+            assert host is not None, "rank 0 has a host tier, so every rank has its memory"
+            host.apply(HostCopy(*copy) for copy in message.host_copies)  # type: ignore[arg-type]
         ids = _tensor(message.input_ids, device)
         image_embeddings = None
         num_image_rows = sum(end - start for start, end in message.image_rows)

@@ -25,7 +25,8 @@ Snapshots are taken where a forward passes a page boundary that is worth resumin
 A step captures them mid-chunk (`SequenceStates.captures`); they go to the store once the
 forward that writes them has run (`step_ran`), the latest boundary's when its request
 ends. The store is LRU-bounded in slots; snapshots a request still writes are never
-evicted.
+evicted. With a host tier (host_tier.py) an evicted snapshot is copied to host memory
+first, and a hit on a snapshot there restores it from there into the working slot.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from iris_serve.scheduler.batch_planner import ScheduledChunk
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.models.linear_state import LinearStates, SequenceStates
 from iris_serve.scheduler.prefix_cache import PrefixCache
 from iris_serve.scheduler.request import Request, RequestResources
+
+if TYPE_CHECKING:
+    from iris_serve.scheduler.host_tier import HostTier
 
 # A request's prefix-cache keys: the first `num_pages` full pages' (or more)
 PageKeys = Callable[[Request, int], Sequence[bytes]]
@@ -71,12 +76,19 @@ class _Held:
 
 class StateSlots(RequestResources):
     """Owns the slots of one `LinearStates` pool. `page_keys` is the prefix cache's;
-    without a prefix cache (`page_keys` None) no snapshot is ever taken."""
+    without a prefix cache (`page_keys` None) no snapshot is ever taken. `host`: where
+    evicted snapshots go (the host tier), if anywhere."""
 
     def __init__(
-        self, num_working: int, num_snapshots: int, page_size: int, page_keys: PageKeys | None
+        self,
+        num_working: int,
+        num_snapshots: int,
+        page_size: int,
+        page_keys: PageKeys | None,
+        host: HostTier | None = None,
     ) -> None:
         self.page_size = page_size
+        self.host = host
         self.page_keys = page_keys
         self.num_snapshots = num_snapshots if page_keys is not None else 0
         self._free_working = list(range(num_working - 1, -1, -1))
@@ -91,7 +103,11 @@ class StateSlots(RequestResources):
 
     @classmethod
     def for_pool(
-        cls, config: EngineConfig, pool: LinearStates, prefix_cache: PrefixCache | None
+        cls,
+        config: EngineConfig,
+        pool: LinearStates,
+        prefix_cache: PrefixCache | None,
+        host: HostTier | None = None,
     ) -> StateSlots:
         """The owner of a `DeviceState` pool's slots (working slots, then snapshots, then
         the scratch slot). With a prefix cache, its hits must end at a snapshot."""
@@ -100,6 +116,7 @@ class StateSlots(RequestResources):
             pool.num_slots - config.max_num_seqs - 1,
             config.page_size,
             None if prefix_cache is None else prefix_cache.page_keys,
+            host,
         )
         if prefix_cache is not None:
             prefix_cache.require_snapshots(slots.has_snapshot)
@@ -118,7 +135,7 @@ class StateSlots(RequestResources):
         }
 
     def has_snapshot(self, key: bytes) -> bool:
-        return key in self._stored
+        return key in self._stored or (self.host is not None and self.host.has_state(key))
 
     def admit(self, request: Request, num_cached_tokens: int) -> None:
         """Gives a request being admitted its working slot, holding the state after its
@@ -137,9 +154,13 @@ class StateSlots(RequestResources):
         key = self.page_keys(request, num_cached_tokens // self.page_size)[
             num_cached_tokens // self.page_size - 1
         ]
-        snapshot = self._stored[key]  # `PrefixCache.match` stopped at one
-        self._stored.move_to_end(key)
-        self._ops.append(SlotOp(working, snapshot))
+        snapshot = self._stored.get(key)  # `PrefixCache.match` stopped at one
+        if snapshot is not None:
+            self._stored.move_to_end(key)
+            self._ops.append(SlotOp(working, snapshot))
+        else:  # in host memory, kept there since the match (copied now, before the step)
+            restored = self.host is not None and self.host.reload_state(key, working)
+            assert restored, f"the snapshot at {num_cached_tokens} tokens went missing"
         if first_admission:
             self.snapshot_hits += 1
 
@@ -233,7 +254,9 @@ class StateSlots(RequestResources):
         if self._free_snapshots:
             return self._free_snapshots.pop()
         if self._stored:
-            _, slot = self._stored.popitem(last=False)
+            key, slot = self._stored.popitem(last=False)
+            if self.host is not None:
+                self.host.spill_state(key, slot)
             return slot
         return None
 

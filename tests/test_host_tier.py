@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.host_tier import HostPages, HostTier
+from iris_serve.scheduler.host_tier import HostMemory, HostTier
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt as chat
@@ -44,8 +44,8 @@ def page_of(kv: KVCache, page: int) -> torch.Tensor:
 
 
 def tier_of(kv: KVCache, num_pages: int, **kwargs) -> HostTier:
-    pages = HostPages(LAYOUT, num_pages, CPU)
-    return HostTier(num_pages * LAYOUT.bytes_per_page, kv, pages, CPU, **kwargs)
+    memory = HostMemory(kv, num_pages)
+    return HostTier(num_pages * LAYOUT.bytes_per_page, memory, CPU, **kwargs)
 
 
 def test_a_spilled_page_reloads_its_exact_bytes_and_only_for_its_tokens():
@@ -91,16 +91,43 @@ def test_another_rank_repeating_rank_0s_copies_holds_the_same_bytes():
     kv, mirror = filled_cache(3), KVCache(LAYOUT, 3, CPU)
     mirror.slots.copy_(kv.slots)
     tier = tier_of(kv, 2, record_copies=True)
-    follower = HostPages(LAYOUT, 2, CPU)
+    follower = HostMemory(mirror, 2)
     # one step's planning: two pages evicted, one of them reloaded at once elsewhere
     tier.spill_page(0, b"a", b"")
     tier.spill_page(1, b"b", b"")
     assert tier.reload_page(b"a", b"", 2)
     copies = tier.take_copies()
-    assert [c.to_host for c in copies] == [True, True, False] and tier.take_copies() == []
-    follower.apply(mirror, copies)  # before the step's forward, which writes pages 0 and 1
+    assert [c.kind for c in copies] == ["page_out", "page_out", "page_in"]
+    assert tier.take_copies() == []
+    follower.apply(copies)  # before the step's forward, which writes pages 0 and 1
     assert torch.equal(mirror.slots, kv.slots)
-    assert torch.equal(follower.blocks, tier.pages.blocks)
+    assert torch.equal(follower.blocks, tier.memory.blocks)
+
+
+def test_a_snapshot_round_trips_through_host_memory_and_is_freed_on_every_rank():
+    from iris_serve.scheduler.models.linear_state import LinearStateLayout, LinearStates
+
+    layout = LinearStateLayout(2, 8, 4, 2, 4, 4, torch.float32)
+    pools = [LinearStates(layout, 3, CPU) for _ in range(2)]  # rank 0's and another's
+    pools[0].conv.normal_(), pools[0].recurrent.normal_()
+    pools[1].conv.copy_(pools[0].conv), pools[1].recurrent.copy_(pools[0].recurrent)
+    kv = filled_cache(1)
+    memory, follower = HostMemory(kv, 0, pools[0]), HostMemory(kv, 0, pools[1])
+    tier = HostTier(layout.bytes_per_slot, memory, CPU, record_copies=True)  # one snapshot
+    conv, recurrent = pools[0].conv[:, 1].clone(), pools[0].recurrent[:, 1].clone()
+
+    tier.spill_state(b"snap", 1)  # the store evicts slot 1 for a new capture
+    follower.apply(tier.take_copies())  # each step: the other ranks, before the forward
+    for pool in pools:
+        pool.clear(1)  # the forward writes slot 1 again
+    assert tier.has_state(b"snap") and tier.reload_state(b"snap", 2)  # a request's slot
+    follower.apply(tier.take_copies())
+    for pool in pools:
+        assert torch.equal(pool.conv[:, 2], conv) and torch.equal(pool.recurrent[:, 2], recurrent)
+    tier.spill_state(b"other", 0)  # full: the older snapshot goes, on every rank
+    follower.apply(tier.take_copies())
+    assert not tier.has_state(b"snap") and tier.has_state(b"other")
+    assert len(memory.states) == len(follower.states) == 1
 
 
 # -- engines against transformers --------------------------------------------------------
@@ -203,23 +230,44 @@ def test_a_failed_reload_recomputes_that_request_alone(model_dir, builder, monke
     iris = engine(model_dir, page_size=page, kv_offload_bytes=TIER)
     first, _, _ = run(iris, "first", prompt)
     evict_cached_pages(iris, iris.kv_cache.pool.num_cached // 2)
-    apply = HostPages.apply
+    apply = HostMemory.apply
 
-    def failing_reloads(self, kv, copies):
+    def failing_reloads(self, copies):
         copies = list(copies)
-        if any(not copy.to_host for copy in copies):
+        if any(copy.kind == "page_in" for copy in copies):
             raise RuntimeError("injected: the host copy failed")
-        apply(self, kv, copies)
+        apply(self, copies)
 
-    monkeypatch.setattr(HostPages, "apply", failing_reloads)
+    monkeypatch.setattr(HostMemory, "apply", failing_reloads)
     tokens, cached, host = run(iris, "failing", prompt)
     assert tokens == first  # recomputed what it could not reload
     assert host == 0 and 0 < cached < (len(prompt.token_ids) - 1) // page * page
     assert iris.stats().host_tier_failed_reloads == 1
-    monkeypatch.setattr(HostPages, "apply", apply)
+    monkeypatch.setattr(HostMemory, "apply", apply)
     assert run(iris, "after", prompt)[0] == first  # nothing wrong was registered
     pool = iris.kv_cache.pool
     assert pool.num_free == pool.num_pages
+
+
+def test_a_hybrid_model_resumes_from_host_pages_and_a_snapshot_in_host_memory(tiny_checkpoint):
+    """Two snapshot slots: the other prompts' snapshots push the first prompt's out of the
+    device, and its pages too; it comes back from host memory, state and KV."""
+    model_dir = str(tiny_checkpoint("qwen3_5"))
+    builder = PromptBuilder(model_dir)
+    prompts = [
+        chat(builder, f"Read sign {i} in this photo.", [make_image(96, 64, seed=100 + i)])
+        for i in range(3)
+    ]
+    iris = engine(model_dir, page_size=8, kv_offload_bytes=TIER, linear_state_snapshots=2)
+    first = [run(iris, f"first-{i}", prompt)[0] for i, prompt in enumerate(prompts)]
+    evict_cached_pages(iris, iris.kv_cache.pool.num_cached)
+    tier = iris.host_tier
+    assert tier is not None and tier.num_states > 0
+    restored = tier.states_reloaded  # the later prompts' shared text may have come back too
+    tokens, cached, host = run(iris, "again", prompts[0])
+    assert tokens == first[0] == hf_generate(model_dir, prompts[0], MAX_NEW)
+    assert cached == host > 0
+    assert tier.states_reloaded == restored + 1
 
 
 def test_a_hybrid_model_resumes_from_host_pages_and_its_snapshot(tiny_checkpoint):

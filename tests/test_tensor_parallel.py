@@ -186,16 +186,19 @@ def test_a_shard_holds_its_heads_its_expert_width_and_its_vocabulary(tiny_checkp
     )
 
 
-def test_two_ranks_with_a_host_tier_reload_their_own_shards(tiny_checkpoint):
-    """A pool that holds about one prompt, so round 2 finds most of round 1 in host
-    memory: each rank copies its own shard out and back as rank 0 tells it, in order,
-    before its forward, and the tokens stay transformers'."""
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5_moe"])
+def test_two_ranks_with_a_host_tier_reload_their_own_shards(tiny_checkpoint, arch):
+    """A pool that holds about one prompt (and on Qwen3.5-MoE two state snapshots), so
+    round 2 finds most of round 1 in host memory: each rank copies its own shard of the
+    pages (and snapshots) out and back as rank 0 tells it, in order, before its forward,
+    and the tokens stay transformers'."""
     from iris_serve.tokenizer_worker.prompt import PromptBuilder
 
-    model_dir = tiny_checkpoint("qwen2_5_vl")
+    model_dir = tiny_checkpoint(arch)
     prompts = _prompts(PromptBuilder(model_dir))
     longest = max(len(p.token_ids) for p in prompts) + MAX_NEW
     rounds = [prompts, prompts[::-1]]
+    snapshots = {"linear_state_snapshots": 2} if arch == "qwen3_5_moe" else {}
     run = generate_tp(
         model_dir,
         2,
@@ -205,6 +208,7 @@ def test_two_ranks_with_a_host_tier_reload_their_own_shards(tiny_checkpoint):
         num_kv_pages=-(-longest // PAGE) + 2,
         max_num_batched_tokens=BUDGET,
         kv_offload_bytes=8 << 20,
+        **snapshots,
     )
     for outputs, round_prompts in zip(run.outputs, rounds, strict=True):
         assert_parity(model_dir, round_prompts, outputs, MAX_NEW)
