@@ -26,7 +26,14 @@ from typing import Any
 import httpx
 
 from bench.images import image_part
-from bench.server_process import IrisServer, StreamedChat, chat_body, delta, stream_chat
+from bench.server_process import (
+    IrisServer,
+    StreamedChat,
+    chat_body,
+    delta,
+    group_rss_bytes,
+    stream_chat,
+)
 
 # --quick: the fewest processes and the smallest reservations a server can start with.
 QUICK_FLAGS = [
@@ -93,6 +100,8 @@ def measured_chat(
         row["encoded"] = int(delta(after, before, "iris_mm_images_encoded_total"))
         row["vit_ms"] = 1e3 * delta(after, before, "iris_mm_encoder_seconds_sum")
         row["server_ttft_ms"] = 1e3 * delta(after, before, "iris_time_to_first_token_seconds_sum")
+        assert server.process is not None  # a started server leads its process group
+        row["server_rss_mib"] = group_rss_bytes(server.process.pid) / 2**20
         if after.get("iris_host_tier_capacity_bytes"):
             row["host_copy_ms"] = 1e3 * delta(after, before, "iris_host_tier_copy_seconds_total")
             row["host_page_copies"] = int(delta(after, before, "iris_host_tier_page_copies_total"))
@@ -182,6 +191,8 @@ def turn_means(rows: list[dict[str, Any]], summary_from: int) -> dict[str, Any]:
     figures["prefix_hit_rate"] = sum(r["cached_tokens"] for r in kept) / prompt
     if "host_cached_tokens" in kept[0]:  # Iris with a host tier: its share of the hits
         figures["host_hit_rate"] = sum(r["host_cached_tokens"] for r in kept) / prompt
+    if "server_rss_mib" in kept[0]:  # Iris: how its processes' memory moved meanwhile
+        figures["server_rss_growth_mib"] = kept[-1]["server_rss_mib"] - kept[0]["server_rss_mib"]
     copies = sum(r.get("host_page_copies", 0) for r in rows)
     if copies:  # every request's copies, spills included: µs per KV page either way
         figures["host_copy_us_per_page"] = 1e3 * sum(r["host_copy_ms"] for r in rows) / copies

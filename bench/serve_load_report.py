@@ -70,6 +70,7 @@ AGENTS = [  # the `agents` workload: AGENT, and where its prompt tokens came fro
     ("prefix cache hit rate", "prefix_hit_rate", HIGHER),
     ("of it, host tier", "host_hit_rate", HIGHER),
     ("host tier copy µs / KV page", "host_copy_us_per_page", LOWER),
+    ("Iris: server RSS growth MiB", "server_rss_growth_mib", LOWER),
 ]
 
 

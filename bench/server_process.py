@@ -136,6 +136,13 @@ def group_processes(group: int) -> list[tuple[int, list[str]]]:
     return found
 
 
+def group_rss_bytes(group: int) -> int:
+    """The resident set sizes of the live processes of process group `group`, summed
+    (shared pages count once per process: a figure to watch grow, not a total)."""
+    pages = sum(int(fields[21]) for _, fields in group_processes(group) if fields[0] != "Z")
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
     """How much one sample grew between two scrapes (a missing sample reads 0)."""
     return after.get(name, 0.0) - before.get(name, 0.0)

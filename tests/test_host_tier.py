@@ -19,6 +19,7 @@ import torch
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.host_tier import HostMemory, HostTier
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.models.registry import load_config
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt as chat
 from tests.reference import cpu_engine as engine
@@ -281,3 +282,40 @@ def test_a_hybrid_model_resumes_from_host_pages_and_its_snapshot(tiny_checkpoint
     tokens, cached, host = run(iris, "again", prompt)
     assert tokens == first == hf_generate(model_dir, prompt, MAX_NEW)
     assert cached == host > 0  # all from host memory, resumed at a snapshot
+
+
+def test_agents_cycling_through_a_full_tier_leak_nothing(model_dir, builder):
+    """Four agents take three turns each over a pool and a tier of about one history
+    each: pages, embeddings and blocks come and go, and at the end nothing is held
+    but what the caches keep, within their budgets."""
+    page = 8
+    agents = [chat(builder, f"Agent {i}?", [make_image(56, 56, seed=300 + i)]) for i in range(4)]
+    turn_pages = -(-(len(agents[0].token_ids) + 3 * (MAX_NEW + 40)) // page)
+    layout_bytes = KVLayout.of(load_config(model_dir), page, torch.float32).bytes_per_page
+    iris = engine(
+        model_dir,
+        page_size=page,
+        num_kv_pages=turn_pages + 2,
+        kv_offload_bytes=turn_pages * layout_bytes,
+        mm_embedding_cache_bytes=0,
+    )
+    histories, answers = list(agents), [None] * len(agents)
+    for turn in range(3):
+        for i, history in enumerate(histories):
+            if turn:
+                history = next_turn(
+                    builder,
+                    history,
+                    answers[i],
+                    f"Turn {turn}?",
+                    make_image(56, 42, seed=400 + 10 * i + turn),
+                )
+                histories[i] = history
+            answers[i] = run(iris, f"{turn}-{i}", history)[0]
+    tier, pool = iris.host_tier, iris.kv_cache.pool
+    assert tier is not None and tier.pages_spilled > 0 and tier.pages_reloaded > 0
+    assert tier.pages_spilled > tier.memory.num_blocks  # the tier was full, and evicted
+    assert tier.embeddings_spilled > 0 and tier.usage_bytes <= tier.capacity_bytes
+    assert tier.num_pages + len(tier._free_blocks) == tier.memory.num_blocks
+    assert pool.num_free == pool.num_pages and iris.embedding_cache.num_pinned == 0
+    assert iris.stats().pinned_images == 0 and not iris.requests
