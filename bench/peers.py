@@ -36,7 +36,8 @@ measured as a client sees it; Iris's rows also hold its /metrics counters.
 
 `--kv-tokens N` gives every server a KV cache of N tokens instead of 4 GiB, for workloads
 about eviction (`agents`): Iris the bytes of N tokens of its full-attention layers at its
-dtype, vLLM `--num-gpu-blocks-override` of its 128-token CPU blocks.
+dtype, vLLM `--num-gpu-blocks-override` of its 128-token CPU blocks (one more: it keeps
+one back) and `--max-model-len N`.
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ def make_servers(args: argparse.Namespace, wanted: list[str], model_dir: Path, l
         venv = args.vllm_venv
         extra = []
         if args.kv_tokens:
-            blocks = -(-args.kv_tokens // VLLM_CPU_BLOCK)  # vLLM refuses a longer context
+            # one block more: vLLM keeps one back, and refuses a context it cannot hold
+            blocks = -(-args.kv_tokens // VLLM_CPU_BLOCK) + 1
             extra = [
                 "--num-gpu-blocks-override",
                 str(blocks),

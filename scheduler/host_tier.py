@@ -77,7 +77,9 @@ class HostMemory:
         self.linear_states = linear_states
         self.num_blocks = num_blocks
         self.pinned = kv.slots.device.type == "cuda"
-        self.blocks = torch.empty(
+        # zeros, not empty: the pages are committed now, so no spill pays a page fault per
+        # 4 KiB and the process's memory does not creep up as the tier fills
+        self.blocks = torch.zeros(
             num_blocks,
             layout.num_layers,
             2,
