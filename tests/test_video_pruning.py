@@ -19,7 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from iris_serve.ipc.messages import EngineRequest, ImageRef, Sampling, TokenizeRequest
+from iris_serve.ipc.messages import (
+    EngineRequest,
+    ImageRef,
+    Sampling,
+    TokenizeRequest,
+    unpack_token_ids,
+)
 from iris_serve.launch.args import parse_serve_args
 from iris_serve.launch.launcher import worker_config
 from iris_serve.scheduler.models.mrope import mrope_positions
@@ -32,6 +38,7 @@ from iris_serve.tokenizer_worker.video_pruning import (
 )
 from iris_serve.tokenizer_worker.video_rules import VideoProcessorSettings
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
+from tests.reference import prompt_positions
 from tests.video_clips import encode_clip, make_clip, recording, video_data_url, video_part
 from tests.worker_harness import worker_factory
 
@@ -74,16 +81,8 @@ def grid_tokens(ref: ImageRef) -> int:
 
 def positions(out: EngineRequest) -> tuple[torch.Tensor, list[int]]:
     """The request's M-RoPE positions, as the engine admits it, and its token ids."""
-    ids = np.frombuffer(out.token_ids, dtype="<i4").tolist()
-    found, _ = mrope_positions(
-        len(ids),
-        [(ref.offset, ref.length) for ref in out.images],
-        [ref.grid_thw for ref in out.images],
-        2,
-        [(ref.rope_time, ref.continue_block) for ref in out.images],
-        [ref.kept for ref in out.images],
-    )
-    return found, ids
+    ids = unpack_token_ids(out.token_ids)
+    return prompt_positions(len(ids), out.images)[0], ids
 
 
 # --- the choice ----------------------------------------------------------------------

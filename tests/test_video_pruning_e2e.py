@@ -28,9 +28,15 @@ from iris_serve.ipc.messages import (
     unpack_token_ids,
 )
 from iris_serve.ipc.shm_arena import ShmReader
-from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
-from tests.reference import cpu_engine, hf_generate, hf_model, hf_video_pixel_values
+from tests.reference import (
+    cpu_engine,
+    hf_generate,
+    hf_model,
+    hf_video_block_logits,
+    hf_video_pixel_values,
+    prompt_positions,
+)
 from tests.server_harness import iris_server
 from tests.test_server_e2e import IDLE
 from tests.video_clips import make_clip, video_data_url, video_part
@@ -82,14 +88,7 @@ def reference(model_dir: Path, prompt: PromptInput, max_new: int) -> list[int]:
     video = kept_rows(features.pooler_output)
     deepstack = [kept_rows(level) for level in getattr(features, "deepstack_features", [])]
     prompt_len = len(prompt.token_ids)
-    positions, delta = mrope_positions(
-        prompt_len,
-        [(i.offset, i.length) for i in images],
-        [i.grid_thw for i in images],
-        2,
-        [(i.rope_time, i.continue_block) for i in images],
-        [i.kept for i in images],
-    )
+    positions, delta = prompt_positions(prompt_len, images)
     ids = list(prompt.token_ids)
     for _ in range(max_new):
         visual = torch.zeros(len(ids), dtype=torch.bool)
@@ -125,24 +124,7 @@ def test_the_reference_is_transformers_own_without_pruning(
     prompt = worker_prompt(qwen3_vl_tiny, "What happens?", tmp_path, 0.0)
     assert reference(qwen3_vl_tiny, prompt, MAX_NEW) == hf_generate(qwen3_vl_tiny, prompt, MAX_NEW)
     prompt = worker_prompt(qwen2_5_vl_tiny, "What happens?", tmp_path, 0.0)
-    images = prompt.images
-    positions, _ = mrope_positions(
-        len(prompt.token_ids),
-        [(i.offset, i.length) for i in images],
-        [i.grid_thw for i in images],
-        2,
-        [(i.rope_time, i.continue_block) for i in images],
-    )
-    hf = hf_model(str(qwen2_5_vl_tiny))
-    input_ids = torch.tensor([prompt.token_ids])
-    with torch.inference_mode():
-        logits = hf(
-            input_ids=input_ids,
-            position_ids=positions[:, None],
-            pixel_values_videos=hf_video_pixel_values(qwen2_5_vl_tiny, prompt.pixels, images),
-            video_grid_thw=torch.tensor([[len(images), *images[0].grid_thw[1:]]]),
-            mm_token_type_ids=2 * (input_ids == hf.config.video_token_id).int(),
-        ).logits[0, -1]
+    logits = hf_video_block_logits(qwen2_5_vl_tiny, prompt)
     assert reference(qwen2_5_vl_tiny, prompt, 1) == [int(logits.argmax())]
 
 
@@ -179,7 +161,7 @@ def server(qwen3_vl_tiny, tmp_path_factory):
         "--served-model-name", "tiny",
         "--max-model-len", "2048",
         "--video-pruning-rate", str(RATE),
-    tmp_path=tmp_path_factory.mktemp("server"),
+        tmp_path=tmp_path_factory.mktemp("server"),
     ) as running:  # fmt: skip
         yield running
 
