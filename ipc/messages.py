@@ -135,7 +135,11 @@ class ImageRef(_Frozen, frozen=True):
     patch that another request or clip shares. Qwen2-VL and Qwen2.5-VL give a whole video
     one M-RoPE block: its patches after the first `continue_block` (they start where the
     one before them started) at temporal position `rope_time`; Qwen3-VL's and Qwen3.5's
-    patches are blocks of their own, like images."""
+    patches are blocks of their own, like images.
+
+    `kept`: a pruned patch's (`--video-pruning-rate`) token indices into its grid's merged
+    tokens, increasing, `length` of them; each keeps its unpruned position, and the patch
+    is still encoded whole (None: every token, `length` is the grid's)."""
 
     key: Key128
     offset: NonNegative
@@ -146,6 +150,7 @@ class ImageRef(_Frozen, frozen=True):
     frames: Annotated[int, msgspec.Meta(ge=1)] = 1
     rope_time: NonNegative = 0
     continue_block: bool = False
+    kept: tuple[NonNegative, ...] | None = None
 
     @property
     def end(self) -> int:

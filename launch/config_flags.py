@@ -7,7 +7,8 @@ role's config module needs nothing from the server to declare it:
     help       the help text; "(default: ...)" is appended from the field's default
     parse      how the text becomes the field's value when the type is not enough:
                "size" (bytes: '4GiB', '512MB', '1e9'), "gib" (GiB as a float, to bytes),
-               "mm_limit" (an int or vLLM's '{"image": N, "video": M}')
+               "mm_limit" (an int or vLLM's '{"image": N, "video": M}'),
+               "rate" (a float in [0, 1))
     min        the smallest value allowed (after `parse`); `min_error` words the refusal
     metavar    the value's name in the help
     group      the help section (a key of the `groups` given to `add_config_flags`)
@@ -95,10 +96,22 @@ def parse_mm_limit(text: str) -> dict[str, int]:
     return dict(limits)
 
 
+def parse_rate(text: str) -> float:
+    """A fraction in [0, 1): 0 included (off), 1 excluded (nothing left)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1), got {text}")
+    return value
+
+
 PARSERS: dict[str, Callable[[str], Any]] = {
     "size": parse_bytes,
     "gib": parse_gib,
     "mm_limit": parse_mm_limit,
+    "rate": parse_rate,
 }
 
 

@@ -14,6 +14,12 @@ cached image, or one another request is encoding this step, costs a pin; the res
 through the vision tower in calls of at most `max_num_encoder_tokens` image tokens (a
 larger image goes alone).
 
+A pruned video patch (`ImageRef.kept`, `--video-pruning-rate`) is encoded whole, as the
+vision tower needs its whole grid, and only its kept rows (every DeepStack level with
+them) are cached and delivered: its entry has `length` rows like any other. The encoder
+budget counts the rows the tower computes, so pruning never makes a call larger than
+the start-up profile measured.
+
 An image that came without pixels is served only from the cache: `hold_cached` pins its
 entry at admission, so no eviction takes it before the prefill reads it.
 `embedding_hits` remembers what each image's first lookup found, for the client's report.
@@ -32,7 +38,7 @@ id, image key) in a cache of capacity 0, so an embedding lives as long as its re
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -79,10 +85,13 @@ class EncoderManager(RequestResources):
         cache: EmbeddingCache,
         pixels: PixelStore,
         executor: EncoderExecutor,
+        merge_size: int,
     ) -> None:
         """Reads the encoder budget (`max_num_encoder_tokens`), `chunked_mm_encoding` and
-        whether the embedding cache is shared across requests from `config`."""
+        whether the embedding cache is shared across requests from `config`; `merge_size`:
+        the vision tower's spatial merge, for the rows it computes of a pruned patch."""
         self.cache = cache
+        self.merge_size = merge_size
         self.pixels = pixels
         self.executor = executor
         self.max_num_encoder_tokens = config.max_num_encoder_tokens
@@ -157,7 +166,9 @@ class EncoderManager(RequestResources):
                     job.waiters.append((request, index))
                 else:
                     self._deliver(request, index, key, cached)
-        for batch in _batches([*jobs.values(), *private], self.max_num_encoder_tokens):
+        for batch in _batches(
+            [*jobs.values(), *private], self.max_num_encoder_tokens, self.tower_tokens
+        ):
             self._store(batch, self._submit_batch(batch).result())
         return [self._take(chunk) for chunk in chunks]
 
@@ -195,7 +206,7 @@ class EncoderManager(RequestResources):
                 if ahead >= self.max_num_encoder_tokens and (self._calls or jobs or private):
                     self._submit([*jobs.values(), *private])
                     return
-                ahead += image.length
+                ahead += self.tower_tokens(image)
                 key = self.cache_key(request, index)
                 found = self._lookup(request, index, key)
                 cached = self.cache.get(key) if found is Lookup.HIT else None
@@ -246,7 +257,15 @@ class EncoderManager(RequestResources):
     def tokens_ahead(self) -> int:
         """Image tokens held by requests for later chunks, or encoding for them."""
         held = sum(part.shape[0] for hand in self._in_hand.values() for part in hand.values())
-        return held + sum(job.image.length for call in self._calls for job in call.jobs)
+        encoding = sum(self.tower_tokens(job.image) for call in self._calls for job in call.jobs)
+        return held + encoding
+
+    def tower_tokens(self, image: ImageRef) -> int:
+        """Rows the vision tower computes for `image`: its whole grid's, pruned or not."""
+        if image.kept is None:
+            return image.length
+        t, h, w = image.grid_thw
+        return t * h * w // self.merge_size**2
 
     # -- lifetimes ------------------------------------------------------------------------
 
@@ -265,7 +284,7 @@ class EncoderManager(RequestResources):
 
     def _submit(self, jobs: list[_Job]) -> None:
         """Queues `jobs` in the executor, in calls of at most `_call_tokens` image tokens."""
-        for batch in _batches(jobs, self._call_tokens):
+        for batch in _batches(jobs, self._call_tokens, self.tower_tokens):
             self._calls.append(_Call(batch, self._submit_batch(batch)))
             self._encoding.update((job.key, job) for job in batch if job.key is not None)
 
@@ -303,9 +322,13 @@ class EncoderManager(RequestResources):
     def _store(self, batch: list[_Job], embeddings: torch.Tensor) -> None:
         """A call's embeddings into the cache, and to the requests still waiting for them."""
         self.images_encoded += len(batch)
-        parts = embeddings.split([job.image.length for job in batch])
-        if len(parts) > 1:  # own storage each, so evicting one entry frees its bytes
-            parts = tuple(part.clone() for part in parts)
+        parts = list(embeddings.split([self.tower_tokens(job.image) for job in batch]))
+        for i, (job, part) in enumerate(zip(batch, parts, strict=True)):
+            kept = job.image.kept
+            if kept is not None:  # a pruned patch: its kept rows, in storage of their own
+                parts[i] = part.index_select(0, torch.tensor(kept, device=part.device))
+            elif len(parts) > 1:  # own storage each, so evicting one entry frees its bytes
+                parts[i] = part.clone()
         for job, part in zip(batch, parts, strict=True):
             waiters = [w for w in job.waiters if w[0].status is not RequestStatus.FINISHED]
             if job.key is None:
@@ -329,16 +352,19 @@ class EncoderManager(RequestResources):
                 self.pixels.drop(request_id, i)  # never read again: the shm pin goes now
 
 
-def _batches(jobs: list[_Job], budget: int) -> Iterator[list[_Job]]:
-    """Consecutive groups of at most `budget` image tokens; a larger image goes alone."""
+def _batches(
+    jobs: list[_Job], budget: int, cost: Callable[[ImageRef], int]
+) -> Iterator[list[_Job]]:
+    """Consecutive groups of at most `budget` tower tokens (`cost` of each image); a larger
+    image goes alone."""
     batch: list[_Job] = []
     tokens = 0
     for job in jobs:
-        if batch and tokens + job.image.length > budget:
+        if batch and tokens + cost(job.image) > budget:
             yield batch
             batch, tokens = [], 0
         batch.append(job)
-        tokens += job.image.length
+        tokens += cost(job.image)
     if batch:
         yield batch
 

@@ -122,7 +122,11 @@ class Engine:
             config.resolved_encoder_threads(),
         )
         self.encoder_manager = EncoderManager(
-            config, self.embedding_cache, self.pixels, self.encoder_executor
+            config,
+            self.embedding_cache,
+            self.pixels,
+            self.encoder_executor,
+            self.patches.merge_size,
         )
         self.policy = StepPolicy.build(config, self.device, self.encoder_manager)
         self.state_slots = (  # a hybrid model's linear-attention state
@@ -206,6 +210,7 @@ class Engine:
             [image.grid_thw for image in prompt.images],
             self.model.config.spatial_merge_size,
             [(image.rope_time, image.continue_block) for image in prompt.images],
+            [image.kept for image in prompt.images],
         )
         seed = sampling.seed
         request = Request(

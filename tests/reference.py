@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from PIL import Image
 
 from iris_serve.ipc.local import PromptInput
-from iris_serve.ipc.messages import Sampling
+from iris_serve.ipc.messages import ImageRef, Sampling
 from iris_serve.scheduler.config import EngineConfig
 from iris_serve.scheduler.engine import Engine
 from iris_serve.scheduler.models.loader import iter_checkpoint
+from iris_serve.scheduler.models.mrope import mrope_positions
 
 
 @functools.lru_cache(maxsize=4)
@@ -95,6 +96,37 @@ def hf_video_pixel_values(
 
     maker = PatchMaker.from_checkpoint(model_dir, torch.device("cpu"), torch.float32)
     return maker(list(pixels), [image.grid_thw for image in images])
+
+
+def prompt_positions(num_tokens: int, images: Sequence[ImageRef]) -> tuple[torch.Tensor, int]:
+    """Iris's M-RoPE positions and rope delta of a prompt of `num_tokens` with these items
+    (merge size 2, as every tiny checkpoint has), as `Engine.add_request` computes them."""
+    return mrope_positions(
+        num_tokens,
+        [(i.offset, i.length) for i in images],
+        [i.grid_thw for i in images],
+        2,
+        [(i.rope_time, i.continue_block) for i in images],
+        [i.kept for i in images],
+    )
+
+
+def hf_video_block_logits(model_dir: str | Path, prompt: PromptInput) -> torch.Tensor:
+    """transformers' last-token logits of a Qwen2/2.5-VL prompt whose items are one
+    video's temporal patches, one block, at Iris's positions (transformers 5.24 places
+    the text after a video elsewhere: tests/test_video_positions.py)."""
+    images = prompt.images
+    positions, _ = prompt_positions(len(prompt.token_ids), images)
+    model = hf_model(str(model_dir))
+    input_ids = torch.tensor([prompt.token_ids])
+    with torch.inference_mode():
+        return model(
+            input_ids=input_ids,
+            position_ids=positions[:, None],
+            pixel_values_videos=hf_video_pixel_values(model_dir, prompt.pixels, images),
+            video_grid_thw=torch.tensor([[len(images), *images[0].grid_thw[1:]]]),
+            mm_token_type_ids=2 * (input_ids == model.config.video_token_id).int(),
+        ).logits[0, -1]
 
 
 def make_image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:

@@ -15,14 +15,13 @@ import xxhash
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import ImageRef, Prompt, Sampling
-from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import (
     chat_prompt,
     cpu_engine,
     hf_generate,
     hf_model,
-    hf_video_pixel_values,
+    hf_video_block_logits,
     make_image,
 )
 
@@ -125,24 +124,7 @@ def test_a_qwen2_5_vl_video_block_gives_transformers_logits_at_iris_positions(qw
     iris = cpu_engine(model_dir, max_num_batched_tokens=16)  # chunks cut the patches
     iris.add_request("video", prompt, msgspec.structs.replace(GREEDY, max_tokens=1, logprobs=1))
     [output] = list(iris.run_until_idle())
-    images = prompt.images
-    positions, _ = mrope_positions(
-        len(prompt.token_ids),
-        [(i.offset, i.length) for i in images],
-        [i.grid_thw for i in images],
-        2,
-        [(i.rope_time, i.continue_block) for i in images],
-    )
-    hf = hf_model(model_dir)
-    input_ids = torch.tensor([prompt.token_ids])
-    with torch.inference_mode():
-        logits = hf(
-            input_ids=input_ids,
-            position_ids=positions[:, None],
-            pixel_values_videos=hf_video_pixel_values(model_dir, prompt.pixels, images),
-            video_grid_thw=torch.tensor([[NUM_PATCHES, *GRID[1:]]]),
-            mm_token_type_ids=2 * (input_ids == hf.config.video_token_id).int(),
-        ).logits[0, -1]
+    logits = hf_video_block_logits(model_dir, prompt)
     assert output.new_token_ids == [int(logits.argmax())]
     assert output.logprobs is not None
     top = output.logprobs[0]

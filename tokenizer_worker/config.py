@@ -157,6 +157,17 @@ class WorkerConfig:
             min=1,
         ),
     )
+    video_pruning_rate: float = field(
+        default=0.0,
+        metadata=_flag(
+            "--video-pruning-rate",
+            "EVS-style video token pruning: each temporal patch after a video's first keeps "
+            "round(n * (1 - RATE)) of its n tokens, those that changed most since the patch "
+            "before it, at their own positions (0: off)",
+            parse="rate",
+            metavar="RATE",
+        ),
+    )
     max_image_bytes: int = 32 << 20
     max_image_pixels: int = 8192 * 8192  # also per video frame
     max_video_bytes: int = 128 << 20

@@ -175,27 +175,30 @@ class PromptBuilder:
         return token_ids, spans
 
     def video_tokens(
-        self, num_patches: int, tokens_per_patch: int, timestamps: Sequence[float] | None
+        self, tokens_per_patch: Sequence[int], timestamps: Sequence[float] | None
     ) -> Replacement:
-        """What a video placeholder becomes: Qwen2-VL's and Qwen2.5-VL's one run of video
-        pads (the template's vision start and end around it), or Qwen3-VL's block per
-        temporal patch, its timestamp before it (`Qwen3VLProcessor.replace_video_token`;
-        the template's outer vision start and end stay, as transformers keeps them)."""
-        assert self.video_token_id is not None, "the checkpoint takes no video"
-        pads = [self.video_token_id] * tokens_per_patch
-        if timestamps is None:
-            items = [(j * tokens_per_patch, tokens_per_patch) for j in range(num_patches)]
-            return pads * num_patches, items
-        assert self.vision_start_token_id is not None and self.vision_end_token_id is not None
+        """What a video placeholder becomes, given each temporal patch's token count (fewer
+        than its grid's where pruned): Qwen2-VL's and Qwen2.5-VL's one run of video pads
+        (the template's vision start and end around it), or Qwen3-VL's block per temporal
+        patch, its timestamp before it (`Qwen3VLProcessor.replace_video_token`; the
+        template's outer vision start and end stay, as transformers keeps them)."""
+        video = self.video_token_id
+        assert video is not None, "the checkpoint takes no video"
         token_ids: list[int] = []
         items = []
-        for seconds in timestamps:
+        if timestamps is None:
+            for count in tokens_per_patch:
+                items.append((len(token_ids), count))
+                token_ids += [video] * count
+            return token_ids, items
+        assert self.vision_start_token_id is not None and self.vision_end_token_id is not None
+        for seconds, count in zip(timestamps, tokens_per_patch, strict=True):
             # special tokens split the text before it is tokenized, so the timestamp
             # between two of them encodes as on its own
             token_ids += self.encode(timestamp_text(seconds))
             token_ids.append(self.vision_start_token_id)
-            items.append((len(token_ids), tokens_per_patch))
-            token_ids += pads
+            items.append((len(token_ids), count))
+            token_ids += [video] * count
             token_ids.append(self.vision_end_token_id)
         return token_ids, items
 

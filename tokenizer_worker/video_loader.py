@@ -19,6 +19,12 @@ clip's length, and their pixel budget spans all sampled frames, so the size move
 Nothing is shared between a Qwen3-VL patch and one of another video unless pixels,
 size and settings all agree, which the key checks by construction.
 
+**Pruning** (`--video-pruning-rate`, off by default; `video_pruning`): each patch after
+the first keeps only its tokens that changed most since the patch before it, chosen on
+these pixels as they are stored. The pixels and their key stay those of the whole patch
+(the vision tower encodes it whole), the `ImageRef` carries the kept indices and goes by
+a key of its own that covers them (`VideoLayout.ref_keys`).
+
 **Decoding once.** The patch keys are known only after decoding, so the worker also
 remembers, per video (xxh3_128 of its encoded bytes and every video setting, the way an
 image is keyed), what it became (`VideoLayout`). A video sent again is served from the
@@ -44,6 +50,7 @@ from iris_serve.tokenizer_worker.image_resize import PIXEL_FORMAT, Grid
 from iris_serve.tokenizer_worker.media import MediaError
 from iris_serve.tokenizer_worker.processor_cache import ProcessorCache
 from iris_serve.tokenizer_worker.video_decode import VideoHeader, open_video
+from iris_serve.tokenizer_worker.video_pruning import PRUNING_FORMAT, Kept, VideoPruner
 from iris_serve.tokenizer_worker.video_rules import (
     VideoOptions,
     VideoPlan,
@@ -58,19 +65,37 @@ DEFAULT_MEMO_CAPACITY = 4096  # videos remembered (tens of bytes per temporal pa
 
 @dataclass(frozen=True)
 class VideoLayout:
-    """What a video became: its temporal patches' keys and M-RoPE times, their shared grid
-    `(1, h, w)`, token count and frame count, and (Qwen3-VL) their timestamps."""
+    """What a video became: its temporal patches' keys (of their pixels) and M-RoPE times,
+    their shared grid `(1, h, w)`, token count and frame count, and (Qwen3-VL) their
+    timestamps. Pruned, each patch's kept token indices (None: all) and the key its
+    `ImageRef` goes by (`video_pruning`); unpruned, `kept` and `ref_keys` are empty."""
 
     keys: tuple[bytes, ...]
     rope_times: tuple[int, ...]
     grid: Grid
-    num_tokens: int  # per patch
+    num_tokens: int  # per patch, before pruning
     frames: int  # per patch
     timestamps: tuple[float, ...] | None
+    kept: tuple[Kept, ...] = ()
+    ref_keys: tuple[bytes, ...] = ()
 
     @property
     def num_patches(self) -> int:
         return len(self.keys)
+
+    def patch_kept(self, index: int) -> Kept:
+        """Patch `index`'s kept token indices (None: all)."""
+        return self.kept[index] if self.kept else None
+
+    def patch_ref_key(self, index: int) -> bytes:
+        """The key patch `index`'s `ImageRef` goes by in the scheduler's caches."""
+        return self.ref_keys[index] if self.ref_keys else self.keys[index]
+
+    @property
+    def token_counts(self) -> tuple[int, ...]:
+        """Each patch's placeholder tokens, after pruning."""
+        kept = (self.patch_kept(j) for j in range(self.num_patches))
+        return tuple(self.num_tokens if k is None else len(k) for k in kept)
 
 
 @dataclass(frozen=True)
@@ -104,7 +129,10 @@ class VideoLoader:
         limits: VideoLimits,
         model: str,
         memo_capacity: int = DEFAULT_MEMO_CAPACITY,
+        pruning_rate: float = 0.0,
     ) -> None:
+        """`pruning_rate`: `--video-pruning-rate` (0: off; ValueError outside [0, 1))."""
+        self.pruner = VideoPruner(settings, pruning_rate)
         self.settings = settings
         self.cache = cache
         self.arena = arena
@@ -170,6 +198,9 @@ class VideoLoader:
             self._check_room(plan, settings.temporal_patch_size)
             pointers: list[ShmPointer | None] = []
             keys: list[bytes] = []
+            kept: list[Kept] = []
+            ref_keys: list[bytes] = []
+            previous: np.ndarray | None = None
             try:
                 patches = _patches(
                     (
@@ -181,7 +212,10 @@ class VideoLoader:
                 for rope_time, pixels in zip(plan.rope_times, patches, strict=True):
                     key = patch_key(pixels, settings, rope_time, self.model)
                     pointers.append(self._store(key, pixels, plan.grid))
+                    kept.append(self.pruner.kept(previous, pixels))
+                    ref_keys.append(self.pruner.key(key, keys[-1] if keys else None, kept[-1]))
                     keys.append(key)
+                    previous = pixels
             except ArenaFull as e:
                 needed = sum(self.arena.block_bytes(p.nbytes) for p in pointers if p is not None)
                 self._release(pointers)
@@ -197,6 +231,8 @@ class VideoLoader:
             num_tokens=plan.num_tokens,
             frames=settings.temporal_patch_size,
             timestamps=plan.timestamps,
+            kept=tuple(kept) if self.pruner.enabled else (),
+            ref_keys=tuple(ref_keys) if self.pruner.enabled else (),
         )
         return LoadedVideo(layout, tuple(pointers), cached=False)
 
@@ -248,6 +284,7 @@ class VideoLoader:
             ("num_frames", options.num_frames),
             ("pixels", PATCH_FORMAT),
             ("model", self.model),
+            ("pruning", (self.pruner.rate, PRUNING_FORMAT) if self.pruner.enabled else None),
         )
 
 

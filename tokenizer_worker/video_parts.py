@@ -84,12 +84,13 @@ class VideoParts:
     def refs(self, video: LoadedVideo, spans: Sequence[tuple[int, int]]) -> list[ImageRef]:
         """An `ImageRef` per temporal patch, at its span (offset, length) in the prompt:
         Qwen2-VL's and Qwen2.5-VL's patches after the first continue their video's M-RoPE
-        block, Qwen3-VL's are blocks of their own."""
+        block, Qwen3-VL's are blocks of their own; a pruned patch carries its kept token
+        indices and goes by its pruned key (`video_pruning`)."""
         layout = video.layout
         one_block = self.loader.settings.one_block
         return [
             ImageRef(
-                layout.keys[j],
+                layout.patch_ref_key(j),
                 offset,
                 length,
                 layout.grid,
@@ -97,6 +98,7 @@ class VideoParts:
                 frames=layout.frames,
                 rope_time=layout.rope_times[j],
                 continue_block=one_block and j > 0,
+                kept=layout.patch_kept(j),
             )
             for j, (offset, length) in enumerate(spans)
         ]

@@ -112,7 +112,14 @@ class TokenizerWorker:
                 config.max_video_frames, config.max_image_pixels, config.video_decode_threads
             )
             model = str(builder.model_dir.resolve())
-            loader = VideoLoader(builder.video_settings, self.cache, arena, limits, model)
+            loader = VideoLoader(
+                builder.video_settings,
+                self.cache,
+                arena,
+                limits,
+                model,
+                pruning_rate=config.video_pruning_rate,
+            )
             self.videos = VideoParts(loader, arena, config.max_image_uuids)
         self.waiting = WaitingRequests()
         self._room_freed = False  # pins were dropped since the waiting requests' last try
@@ -325,8 +332,7 @@ class TokenizerWorker:
             ([builder.image_token_id] * i.num_tokens, [(0, i.num_tokens)]) for i in images
         ]
         video_tokens = [
-            builder.video_tokens(v.layout.num_patches, v.layout.num_tokens, v.layout.timestamps)
-            for v in videos
+            builder.video_tokens(v.layout.token_counts, v.layout.timestamps) for v in videos
         ]
         token_ids, (image_spans, video_spans) = builder.splice(ids, image_tokens, video_tokens)
         items: list[tuple[ImageRef, ImageReport]] = []
