@@ -295,14 +295,14 @@ class RequestOutput(_Struct):
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    # of `cached_tokens`, those reloaded from the host tier (None: the server has none)
-    host_cached_tokens: int | None = None
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     images: list[ImageReport] | None = None  # on a chat request's first token only
     # on the first token: seconds from the scheduler's admission of the request to its
     # first step (waiting for a batch slot and KV pages: vLLM's queue time)
     queue_seconds: float | None = None
+    # of `cached_tokens`, those reloaded from the host tier (None: the server has none)
+    host_cached_tokens: int | None = None
 
 
 class TokenBatch(_Message, tag=_TOKEN_BATCH):
