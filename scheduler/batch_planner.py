@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from iris_serve.scheduler.kv_cache import PagePool
 from iris_serve.scheduler.prefix_cache import PrefixCache, PrefixMatch
@@ -91,7 +91,10 @@ class PrefillPolicy(Protocol):
 
 
 UNCAPPED = PrefillCaps()
-_RELOAD_FAILED = object()  # `_take_prefix`: a host-tier reload failed, nothing was taken
+
+
+class _ReloadFailed:
+    """`_take_prefix`'s answer when a host-tier reload failed: nothing was taken."""
 
 
 def _anywhere(request: Request, start: int) -> int:
@@ -217,17 +220,17 @@ class BatchPlanner(RequestResources):
         first uncached tokens are an image not ready yet, None when the pages do not fit.
         A prefix partly in the host tier is reloaded into pages of its own; should a
         reload fail, the request takes the device part alone and computes the rest."""
-        if self.prefix_cache is None:
-            return self._take_prefix(request, PrefixMatch(), budget)
-        match = self.prefix_cache.match(request)
+        match = PrefixMatch() if self.prefix_cache is None else self.prefix_cache.match(request)
         taken = self._take_prefix(request, match, budget)
-        if taken is _RELOAD_FAILED:
+        if isinstance(taken, _ReloadFailed):
             taken = self._take_prefix(request, match.without_host(), budget)
-        assert taken is not _RELOAD_FAILED, "a match without host pages reloads nothing"
+        assert not isinstance(taken, _ReloadFailed), "nothing to reload: it cannot fail"
         return taken
 
-    def _take_prefix(self, request: Request, match: PrefixMatch, budget: int) -> Any:
-        """`_admit` of one match: the chunk's size, 0, None, or `_RELOAD_FAILED` (nothing
+    def _take_prefix(
+        self, request: Request, match: PrefixMatch, budget: int
+    ) -> int | _ReloadFailed | None:
+        """`_admit` of one match: the chunk's size, 0, None, or `_ReloadFailed` (nothing
         taken)."""
         cached = match.pages
         num_cached_tokens = match.num_pages * self.page_size
@@ -249,7 +252,7 @@ class BatchPlanner(RequestResources):
             if not self.prefix_cache.reload(request, match, reloaded):
                 self.pool.free(new)
                 self.pool.free(cached)
-                return _RELOAD_FAILED
+                return _ReloadFailed()
         request.page_table.admit(cached + reloaded, num_cached_tokens, new[len(reloaded) :])
         self.admitted(request, num_cached_tokens)
         if request.num_preemptions == 0:

@@ -158,10 +158,10 @@ class EngineConfig:
         default=0,
         metadata=_flag(
             "--kv-offload-gib",
-            "host memory (pinned on CUDA) under the prefix and embedding caches: KV pages and "
-            "image embeddings they evict go there, and a request whose prefix is there "
-            "reloads it instead of computing it again; one LRU, per tensor-parallel rank "
-            "for its shard of the KV (0: off)",
+            "host memory (pinned on CUDA) under the prefix and embedding caches: the KV pages, "
+            "image embeddings and (Qwen3.5) state snapshots they evict go there, and a "
+            "request whose prefix is there reloads it instead of computing it again; one "
+            "LRU, per tensor-parallel rank for its shard (0: off)",
             parse="gib",
             metavar="GIB",
             group=_CACHES,
