@@ -20,6 +20,7 @@ from iris_serve.scheduler.decode_graphs import CudaGraphCapture, DecodeGraphs
 from iris_serve.scheduler.host_tier import HostMemory, host_blocks
 from iris_serve.scheduler.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.memory_profile import profile_activations
+from iris_serve.scheduler.models.cpu_linear import pack_linears
 from iris_serve.scheduler.models.linear_state import LinearStates
 from iris_serve.scheduler.models.registry import load_config, load_model
 from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
@@ -62,6 +63,8 @@ class DeviceState:
         say("loading %s on %s (%s)", config.model, device, str(dtype).removeprefix("torch."))
         model = load_model(config.model, dtype=dtype, device=device, tp=tp)
         say("model loaded in %.1f s", time.monotonic() - started)
+        if device.type == "cpu" and config.cpu_linear == "onednn":
+            say("CPU linear layers: %d prepacked for oneDNN", pack_linears(model))
         layout = KVLayout.of(model.config, config.page_size, dtype)
         budget = (
             None if config.num_kv_pages else _kv_budget_bytes(config, device, model, layout, tp)
