@@ -23,15 +23,17 @@ def dense_causal(q, k, v):
     return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("layout", ["scattered pages", "one run per sequence"])
+@pytest.mark.parametrize("layout", ["scattered pages", "gathered", "one run per sequence"])
 @pytest.mark.parametrize("after_history", ["masked", "split"])
 def test_chunked_prefill_and_batched_decode_match_dense_attention(
     layout, after_history, monkeypatch
 ):
     """`split`: every chunk after history (of 2 tokens or more) attends to its own tokens
-    and to each run of its history apart, the parts merged by log-sum-exps."""
+    and to each run of its history apart, the parts merged by log-sum-exps. `gathered`:
+    scattered pages, and every decode over two runs or more gathers its pages first."""
     threshold = 2 if after_history == "split" else 1 << 30
     monkeypatch.setattr(sdpa, "SPLIT_MIN_NEW_TOKENS", threshold)
+    monkeypatch.setattr(sdpa, "GATHER_MIN_RUNS", 2 if layout == "gathered" else 1 << 30)
     g = torch.Generator().manual_seed(0)
     lengths = [11, 5, 17]
     seqs = [
@@ -45,7 +47,7 @@ def test_chunked_prefill_and_batched_decode_match_dense_attention(
     cache = KVCache(
         KVLayout(1, KV_HEADS, DIM, PAGE, torch.float32), num_pages=32, device=torch.device("cpu")
     )
-    if layout == "scattered pages":  # every page its own run: the copy path
+    if layout != "one run per sequence":  # every page its own run: the copy path
         pages = [cache.pool.allocate(5)[::-1] for _ in lengths]
     else:  # the views read in place
         pages = [cache.pool.allocate(5) for _ in lengths]
