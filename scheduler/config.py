@@ -64,8 +64,8 @@ class EngineConfig:
         metadata=_flag(
             "--cpu-linear",
             "how a CPU model's linear layers compute: onednn (weights prepacked at load for "
-            "oneDNN's matmul, 1.5-2.4x faster; twice the linear weights' memory) or aten "
-            "(PyTorch's default, MKL's sgemm)",
+            "oneDNN's matmul, faster on every CPU measured; twice the linear weights' memory) "
+            "or aten (PyTorch's default, MKL's sgemm)",
         ),
     )
     enforce_eager: bool = field(

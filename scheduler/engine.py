@@ -18,6 +18,7 @@ import torch
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import (
+    EngineStats,
     FinishReason,
     ImageRef,
     ImageReport,
@@ -31,7 +32,6 @@ from iris_serve.scheduler.device_state import DeviceState
 from iris_serve.scheduler.embedding_cache import EmbeddingCache
 from iris_serve.scheduler.encoder_executor import Tower, encoder_executor
 from iris_serve.scheduler.encoder_manager import EncoderManager, request_scoped_keys
-from iris_serve.scheduler.engine_snapshot import EngineSnapshot
 from iris_serve.scheduler.given_images import hold_given_images
 from iris_serve.scheduler.host_tier import HostTier
 from iris_serve.scheduler.model_runner import Followers, ModelRunner, Sampled
@@ -78,6 +78,7 @@ class Engine:
         self.config = config
         if config.seed is not None:  # unseeded requests draw from torch's default generator
             torch.manual_seed(config.seed)
+        self.replica = replica
         state = DeviceState.build(config, tp, replica)
         self.device, self.dtype, self.model = state.device, state.dtype, state.model
         self.kv_cache, self.attention = state.kv_cache, state.attention
@@ -262,10 +263,13 @@ class Engine:
         """Durations of the vision-tower calls since the previous drain."""
         return self.tower.drain_seconds()
 
-    def stats(self) -> EngineSnapshot:
+    def stats(self) -> EngineStats:
+        """The engine's gauges and counters now, as the scheduler process sends them (the
+        device's memory and the encoder timings are the process's to add)."""
         pool = self.kv_cache.pool
         cache = self.embedding_cache
-        return EngineSnapshot(
+        return EngineStats(
+            replica=self.replica,
             num_running=len(self.planner.running),
             num_waiting=len(self.planner.waiting),
             kv_pages_used=pool.num_pages - pool.num_free,

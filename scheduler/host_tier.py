@@ -166,6 +166,8 @@ class HostTier:
         self._fresh: set[Hashable] = set()  # found by a match since the last step
         self._free_blocks = list(range(memory.num_blocks - 1, -1, -1))
         self._state_ids = count()
+        self.num_states = 0
+        self.num_embeddings = 0
         self._record = record_copies
         self._copies: list[HostCopy] = []
         self.usage_bytes = 0
@@ -185,16 +187,8 @@ class HostTier:
     def num_pages(self) -> int:
         return self.memory.num_blocks - len(self._free_blocks)
 
-    @property
-    def num_embeddings(self) -> int:
-        return sum(isinstance(entry, _Embedding) for entry in self._entries.values())
-
-    @property
-    def num_states(self) -> int:
-        return sum(isinstance(entry, _State) for entry in self._entries.values())
-
     def stats(self) -> dict[str, Any]:
-        """The tier's gauges and counters, by `EngineSnapshot`'s names."""
+        """The tier's gauges and counters, by `ipc.EngineStats`'s names."""
         return {
             "host_tier_capacity_bytes": self.capacity_bytes,
             "host_tier_usage_bytes": self.usage_bytes,
@@ -282,6 +276,7 @@ class HostTier:
         host = next(self._state_ids)
         self._copy(HostCopy("state_out", slot, host))
         self._entries[name] = _State(host)
+        self.num_states += 1
         self.usage_bytes += self.state_bytes
         self.states_spilled += 1
         self.bytes_to_host += self.state_bytes
@@ -317,6 +312,7 @@ class HostTier:
             embedding = host.copy_(embedding)  # synchronous: the device tensor goes next
         self.copy_seconds += time.perf_counter() - started
         self._entries[name] = _Embedding(embedding)
+        self.num_embeddings += 1
         self.usage_bytes += nbytes
         self.embeddings_spilled += 1
         self.bytes_to_host += nbytes
@@ -353,27 +349,38 @@ class HostTier:
         """Evicts least recently used entries (not those a match found since the last
         step) until `nbytes` more fit; False if they cannot. The blocks are as many pages
         as the budget holds, so while the bytes fit a page, a block is free."""
+        excess = self.usage_bytes + nbytes - self.capacity_bytes
         if nbytes > self.capacity_bytes:
             return False
-        victims = (name for name in list(self._entries) if name not in self._fresh)
-        while self.usage_bytes + nbytes > self.capacity_bytes:
-            victim = next(victims, None)
-            if victim is None:
-                return False
-            self._drop(victim)
+        victims = []
+        for name, entry in self._entries.items():  # oldest first; stops once enough
+            if excess <= 0:
+                break
+            if name not in self._fresh:
+                victims.append(name)
+                excess -= self._nbytes(entry)
+        if excess > 0:
+            return False
+        for name in victims:
+            self._drop(name)
         return True
+
+    def _nbytes(self, entry: _Page | _State | _Embedding) -> int:
+        if isinstance(entry, _Page):
+            return self.page_bytes
+        return self.state_bytes if isinstance(entry, _State) else entry.nbytes
 
     def _drop(self, name: Hashable) -> None:
         entry = self._entries.pop(name)
         self._fresh.discard(name)
+        self.usage_bytes -= self._nbytes(entry)
         if isinstance(entry, _Page):
             self._free_blocks.append(entry.block)
-            self.usage_bytes -= self.page_bytes
         elif isinstance(entry, _State):
             self._copy(HostCopy("state_drop", -1, entry.host))
-            self.usage_bytes -= self.state_bytes
+            self.num_states -= 1
         else:
-            self.usage_bytes -= entry.nbytes
+            self.num_embeddings -= 1
 
 
 def host_blocks(capacity_bytes: int, layout: KVLayout) -> int:

@@ -13,7 +13,6 @@ dropped. A step that raises fails only its requests, each with a 500 `RequestErr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -166,7 +165,7 @@ class SchedulerLoop:
         change check, and so is device memory (it changes at every step)."""
         engine = self.engine
         self._encoder_seconds.extend(engine.drain_encoder_seconds())
-        stats = EngineStats(**dataclasses.asdict(engine.stats()), replica=self.replica)
+        stats = engine.stats()
         now = time.monotonic()
         idle = not engine.has_unfinished_requests()
         changed = stats != self._last_stats or self._encoder_seconds

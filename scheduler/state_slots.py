@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from iris_serve.scheduler.batch_planner import ScheduledChunk
 from iris_serve.scheduler.config import EngineConfig
@@ -126,8 +126,8 @@ class StateSlots(RequestResources):
     def num_stored(self) -> int:
         return len(self._stored)
 
-    def stats(self) -> dict[str, int]:
-        """`EngineSnapshot`'s fields for the snapshots."""
+    def stats(self) -> dict[str, Any]:
+        """`ipc.EngineStats`'s fields for the snapshots."""
         return {
             "linear_state_snapshot_queries": self.snapshot_queries,
             "linear_state_snapshot_hits": self.snapshot_hits,

@@ -319,3 +319,16 @@ def test_agents_cycling_through_a_full_tier_leak_nothing(model_dir, builder):
     assert tier.num_pages + len(tier._free_blocks) == tier.memory.num_blocks
     assert pool.num_free == pool.num_pages and iris.embedding_cache.num_pinned == 0
     assert iris.stats().pinned_images == 0 and not iris.requests
+
+
+def test_an_entry_a_match_found_stays_until_the_step_that_reloads_it():
+    kv = filled_cache(4)
+    tier = tier_of(kv, 2)
+    tier.spill_page(0, b"a", b"")
+    tier.spill_page(1, b"b", b"")
+    assert tier.has_page(b"a", b"") and tier.has_page(b"b", b"")  # both matched this step
+    tier.spill_page(2, b"c", b"")  # full of entries a reload needs: "c" is not kept
+    assert tier.has_page(b"a", b"") and tier.has_page(b"b", b"") and tier.num_pages == 2
+    tier.take_copies()  # the step ran: "a" (the older) may go now
+    tier.spill_page(2, b"c", b"")
+    assert not tier.has_page(b"a", b"") and tier.has_page(b"c", b"")

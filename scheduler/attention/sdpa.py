@@ -17,8 +17,8 @@ A context over several runs (a shared prefix, a fragmented pool): a decode over 
 runs attends to each on its own and merges the results by their log-sum-exps (CPU;
 elsewhere the runs are concatenated); over `GATHER_MIN_RUNS` or more (a pool the prefix
 cache has fragmented by evicting), it gathers its pages into one K and one V per layer
-first, a page-sized copy each: one SDPA call instead of one per run, ~10x faster over a
-hundred runs; a prefill chunk concatenates them.
+first, a page-sized copy each: one SDPA call instead of one per run and layer; a prefill
+chunk concatenates them.
 
 Host work per step is O(new tokens + runs).
 """

@@ -2,10 +2,9 @@
 load, into oneDNN's blocked layout, and the layer computes through oneDNN's matmul.
 
 PyTorch's default CPU linear goes through MKL's sgemm, which on AMD processors takes a
-slow path: on the development machine's EPYC, oneDNN with a prepacked weight is 2.2-2.4×
-faster at every row count from 1 (a decode step) to 2048 (a prefill chunk), in float32
-and bfloat16 alike (`bench/results/cpu_linear_small.md` has the engine's steps both
-ways). vLLM's CPU build computes its linear layers the same way.
+slow path; oneDNN with a prepacked weight is faster at every row count, from a decode
+step's one to a prefill chunk's thousands (`bench/results/cpu_linear_small.md` has the
+served figures both ways). vLLM's CPU build computes its linear layers the same way.
 
 The packed copy sits beside the dense weight, which stays for everything that reads it
 (loading, tensor-parallel slices, tied embeddings, the LM head's own `F.linear`): a CPU
