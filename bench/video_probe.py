@@ -73,7 +73,7 @@ def report(
             "",
             "MiB per added frame = (peak private at the most frames − at the fewest) / "
             "(difference in frames). A frame is half a temporal patch; its embedding is "
-            "pinned until the request ends (`scheduler/embedding_cache.py`), so some growth "
+            "pinned until the request ends (`scheduler/encoder/embedding_cache.py`), so some growth "
             "per frame is by design: the vision tower's working memory is what "
             "`--max-num-encoder-tokens` bounds. The `text only` rows are the text side's "
             "share (attention over a longer context per 512-token chunk).",

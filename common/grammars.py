@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import llguidance
 from llguidance import LLMatcher
 
-from iris_serve.ipc.messages import StructuredOutput
+from ..ipc.messages import StructuredOutput
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from iris_serve.ipc.messages import ImageRef, Prompt
+from .messages import ImageRef, Prompt
 
 
 @dataclass(frozen=True)

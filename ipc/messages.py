@@ -444,7 +444,7 @@ class RankStep(_Message, tag=_RANK_STEP):
     slot_ops: list[tuple[int, int]] = []
     # the host tier's copies rank 0 made since the last step, (kind, device page or slot,
     # host block or snapshot id), in order: each rank makes them on its shard before its
-    # forward and its slot ops (`scheduler/host_tier.py`, `HostCopy`)
+    # forward and its slot ops (`scheduler/kv/host_tier.py`, `HostCopy`)
     host_copies: list[tuple[str, int, int]] = []
 
 

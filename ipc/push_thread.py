@@ -19,8 +19,8 @@ from typing import Generic, TypeVar
 
 import zmq
 
-from iris_serve.ipc.messages import Codec
-from iris_serve.ipc.sockets import PushSocket
+from .messages import Codec
+from .sockets import PushSocket
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

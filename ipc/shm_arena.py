@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from iris_serve.ipc.messages import ShmHandle, ShmPointer
-from iris_serve.ipc.shm_names import SHM_DIR, check_name
+from .messages import ShmHandle, ShmPointer
+from .shm_names import SHM_DIR, check_name
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 import zmq
 import zmq.asyncio
 
-from iris_serve.ipc.messages import Codec
+from .messages import Codec
 
 T = TypeVar("T")
 E = TypeVar("E", bound="_Endpoint[Any]")

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from iris_serve.common.lazy_exports import lazy_exports
+from ..common.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from iris_serve.launch.args import ServeArgs, parse_serve_args
-    from iris_serve.launch.cli import main
-    from iris_serve.launch.launcher import engine_config, usable_cores, worker_config
+    from .args import ServeArgs, parse_serve_args
+    from .cli import main
+    from .launcher import engine_config, usable_cores, worker_config
 
 __all__ = [
     "ServeArgs",

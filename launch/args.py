@@ -12,9 +12,9 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from iris_serve.launch.config_flags import GiB, add_config_flags, config_kwargs
-from iris_serve.scheduler import EngineConfig
-from iris_serve.tokenizer_worker import WorkerConfig
+from ..scheduler import EngineConfig
+from ..tokenizer_worker import WorkerConfig
+from .config_flags import GiB, add_config_flags, config_kwargs
 
 __all__ = ["GiB", "ServeArgs", "build_parser", "parse_serve_args"]
 

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": "start the OpenAI-compatible server (tokenizer workers + scheduler)",
     }
     if argv[:1] in (["--version"], ["-V"]):
-        from iris_serve.common.version import iris_version
+        from ..common.version import iris_version
 
         print(f"iris {iris_version()}")
         return 0
@@ -33,17 +33,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command == "tiny-model":
-        from iris_serve.tiny_checkpoint import main_tiny_model
+        from ..tiny_checkpoint import main_tiny_model
 
         return main_tiny_model(rest)
     if command == "serve":
-        from iris_serve.launch.args import parse_serve_args
+        from .args import parse_serve_args
 
         args = parse_serve_args(rest)  # before the launcher's imports: `--help` stays quick
-        from iris_serve.launch.launcher import serve
+        from .launcher import serve
 
         return serve(args)
-    from iris_serve.launch.generate import main_generate
+    from .generate import main_generate
 
     return main_generate(rest)
 

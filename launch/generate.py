@@ -11,10 +11,10 @@ import argparse
 import time
 from pathlib import Path
 
-from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler import Engine, EngineConfig
-from iris_serve.tiny_checkpoint import builtin_checkpoint
-from iris_serve.tokenizer_worker import PromptBuilder
+from ..ipc.messages import Sampling
+from ..scheduler import Engine, EngineConfig
+from ..tiny_checkpoint import builtin_checkpoint
+from ..tokenizer_worker import PromptBuilder
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,18 +22,18 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from iris_serve.common.logs import configure_logging
-from iris_serve.ipc.shm_names import SHM_DIR, instance_prefix, new_instance_id, sweep, sweep_orphans
-from iris_serve.ipc.sockets import new_run_dir
-from iris_serve.launch.args import ServeArgs
-from iris_serve.scheduler import (
+from ..common.logs import configure_logging
+from ..ipc.shm_names import SHM_DIR, instance_prefix, new_instance_id, sweep, sweep_orphans
+from ..ipc.sockets import new_run_dir
+from ..scheduler import (
     EngineConfig,
     SchedulerProcessConfig,
     run_follower,
     run_scheduler,
 )
-from iris_serve.server import import_http_side, sampling_defaults
-from iris_serve.tokenizer_worker import WorkerConfig, run_worker
+from ..server import import_http_side, sampling_defaults
+from ..tokenizer_worker import WorkerConfig, run_worker
+from .args import ServeArgs
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -146,7 +146,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     `revision`), from the local Hugging Face cache or downloaded. FileNotFoundError, in
     one line, when it is none of these (not a traceback from the hub client)."""
     if model is None:
-        from iris_serve.tiny_checkpoint import builtin_checkpoint
+        from ..tiny_checkpoint import builtin_checkpoint
 
         return builtin_checkpoint(progress=logger.info)
     path = Path(model).expanduser()
@@ -307,7 +307,7 @@ async def _serve_http(
     children: list[BaseProcess],
     defaults: dict[str, Any],
 ) -> int:
-    from iris_serve.server import AppSettings, HttpServerConfig, serve_http
+    from ..server import AppSettings, HttpServerConfig, serve_http
 
     replicas = args.data_parallel_size
     schedulers = [info[scheduler_name(r, replicas)] for r in range(replicas)]

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from iris_serve.common.lazy_exports import lazy_exports
+from ..common.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.config import EngineConfig
-    from iris_serve.scheduler.device_state import hybrid_footprint
-    from iris_serve.scheduler.engine import Engine
-    from iris_serve.scheduler.entry import SchedulerProcessConfig, run_follower, run_scheduler
-    from iris_serve.scheduler.ranks import StepBroadcaster, join_group
+    from .config import EngineConfig
+    from .device_state import hybrid_footprint
+    from .entry import SchedulerProcessConfig, run_follower, run_scheduler
+    from .ranks import StepBroadcaster, join_group
+    from .step.engine import Engine
 
 __all__ = [
     "Engine",
@@ -38,7 +38,7 @@ __all__ = [
     "run_scheduler",
 ]
 _HOMES = {
-    "Engine": "engine",
+    "Engine": "step.engine",
     "EngineConfig": "config",
     "StepBroadcaster": "ranks",
     "join_group": "ranks",

@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iris_serve.scheduler.attention import AttentionBackend, create_backend
-from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.decode_graphs import CudaGraphCapture, DecodeGraphs
-from iris_serve.scheduler.host_tier import HostMemory, host_blocks
-from iris_serve.scheduler.kv_cache import KVCache, KVLayout
-from iris_serve.scheduler.memory_profile import profile_activations
-from iris_serve.scheduler.models.cpu_linear import pack_linears
-from iris_serve.scheduler.models.linear_state import LinearStates
-from iris_serve.scheduler.models.registry import load_config, load_model
-from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
+from .attention import AttentionBackend, create_backend
+from .config import EngineConfig
+from .hybrid.linear_state import LinearStates
+from .kv.host_tier import HostMemory, host_blocks
+from .kv.kv_cache import KVCache, KVLayout
+from .kv.memory_profile import profile_activations
+from .models.cpu_linear import pack_linears
+from .models.registry import load_config, load_model
+from .models.tensor_parallel import SINGLE, TPShard
+from .step.decode_graphs import CudaGraphCapture, DecodeGraphs
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+    from .models.qwen2_vl import Qwen2VLForCausalLM
 
 logger = logging.getLogger(__name__)
 # Left free on a GPU beyond the profiled activations: the CUDA context's growth, the

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from iris_serve.scheduler.config import EngineConfig
+from .config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class SchedulerProcessConfig:
 def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
     """The spawned scheduler process (`process.run_scheduler`); reports `(name, ok,
     info)` on `ready`."""
-    from iris_serve.scheduler.process import run_scheduler as run
+    from .process import run_scheduler as run
 
     run(config, ready)
 
@@ -44,8 +44,8 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
 def run_follower(config: SchedulerProcessConfig, rank: int, ready: Any) -> None:
     """A spawned tensor-parallel rank past the first of `config`'s replica
     (`ranks.run_follower`); reports `(its name, ok, info)` on `ready`."""
-    from iris_serve.common.logs import configure_logging
-    from iris_serve.scheduler.ranks import run_follower as run
+    from ..common.logs import configure_logging
+    from .ranks import run_follower as run
 
     name = config.follower_name(rank)
     configure_logging(config.log_level)

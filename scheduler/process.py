@@ -24,10 +24,10 @@ from typing import Any
 import msgspec
 import torch
 
-from iris_serve.common.logs import configure_logging
-from iris_serve.common.process_heap import freeze_startup_heap
-from iris_serve.ipc.local import PromptInput
-from iris_serve.ipc.messages import (
+from ..common.logs import configure_logging
+from ..common.process_heap import freeze_startup_heap
+from ..ipc.local import PromptInput
+from ..ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     TO_SERVER,
     TOKENIZER_TO_SCHEDULER,
@@ -44,14 +44,14 @@ from iris_serve.ipc.messages import (
     ToServer,
     context_length_error,
 )
-from iris_serve.ipc.push_thread import PushThread
-from iris_serve.ipc.shm_arena import ShmReader
-from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
-from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.entry import SchedulerProcessConfig
-from iris_serve.scheduler.pinned_host import cuda_host_registrar
-from iris_serve.scheduler.ranks import StepBroadcaster, join_group
-from iris_serve.scheduler.step_faults import STEP_ERROR_STATUS, STEP_ERROR_TYPE
+from ..ipc.push_thread import PushThread
+from ..ipc.shm_arena import ShmReader
+from ..ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
+from .entry import SchedulerProcessConfig
+from .kv.pinned_host import cuda_host_registrar
+from .ranks import StepBroadcaster, join_group
+from .step.engine import Engine
+from .step.faults import STEP_ERROR_STATUS, STEP_ERROR_TYPE
 
 logger = logging.getLogger("iris.scheduler")
 IDLE_POLL_SECONDS = 0.1

@@ -30,25 +30,25 @@ import numpy as np
 import torch
 import zmq
 
-from iris_serve.ipc.messages import (
+from ..ipc.messages import (
     TO_FOLLOWER,
     RankChunk,
     RankStep,
     StopRanks,
     pack_token_ids,
 )
-from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address
-from iris_serve.scheduler.attention import SequenceChunk
-from iris_serve.scheduler.batch_planner import StepPlan
-from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.device_state import DeviceState, rank_device
-from iris_serve.scheduler.host_tier import HostCopy
-from iris_serve.scheduler.model_runner import ModelRunner, StepInputs
-from iris_serve.scheduler.models.linear_state import SequenceStates
-from iris_serve.scheduler.models.tensor_parallel import TPShard
-from iris_serve.scheduler.page_table import PageTable
-from iris_serve.scheduler.request import Request
-from iris_serve.scheduler.state_slots import SlotOp
+from ..ipc.sockets import PullSocket, PushSocket, ipc_address
+from .attention import SequenceChunk
+from .config import EngineConfig
+from .device_state import DeviceState, rank_device
+from .hybrid.linear_state import SequenceStates
+from .hybrid.state_slots import SlotOp
+from .kv.host_tier import HostCopy
+from .kv.page_table import PageTable
+from .models.tensor_parallel import TPShard
+from .step.batch_planner import StepPlan
+from .step.model_runner import ModelRunner, StepInputs
+from .step.request import Request
 
 logger = logging.getLogger("iris.ranks")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # one step's collectives, never an idle wait

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from iris_serve.common.lazy_exports import lazy_exports
+from ..common.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from iris_serve.server.app import AppSettings
-    from iris_serve.server.generation_config import sampling_defaults
-    from iris_serve.server.http_process import HttpServerConfig, import_http_side, serve_http
+    from .app import AppSettings
+    from .generation_config import sampling_defaults
+    from .http_process import HttpServerConfig, import_http_side, serve_http
 
 __all__ = ["AppSettings", "HttpServerConfig", "import_http_side", "sampling_defaults", "serve_http"]
 _HOMES = {

@@ -24,11 +24,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import AutoTokenizer
 
-from iris_serve.common.version import iris_version
-from iris_serve.server.engine_client import EngineClient
-from iris_serve.server.errors import APIError, error_response, install_error_handlers
-from iris_serve.server.metrics import CONTENT_TYPE, MetricsBoard
-from iris_serve.server.protocol import (
+from ..common.version import iris_version
+from .engine_client import EngineClient
+from .errors import APIError, error_response, install_error_handlers
+from .metrics import CONTENT_TYPE, MetricsBoard
+from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
@@ -36,7 +36,7 @@ from iris_serve.server.protocol import (
     ModelList,
     TokenizeBody,
 )
-from iris_serve.server.serving import OpenAIServing
+from .serving import OpenAIServing
 
 
 @dataclass(frozen=True)

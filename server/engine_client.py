@@ -23,7 +23,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from iris_serve.ipc.messages import (
+from ..ipc.messages import (
     SERVER_TO_TOKENIZER,
     TO_SERVER,
     AbortRequest,
@@ -34,10 +34,10 @@ from iris_serve.ipc.messages import (
     TokenizeRequest,
     ToServer,
 )
-from iris_serve.ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
-from iris_serve.server.errors import APIError
-from iris_serve.server.image_router import DEFAULT_CAPACITY, ImageRouter
-from iris_serve.server.metrics import MetricsBoard
+from ..ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
+from .errors import APIError
+from .image_router import DEFAULT_CAPACITY, ImageRouter
+from .metrics import MetricsBoard
 
 logger = logging.getLogger(__name__)
 

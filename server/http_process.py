@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from iris_serve.common.process_heap import freeze_startup_heap
-from iris_serve.ipc.messages import EngineStats
-from iris_serve.server.stats_log import LOG_INTERVAL_SECONDS, banner, throughput_line
+from ..common.process_heap import freeze_startup_heap
+from ..ipc.messages import EngineStats
+from .stats_log import LOG_INTERVAL_SECONDS, banner, throughput_line
 
 if TYPE_CHECKING:
-    from iris_serve.server.app import AppSettings
+    from .app import AppSettings
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -46,8 +46,7 @@ class HttpServerConfig:
 def import_http_side() -> None:
     """Import what `serve_http` needs (seconds of a core: torch via transformers' config,
     fastapi), so that the launcher can overlap it with the children's start-up."""
-    import iris_serve.server.app
-    import iris_serve.server.engine_client  # noqa: F401
+    from . import app, engine_client  # noqa: F401
 
 
 async def serve_http(
@@ -58,8 +57,8 @@ async def serve_http(
 ) -> int:
     """Serves until SIGINT/SIGTERM (0) or a child's death (1). `schedulers`: each
     replica's ready info, for the banner."""
-    from iris_serve.server.app import create_app
-    from iris_serve.server.engine_client import ZmqEngineClient
+    from .app import create_app
+    from .engine_client import ZmqEngineClient
 
     client = ZmqEngineClient(
         config.run_dir,

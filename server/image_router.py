@@ -30,7 +30,7 @@ from typing import Any
 
 import xxhash
 
-from iris_serve.common.content_parts import (
+from ..common.content_parts import (
     IMAGE_PART_TYPES,
     VIDEO_PART_TYPES,
     image_part_data,

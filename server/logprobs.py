@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from iris_serve.ipc.messages import TokenLogprob
+from ..ipc.messages import TokenLogprob
 
 
 class TopLogprob(BaseModel):

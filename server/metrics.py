@@ -34,8 +34,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from iris_serve.ipc.messages import EngineStats, FinishReason, WorkerStats
-from iris_serve.server.protocol import Usage
+from ..ipc.messages import EngineStats, FinishReason, WorkerStats
+from .protocol import Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
 

@@ -26,12 +26,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from iris_serve.server import unimplemented
-from iris_serve.server.errors import PATH_PARAM_ERROR, UNSUPPORTED_PART_TAG
+from . import unimplemented
+from .errors import PATH_PARAM_ERROR, UNSUPPORTED_PART_TAG
 
 if TYPE_CHECKING:
-    from iris_serve.ipc.messages import ImageReport
-from iris_serve.server.logprobs import ChatLogprobs, CompletionLogprobs
+    from ..ipc.messages import ImageReport
+from .logprobs import ChatLogprobs, CompletionLogprobs
 
 _INT64 = 2**63
 Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]

@@ -23,19 +23,19 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request
 
-from iris_serve.ipc.messages import (
+from ..ipc.messages import (
     RequestOutput,
     Sampling,
     TokenizeRequest,
     TokenLogprob,
     context_length_error,
 )
-from iris_serve.server.detokenizer import TextStream
-from iris_serve.server.engine_client import EngineClient, EngineRequestError
-from iris_serve.server.errors import APIError, ClientDisconnected
-from iris_serve.server.logprobs import TokenText, chat_logprobs, completion_logprobs
-from iris_serve.server.metrics import MetricsBoard
-from iris_serve.server.protocol import (
+from .detokenizer import TextStream
+from .engine_client import EngineClient, EngineRequestError
+from .errors import APIError, ClientDisconnected
+from .logprobs import TokenText, chat_logprobs, completion_logprobs
+from .metrics import MetricsBoard
+from .protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -48,7 +48,7 @@ from iris_serve.server.protocol import (
     Usage,
     image_cache,
 )
-from iris_serve.server.streaming import (
+from .streaming import (
     Answer,
     ChunkMaker,
     Delta,
@@ -61,8 +61,8 @@ from iris_serve.server.streaming import (
     sse,
     starting_with,
 )
-from iris_serve.server.structured_output import requested_constraint
-from iris_serve.server.tool_choice import ToolPlan, plan_tools
+from .structured_output import requested_constraint
+from .tool_choice import ToolPlan, plan_tools
 
 T = TypeVar("T")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from iris_serve.common.version import iris_version
-from iris_serve.ipc.messages import EngineStats
+from ..common.version import iris_version
+from ..ipc.messages import EngineStats
 
 LOG_INTERVAL_SECONDS = 10.0
 

@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from iris_serve.ipc.messages import TokenLogprob
-from iris_serve.server.engine_client import EngineRequestError
-from iris_serve.server.errors import APIError
-from iris_serve.server.protocol import Usage
-from iris_serve.server.tool_choice import AnswerReader, ToolPlan
+from ..ipc.messages import TokenLogprob
+from .engine_client import EngineRequestError
+from .errors import APIError
+from .protocol import Usage
+from .tool_choice import AnswerReader, ToolPlan
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"

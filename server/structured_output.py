@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 
-from iris_serve.common.grammars import grammar_error
-from iris_serve.ipc.messages import StructuredOutput
-from iris_serve.server.errors import APIError
-from iris_serve.server.protocol import (
+from ..common.grammars import grammar_error
+from ..ipc.messages import StructuredOutput
+from .errors import APIError
+from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormat,
     StructuredOutputs,
 )
-from iris_serve.server.tool_choice import ToolPlan
+from .tool_choice import ToolPlan
 
 
 def requested_constraint(

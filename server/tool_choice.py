@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from iris_serve.server.errors import APIError
-from iris_serve.server.protocol import ChatCompletionRequest, NamedToolChoice
-from iris_serve.server.tool_parser import (
+from .errors import APIError
+from .protocol import ChatCompletionRequest, NamedToolChoice
+from .tool_parser import (
     CallArrayParser,
     HermesParser,
     ParsedAnswer,

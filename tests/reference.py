@@ -14,9 +14,9 @@ from PIL import Image
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import ImageRef, Sampling
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.engine import Engine
 from iris_serve.scheduler.models.loader import iter_checkpoint
 from iris_serve.scheduler.models.mrope import mrope_positions
+from iris_serve.scheduler.step.engine import Engine
 
 
 @functools.lru_cache(maxsize=4)
@@ -92,7 +92,7 @@ def hf_video_pixel_values(
     to transformers' layout; transformers' video processor itself needs torchvision).
     Each patch is one video `(1, h, w)`: the ViT attends within a temporal patch, so that
     equals one video of them all; Qwen3-VL splits a video into such blocks anyway."""
-    from iris_serve.scheduler.patches import PatchMaker
+    from iris_serve.scheduler.encoder.patches import PatchMaker
 
     maker = PatchMaker.from_checkpoint(model_dir, torch.device("cpu"), torch.float32)
     return maker(list(pixels), [image.grid_thw for image in images])

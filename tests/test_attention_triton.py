@@ -20,7 +20,7 @@ import torch
 
 from iris_serve.scheduler.attention import SequenceChunk, resolve_backend_name
 from iris_serve.scheduler.attention.sdpa import SdpaBackend
-from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
 
 torch.set_num_threads(2)
 CPU = torch.device("cpu")
@@ -233,7 +233,7 @@ def test_the_cpu_path_imports_no_triton():
     code = (
         "import sys, torch;"
         "from iris_serve.scheduler.attention import create_backend;"
-        "from iris_serve.scheduler.kv_cache import KVCache, KVLayout;"
+        "from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout;"
         "c = KVCache(KVLayout(1, 1, 8, 4, torch.float32), 2, torch.device('cpu'));"
         "create_backend('auto', c, torch.device('cpu'));"
         "assert 'triton' not in sys.modules and "

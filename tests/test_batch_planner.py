@@ -1,9 +1,9 @@
 """Continuous batching and preemption, on fake requests (no model)."""
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.batch_planner import BatchPlanner, PrefillCaps
-from iris_serve.scheduler.kv_cache import PagePool
-from iris_serve.scheduler.request import Request, RequestStatus
+from iris_serve.scheduler.kv.kv_cache import PagePool
+from iris_serve.scheduler.step.batch_planner import BatchPlanner, PrefillCaps
+from iris_serve.scheduler.step.request import Request, RequestStatus
 
 PAGE = 4
 

@@ -11,9 +11,9 @@ import threading
 import torch
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler import core_sharing
-from iris_serve.scheduler.core_sharing import MAX_HOLD_SECONDS, CoreSharing
-from iris_serve.scheduler.encoder_thread import EncoderThread
+from iris_serve.scheduler.encoder.thread import EncoderThread
+from iris_serve.scheduler.step import core_sharing
+from iris_serve.scheduler.step.core_sharing import MAX_HOLD_SECONDS, CoreSharing
 from tests.reference import assert_parity, chat_prompt, cpu_engine, make_image
 
 torch.set_num_threads(2)

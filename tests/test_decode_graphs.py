@@ -1,4 +1,4 @@
-"""Decode steps replayed from fixed buffers (`scheduler/decode_graphs.py`) give the tokens
+"""Decode steps replayed from fixed buffers (`scheduler/step/decode_graphs.py`) give the tokens
 of eager steps, and a decode step holds nothing a CUDA graph cannot record.
 
 There is no CUDA here: the graphs are "captured" with `eager_replay`, which reruns the
@@ -18,14 +18,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Prompt, Sampling
-from iris_serve.scheduler.decode_graphs import (
+from iris_serve.scheduler.step.decode_graphs import (
     MAX_CAPTURE_SIZE,
     CapturedStep,
     DecodeGraphs,
     capture_sizes,
     eager_replay,
 )
-from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.step.engine import Engine
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt, cpu_engine, make_image
 

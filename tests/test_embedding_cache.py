@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from iris_serve.scheduler.embedding_cache import EmbeddingCache, Lookup
-from iris_serve.scheduler.encoder_manager import request_scoped_keys
+from iris_serve.scheduler.encoder.embedding_cache import EmbeddingCache, Lookup
+from iris_serve.scheduler.encoder.manager import request_scoped_keys
 
 HIDDEN = 4  # fp32: 16 bytes per token
 
@@ -79,7 +79,7 @@ def test_unpin_makes_an_entry_evictable_only_when_its_last_user_leaves() -> None
 def test_a_token_count_mismatch_is_a_miss_never_a_hit(caplog: pytest.LogCaptureFixture) -> None:
     cache = EmbeddingCache(1 << 20)
     fill(cache, key(1), "a", num_tokens=4)
-    with caplog.at_level(logging.ERROR, logger="iris_serve.scheduler.embedding_cache"):
+    with caplog.at_level(logging.ERROR, logger="iris_serve.scheduler.encoder.embedding_cache"):
         # in use by "a": the other request must encode for itself, the entry stays
         assert cache.lookup(key(1), 6, "b") is Lookup.UNCACHEABLE
         assert cache.users(key(1)) == {"a"} and cache.get(key(1)).shape[0] == 4

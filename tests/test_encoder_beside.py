@@ -10,9 +10,9 @@ import threading
 import torch
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler import encoder_thread
-from iris_serve.scheduler.encoder_thread import EncoderThread
-from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.encoder import thread as encoder_thread
+from iris_serve.scheduler.encoder.thread import EncoderThread
+from iris_serve.scheduler.step.engine import Engine
 from tests.reference import (
     assert_parity,
     chat_prompt,

@@ -12,7 +12,7 @@ import torch
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.step.engine import Engine
 from tests.reference import cpu_engine, reference_tokens
 
 torch.set_num_threads(2)

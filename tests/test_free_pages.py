@@ -1,9 +1,9 @@
 """Page placement keeps each sequence's pages in few runs of consecutive ids, which is
 what lets attention read them in place (scheduler/attention/sdpa.py)."""
 
-from iris_serve.scheduler.free_pages import FreePages
-from iris_serve.scheduler.kv_cache import PagePool
-from iris_serve.scheduler.page_table import page_runs
+from iris_serve.scheduler.kv.free_pages import FreePages
+from iris_serve.scheduler.kv.kv_cache import PagePool
+from iris_serve.scheduler.kv.page_table import page_runs
 
 
 def test_sequences_growing_in_turns_each_stay_one_run():

@@ -15,8 +15,8 @@ import torch
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.attention import SequenceChunk, create_backend
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.step.engine import Engine
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt, hf_prompt_pixel_values, make_image
 
@@ -180,7 +180,7 @@ def test_backends_match_sdpa_on_random_mixed_batches(backend):
 def test_the_start_up_profile_reads_the_activations_peak_on_the_gpu(small_bf16):
     """The KV cache is sized after this profile (`device_state._kv_budget_bytes`): on CUDA
     both passes must report their peak, and free what they took."""
-    from iris_serve.scheduler.memory_profile import profile_activations
+    from iris_serve.scheduler.kv.memory_profile import profile_activations
     from iris_serve.scheduler.models.registry import load_model
 
     config = EngineConfig(model=small_bf16, device="cuda", max_num_batched_tokens=1024)
@@ -200,7 +200,7 @@ def test_arena_segments_are_pinned_so_pixels_go_to_the_gpu_by_dma():
 
     from iris_serve.ipc.shm_arena import ShmArena, ShmReader
     from iris_serve.ipc.shm_names import instance_prefix, new_instance_id
-    from iris_serve.scheduler.pinned_host import cuda_host_registrar
+    from iris_serve.scheduler.kv.pinned_host import cuda_host_registrar
 
     pixels = np.random.default_rng(0).integers(0, 256, (720, 1280, 3), dtype=np.uint8)
     with (
@@ -218,7 +218,7 @@ def test_arena_segments_are_pinned_so_pixels_go_to_the_gpu_by_dma():
 def test_a_segment_cuda_refuses_stays_pageable_and_the_next_step_runs():
     """A refused registration is logged, not raised; its error must not surface at the
     next kernel launch of the thread (the step's)."""
-    from iris_serve.scheduler.pinned_host import cuda_host_registrar
+    from iris_serve.scheduler.kv.pinned_host import cuda_host_registrar
 
     register = cuda_host_registrar(torch.device("cuda"))
     assert register is not None

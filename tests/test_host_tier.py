@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.host_tier import HostMemory, HostTier
-from iris_serve.scheduler.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.kv.host_tier import HostMemory, HostTier
+from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.models.registry import load_config
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt as chat
@@ -106,7 +106,7 @@ def test_another_rank_repeating_rank_0s_copies_holds_the_same_bytes():
 
 
 def test_a_snapshot_round_trips_through_host_memory_and_is_freed_on_every_rank():
-    from iris_serve.scheduler.models.linear_state import LinearStateLayout, LinearStates
+    from iris_serve.scheduler.hybrid.linear_state import LinearStateLayout, LinearStates
 
     layout = LinearStateLayout(2, 8, 4, 2, 4, 4, torch.float32)
     pools = [LinearStates(layout, 3, CPU) for _ in range(2)]  # rank 0's and another's

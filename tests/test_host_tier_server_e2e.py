@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from iris_serve.scheduler.kv_cache import KVLayout
+from iris_serve.scheduler.kv.kv_cache import KVLayout
 from iris_serve.scheduler.models.registry import load_config
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import make_image

@@ -26,8 +26,8 @@ from iris_serve.ipc.messages import (
     TokenizeRequest,
 )
 from iris_serve.ipc.shm_arena import ShmReader
-from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.given_images import RefusedImage
+from iris_serve.scheduler.encoder.given_images import RefusedImage
+from iris_serve.scheduler.step.engine import Engine
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import cpu_engine, make_image

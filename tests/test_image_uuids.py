@@ -20,8 +20,8 @@ from iris_serve.ipc.messages import (
     Sampling,
     TokenizeRequest,
 )
-from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.given_images import RefusedImage
+from iris_serve.scheduler.encoder.given_images import RefusedImage
+from iris_serve.scheduler.step.engine import Engine
 from iris_serve.server.image_router import ImageRouter, affinity_hash, image_parts
 from iris_serve.tokenizer_worker.image_uuids import Binding, ImageUuids
 from iris_serve.tokenizer_worker.prompt import PromptBuilder

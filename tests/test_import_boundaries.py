@@ -169,8 +169,14 @@ def test_the_public_surface_resolves(package: str):
     ("module", "source"),
     [
         # a worker reaching into the scheduler, at module level or lazily in a function
-        ("iris_serve.tokenizer_worker.prompt", "from iris_serve.scheduler.request import Request"),
-        ("iris_serve.tokenizer_worker.x", "def f():\n    import iris_serve.scheduler.engine\n"),
+        (
+            "iris_serve.tokenizer_worker.prompt",
+            "from iris_serve.scheduler.step.request import Request",
+        ),
+        (
+            "iris_serve.tokenizer_worker.x",
+            "def f():\n    import iris_serve.scheduler.step.engine\n",
+        ),
         ("iris_serve.tokenizer_worker.x", "from iris_serve import scheduler"),
         ("iris_serve.scheduler.x", "from iris_serve.launch.args import GiB"),
         ("iris_serve.scheduler.x", "from iris_serve.tiny_checkpoint import builtin_checkpoint"),
@@ -189,7 +195,7 @@ def test_the_public_surface_resolves(package: str):
         ("iris_serve.launch.launcher", "from iris_serve.scheduler.process import run_scheduler"),
         ("iris_serve.launch.launcher", "from iris_serve.scheduler import Request"),
         ("iris_serve.launch.cli", "import iris_serve.tokenizer_worker"),
-        ("bench.x", "from iris_serve.scheduler.engine import Engine"),
+        ("bench.x", "from iris_serve.scheduler.step.engine import Engine"),
         ("bench.x", "from iris_serve.launch.launcher import usable_cores"),
         ("bench.x", "from tests.reference import make_image"),
         # no role imports the composition root

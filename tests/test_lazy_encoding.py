@@ -21,9 +21,9 @@ from PIL import Image
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import ImageRef, Prompt, Sampling, ShmPointer
-from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.pixels import PixelStore
+from iris_serve.scheduler.encoder.pixels import PixelStore
 from iris_serve.scheduler.process import SchedulerLoop
+from iris_serve.scheduler.step.engine import Engine
 from iris_serve.tokenizer_worker.image_key import image_key
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity as assert_parity_with

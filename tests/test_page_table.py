@@ -1,6 +1,6 @@
 """A request's page table on its own: what admission, growth and release leave in it."""
 
-from iris_serve.scheduler.page_table import PageTable
+from iris_serve.scheduler.kv.page_table import PageTable
 
 
 def test_admission_starts_from_the_cached_prefix_and_release_empties_all_but_the_keys():

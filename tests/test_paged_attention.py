@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from iris_serve.scheduler.attention import SequenceChunk, sdpa
 from iris_serve.scheduler.attention.sdpa import SdpaBackend
-from iris_serve.scheduler.kv_cache import KVCache, KVLayout
-from iris_serve.scheduler.page_table import page_runs
+from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.kv.page_table import page_runs
 
 torch.set_num_threads(2)
 HEADS, KV_HEADS, DIM, PAGE = 4, 2, 8, 4

@@ -12,7 +12,7 @@ from PIL import Image
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.patches import PatchMaker
+from iris_serve.scheduler.encoder.patches import PatchMaker
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt, cpu_engine, make_image
 

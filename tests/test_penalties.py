@@ -1,4 +1,4 @@
-"""The penalty state kept across steps (`scheduler/penalties.py`) gives the logits of the
+"""The penalty state kept across steps (`scheduler/sampling/penalties.py`) gives the logits of the
 state rebuilt from the token lists (the sampler's one-call path, itself checked against
 transformers in test_sampling.py), and every ended request gives its row back."""
 
@@ -8,8 +8,8 @@ import torch
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.penalties import INITIAL_ROWS, INITIAL_WIDTH, PenaltyTable
-from iris_serve.scheduler.sampling import Sampler, SamplingRow
+from iris_serve.scheduler.sampling.penalties import INITIAL_ROWS, INITIAL_WIDTH, PenaltyTable
+from iris_serve.scheduler.sampling.sampler import Sampler, SamplingRow
 from tests.reference import cpu_engine
 
 torch.set_num_threads(2)

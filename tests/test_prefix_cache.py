@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 from iris_serve.ipc.messages import ImageRef, Sampling
-from iris_serve.scheduler.batch_planner import BatchPlanner
-from iris_serve.scheduler.kv_cache import PagePool
-from iris_serve.scheduler.prefix_cache import PrefixCache, image_overlaps, page_key, token_bytes
-from iris_serve.scheduler.request import Request
+from iris_serve.scheduler.kv.kv_cache import PagePool
+from iris_serve.scheduler.kv.prefix_cache import PrefixCache, image_overlaps, page_key, token_bytes
+from iris_serve.scheduler.step.batch_planner import BatchPlanner
+from iris_serve.scheduler.step.request import Request
 
 PAGE = 4
 IMAGE = 99  # placeholder token id

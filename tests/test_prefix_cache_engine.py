@@ -15,7 +15,7 @@ import torch
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Prompt, Sampling
-from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.step.engine import Engine
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt as chat
 from tests.reference import cpu_engine as engine

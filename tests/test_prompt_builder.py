@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iris_serve.scheduler.patches import PatchMaker
+from iris_serve.scheduler.encoder.patches import PatchMaker
 from iris_serve.tiny_checkpoint import reference_processor
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import make_image

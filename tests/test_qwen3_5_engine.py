@@ -13,7 +13,7 @@ import torch
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Prompt
-from iris_serve.scheduler.engine import Engine
+from iris_serve.scheduler.step.engine import Engine
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt as chat
 from tests.reference import cpu_engine, hf_generate, make_image

@@ -26,13 +26,13 @@ from safetensors.torch import save_file
 
 from iris_serve.scheduler.attention import SequenceChunk
 from iris_serve.scheduler.attention.sdpa import SdpaBackend
-from iris_serve.scheduler.kv_cache import KVCache, KVLayout
-from iris_serve.scheduler.models.config import VLModelConfig
-from iris_serve.scheduler.models.linear_state import (
+from iris_serve.scheduler.hybrid.linear_state import (
     LinearStates,
     LinearStepContext,
     SequenceStates,
 )
+from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.models.config import VLModelConfig
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.scheduler.models.qwen3_5 import Qwen3_5ForCausalLM
 from iris_serve.scheduler.models.registry import load_model

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.sampling import Sampler, SamplingRow, check_sampling
+from iris_serve.scheduler.sampling.sampler import Sampler, SamplingRow, check_sampling
 
 torch.set_num_threads(2)
 

@@ -4,11 +4,11 @@ kept and restored (the bookkeeping; tests/test_qwen3_5_engine.py checks the stat
 from __future__ import annotations
 
 from iris_serve.ipc.messages import ImageRef, Sampling
-from iris_serve.scheduler.batch_planner import ScheduledChunk
-from iris_serve.scheduler.kv_cache import PagePool
-from iris_serve.scheduler.prefix_cache import PrefixCache
-from iris_serve.scheduler.request import Request
-from iris_serve.scheduler.state_slots import SlotOp, StateSlots
+from iris_serve.scheduler.hybrid.state_slots import SlotOp, StateSlots
+from iris_serve.scheduler.kv.kv_cache import PagePool
+from iris_serve.scheduler.kv.prefix_cache import PrefixCache
+from iris_serve.scheduler.step.batch_planner import ScheduledChunk
+from iris_serve.scheduler.step.request import Request
 
 PAGE = 4
 WORKING = 2

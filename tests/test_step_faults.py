@@ -16,9 +16,9 @@ import torch
 
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import RequestOutput, Sampling
-from iris_serve.scheduler import engine as engine_module
-from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.step_faults import release_device_memory
+from iris_serve.scheduler.step import engine as engine_module
+from iris_serve.scheduler.step.engine import Engine
+from iris_serve.scheduler.step.faults import release_device_memory
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt, cpu_engine, make_image
 
@@ -211,7 +211,7 @@ def test_a_forward_failing_after_the_other_ranks_were_sent_the_step_is_not_isola
     """Under tensor parallelism the followers are inside the step's collectives once rank
     0 has sent it: a failure then is `RanksOutOfStep`, which stops the scheduler; one
     before the send (here: encoding) fails only the step's requests."""
-    from iris_serve.scheduler.step_faults import RanksOutOfStep
+    from iris_serve.scheduler.step.faults import RanksOutOfStep
 
     sent: list[object] = []
 

@@ -6,7 +6,7 @@ import torch
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.config import CPU_ITL_STRETCH
-from iris_serve.scheduler.step_pacer import StepPacer
+from iris_serve.scheduler.step.pacer import StepPacer
 from tests.reference import assert_parity, cpu_engine, generate_joining_one_per_step
 
 MS = 1e-3

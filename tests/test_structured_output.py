@@ -15,9 +15,9 @@ from iris_serve.common.grammars import grammar_error
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling, StructuredOutput
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.engine import Engine
-from iris_serve.scheduler.sampling import Sampler, SamplingRow
-from iris_serve.scheduler.structured_output import Grammars, apply_bitmask, new_bitmask
+from iris_serve.scheduler.sampling.sampler import Sampler, SamplingRow
+from iris_serve.scheduler.sampling.structured_output import Grammars, apply_bitmask, new_bitmask
+from iris_serve.scheduler.step.engine import Engine
 
 torch.set_num_threads(2)
 

@@ -39,7 +39,7 @@ from iris_serve.ipc.messages import (
 from iris_serve.ipc.shm_arena import ShmArena, ShmReader
 from iris_serve.ipc.shm_names import SHM_DIR, instance_prefix, segment_name, sweep
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, new_run_dir
-from iris_serve.scheduler.patches import PatchMaker
+from iris_serve.scheduler.encoder.patches import PatchMaker
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.process import _Loop, _Stop, run_worker
 from iris_serve.tokenizer_worker.prompt import PromptBuilder

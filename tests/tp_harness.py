@@ -50,8 +50,8 @@ def _rank_main(
     import torch
 
     from iris_serve.scheduler.config import EngineConfig
-    from iris_serve.scheduler.engine import Engine
     from iris_serve.scheduler.ranks import StepBroadcaster, join_group, run_follower
+    from iris_serve.scheduler.step.engine import Engine
 
     torch.set_num_threads(1)
     config = EngineConfig(tensor_parallel_size=size, **engine_kwargs)

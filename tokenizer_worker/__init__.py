@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from iris_serve.common.lazy_exports import lazy_exports
+from ..common.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from iris_serve.tokenizer_worker.config import WorkerConfig
-    from iris_serve.tokenizer_worker.entry import run_worker
-    from iris_serve.tokenizer_worker.prompt import PromptBuilder, load_image
-    from iris_serve.tokenizer_worker.video_decode import open_video
-    from iris_serve.tokenizer_worker.video_rules import (
+    from .config import WorkerConfig
+    from .entry import run_worker
+    from .prompt import PromptBuilder, load_image
+    from .video_decode import open_video
+    from .video_rules import (
         VideoProcessorSettings,
         plan_video,
         resize_frame,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from iris_serve.ipc.messages import TokenizeRequest
+from ..ipc.messages import TokenizeRequest
 
 
 class WaitingRequests:

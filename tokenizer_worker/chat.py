@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from iris_serve.common.content_parts import (
+from ..common.content_parts import (
     IMAGE_PART_TYPES,
     VIDEO_PART_TYPES,
     image_part_embeds,

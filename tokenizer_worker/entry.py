@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from iris_serve.tokenizer_worker.config import WorkerConfig
+from .config import WorkerConfig
 
 
 def run_worker(config: WorkerConfig, ready: Any) -> None:
     """The spawned worker process (`process.run_worker`); reports `(name, ok, info)` on
     `ready`."""
-    from iris_serve.tokenizer_worker.process import run_worker as run
+    from .process import run_worker as run
 
     run(config, ready)

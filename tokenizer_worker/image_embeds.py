@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from iris_serve.tokenizer_worker.image_key import image_key
-from iris_serve.tokenizer_worker.media import MediaError
-from iris_serve.tokenizer_worker.prompt import Grid
+from .image_key import image_key
+from .media import MediaError
+from .prompt import Grid
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NPY_MAGIC = b"\x93NUMPY"

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import zmq
 
-from iris_serve.common.logs import configure_logging
-from iris_serve.common.process_heap import freeze_startup_heap
-from iris_serve.ipc.messages import (
+from ..common.logs import configure_logging
+from ..common.process_heap import freeze_startup_heap
+from ..ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     SERVER_TO_TOKENIZER,
     TO_SERVER,
@@ -43,9 +43,9 @@ from iris_serve.ipc.messages import (
     RequestError,
     TokenizeRequest,
 )
-from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
-from iris_serve.tokenizer_worker.config import WorkerConfig
-from iris_serve.tokenizer_worker.worker import Reply, TokenizerWorker, drop_aborted
+from ..ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
+from .config import WorkerConfig
+from .worker import Reply, TokenizerWorker, drop_aborted
 
 logger = logging.getLogger("iris.tokenizer")
 

@@ -25,9 +25,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from iris_serve.ipc.messages import ShmPointer
-from iris_serve.ipc.shm_arena import ShmArena
-from iris_serve.tokenizer_worker.prompt import Grid
+from ..ipc.messages import ShmPointer
+from ..ipc.shm_arena import ShmArena
+from .prompt import Grid
 
 
 class CachedImage(NamedTuple):

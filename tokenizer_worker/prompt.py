@@ -26,11 +26,11 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
-from iris_serve.ipc.local import PromptInput
-from iris_serve.ipc.messages import ImageRef, Prompt
-from iris_serve.tokenizer_worker.image_key import image_key
-from iris_serve.tokenizer_worker.image_resize import PIXEL_FORMAT, Grid, ImageResizer, ImageSize
-from iris_serve.tokenizer_worker.video_rules import VideoProcessorSettings, timestamp_text
+from ..ipc.local import PromptInput
+from ..ipc.messages import ImageRef, Prompt
+from .image_key import image_key
+from .image_resize import PIXEL_FORMAT, Grid, ImageResizer, ImageSize
+from .video_rules import VideoProcessorSettings, timestamp_text
 
 # A placeholder's replacement: its token ids, and where each of its items (an image, a
 # video's temporal patch) lies in them, as (offset, length).

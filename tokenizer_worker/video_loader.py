@@ -43,15 +43,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from iris_serve.ipc.messages import ShmPointer
-from iris_serve.ipc.shm_arena import ArenaFull, ShmArena
-from iris_serve.tokenizer_worker.image_key import image_key
-from iris_serve.tokenizer_worker.image_resize import PIXEL_FORMAT, Grid
-from iris_serve.tokenizer_worker.media import MediaError
-from iris_serve.tokenizer_worker.processor_cache import ProcessorCache
-from iris_serve.tokenizer_worker.video_decode import VideoHeader, open_video
-from iris_serve.tokenizer_worker.video_pruning import PRUNING_FORMAT, Kept, VideoPruner
-from iris_serve.tokenizer_worker.video_rules import (
+from ..ipc.messages import ShmPointer
+from ..ipc.shm_arena import ArenaFull, ShmArena
+from .image_key import image_key
+from .image_resize import PIXEL_FORMAT, Grid
+from .media import MediaError
+from .processor_cache import ProcessorCache
+from .video_decode import VideoHeader, open_video
+from .video_pruning import PRUNING_FORMAT, Kept, VideoPruner
+from .video_rules import (
     VideoOptions,
     VideoPlan,
     VideoProcessorSettings,

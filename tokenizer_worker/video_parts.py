@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from iris_serve.ipc.messages import ImageRef, TokenizeRequest
-from iris_serve.ipc.shm_arena import ArenaFull, ShmArena
-from iris_serve.tokenizer_worker.chat import VideoPart
-from iris_serve.tokenizer_worker.image_uuids import ImageUuids
-from iris_serve.tokenizer_worker.media import MediaError
-from iris_serve.tokenizer_worker.video_loader import LoadedVideo, VideoLayout, VideoLoader
-from iris_serve.tokenizer_worker.video_rules import VideoOptions, VideoRuleError
+from ..ipc.messages import ImageRef, TokenizeRequest
+from ..ipc.shm_arena import ArenaFull, ShmArena
+from .chat import VideoPart
+from .image_uuids import ImageUuids
+from .media import MediaError
+from .video_loader import LoadedVideo, VideoLayout, VideoLoader
+from .video_rules import VideoOptions, VideoRuleError
 
 T = TypeVar("T")
 

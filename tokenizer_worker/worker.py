@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from iris_serve.ipc.messages import (
+from ..ipc.messages import (
     AbortEngineRequest,
     AbortRequest,
     EngineRequest,
@@ -39,20 +39,20 @@ from iris_serve.ipc.messages import (
     WorkerStats,
     pack_token_ids,
 )
-from iris_serve.ipc.shm_arena import ArenaFull, EntryTooLarge, ShmArena, StaleHandle
-from iris_serve.ipc.shm_names import SHM_DIR, segment_name
-from iris_serve.tokenizer_worker.arena_wait import WaitingRequests
-from iris_serve.tokenizer_worker.chat import ChatError, ImagePart, VideoPart, parse_messages
-from iris_serve.tokenizer_worker.config import WorkerConfig
-from iris_serve.tokenizer_worker.image_embeds import embeds_key, read_embeds
-from iris_serve.tokenizer_worker.image_key import image_key
-from iris_serve.tokenizer_worker.image_uuids import Binding, ImageUuids
-from iris_serve.tokenizer_worker.media import MediaError, MediaFetcher, decode_image
-from iris_serve.tokenizer_worker.processor_cache import CachedImage, ProcessorCache
-from iris_serve.tokenizer_worker.prompt import Grid, ImageSize, PromptBuilder, Replacement
-from iris_serve.tokenizer_worker.video_loader import LoadedVideo, VideoLimits, VideoLoader
-from iris_serve.tokenizer_worker.video_parts import VideoParts, video_options
-from iris_serve.tokenizer_worker.video_rules import VideoOptions
+from ..ipc.shm_arena import ArenaFull, EntryTooLarge, ShmArena, StaleHandle
+from ..ipc.shm_names import SHM_DIR, segment_name
+from .arena_wait import WaitingRequests
+from .chat import ChatError, ImagePart, VideoPart, parse_messages
+from .config import WorkerConfig
+from .image_embeds import embeds_key, read_embeds
+from .image_key import image_key
+from .image_uuids import Binding, ImageUuids
+from .media import MediaError, MediaFetcher, decode_image
+from .processor_cache import CachedImage, ProcessorCache
+from .prompt import Grid, ImageSize, PromptBuilder, Replacement
+from .video_loader import LoadedVideo, VideoLimits, VideoLoader
+from .video_parts import VideoParts, video_options
+from .video_rules import VideoOptions
 
 logger = logging.getLogger("iris.tokenizer")
 

@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from iris_serve.scheduler.attention.base import (
+from ..kv.kv_cache import KVCache
+from .base import (
     AttentionBackend,
     PageRun,
     SequenceChunk,
@@ -24,7 +25,6 @@ from iris_serve.scheduler.attention.base import (
     new_token_slots,
     page_runs,
 )
-from iris_serve.scheduler.kv_cache import KVCache
 
 BACKEND_NAMES = ("auto", "sdpa", "triton")
 
@@ -64,10 +64,10 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 def create_backend(name: str, kv_cache: KVCache, device: torch.device) -> AttentionBackend:
     if resolve_backend_name(name, device) == "triton":
-        from iris_serve.scheduler.attention.triton_backend import TritonBackend
+        from .triton_backend import TritonBackend
 
         return TritonBackend(kv_cache, device)
-    from iris_serve.scheduler.attention.sdpa import SdpaBackend
+    from .sdpa import SdpaBackend
 
     return SdpaBackend(kv_cache, device)
 

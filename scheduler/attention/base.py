@@ -22,9 +22,9 @@ from typing import ClassVar
 
 import torch
 
-from iris_serve.scheduler.kv_cache import KVCache
-from iris_serve.scheduler.models.attention_api import AttentionContext
-from iris_serve.scheduler.page_table import PageRun, page_runs
+from ..kv.kv_cache import KVCache
+from ..kv.page_table import PageRun, page_runs
+from ..models.attention_api import AttentionContext
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from iris_serve.scheduler.attention.base import AttentionBackend, SequenceChunk, new_token_slots
-from iris_serve.scheduler.kv_cache import KVCache
+from ..kv.kv_cache import KVCache
+from .base import AttentionBackend, SequenceChunk, new_token_slots
 
 SlotSpan = tuple[int, int]  # (first slot, number of slots)
 SPLIT_MIN_NEW_TOKENS = 512  # on the CPU, a chunk after history this long splits its attention

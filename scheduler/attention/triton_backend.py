@@ -23,14 +23,14 @@ from collections.abc import Sequence
 
 import torch
 
-from iris_serve.scheduler.attention import triton_kernels as kernels
-from iris_serve.scheduler.attention.base import (
+from ..kv.kv_cache import KVCache
+from . import triton_kernels as kernels
+from .base import (
     AttentionBackend,
     SequenceChunk,
     StaticDecode,
     new_token_slots,
 )
-from iris_serve.scheduler.kv_cache import KVCache
 
 SPLIT_MAX_PROGRAMS = 128
 SPLIT_MIN_CONTEXT = kernels.NUM_SEGMENTS * kernels.TILE_DECODE

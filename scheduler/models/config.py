@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from iris_serve.scheduler.models.linear_state import LinearStateLayout
-from iris_serve.scheduler.models.tensor_parallel import (
+from ..hybrid.linear_state import LinearStateLayout
+from .tensor_parallel import (
     SINGLE,
     AttentionHeads,
     LinearAttentionHeads,

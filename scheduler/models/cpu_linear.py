@@ -18,7 +18,7 @@ import types
 import torch
 import torch.nn as nn
 
-from iris_serve.scheduler.models.tensor_parallel import RowParallelLinear
+from .tensor_parallel import RowParallelLinear
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 

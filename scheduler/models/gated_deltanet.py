@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iris_serve.scheduler.models.config import VLModelConfig
-from iris_serve.scheduler.models.layers import rms_normalized
-from iris_serve.scheduler.models.linear_state import LinearStates, LinearStepContext
-from iris_serve.scheduler.models.tensor_parallel import RowParallelLinear, TPSplit, column_slices
+from ..hybrid.linear_state import LinearStates, LinearStepContext
+from .config import VLModelConfig
+from .layers import rms_normalized
+from .tensor_parallel import RowParallelLinear, TPSplit, column_slices
 
 CHUNK_SIZE = 64
 L2_NORM_EPS = 1e-6

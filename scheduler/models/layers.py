@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iris_serve.scheduler.models.tensor_parallel import (
+from .tensor_parallel import (
     SINGLE,
     ColumnParallelLinear,
     RowParallelLinear,

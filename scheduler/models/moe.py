@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iris_serve.scheduler.models.config import MoEConfig, VLModelConfig
-from iris_serve.scheduler.models.layers import GatedMLP
-from iris_serve.scheduler.models.loader import Weight, materialized
-from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard, TPSplit
+from .config import MoEConfig, VLModelConfig
+from .layers import GatedMLP
+from .loader import Weight, materialized
+from .tensor_parallel import SINGLE, TPShard, TPSplit
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

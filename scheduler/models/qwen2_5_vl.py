@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
-from iris_serve.scheduler.models.vision_qwen2_5 import Qwen2_5VisionTransformer
+from .qwen2_vl import Qwen2VLForCausalLM
+from .vision_qwen2_5 import Qwen2_5VisionTransformer
 
 
 class Qwen2_5_VLForCausalLM(Qwen2VLForCausalLM):

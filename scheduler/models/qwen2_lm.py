@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from iris_serve.scheduler.models.attention_api import AttentionContext
-from iris_serve.scheduler.models.config import VLModelConfig
-from iris_serve.scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
-from iris_serve.scheduler.models.tensor_parallel import (
+from .attention_api import AttentionContext
+from .config import VLModelConfig
+from .layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
+from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

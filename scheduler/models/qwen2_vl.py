@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from iris_serve.scheduler.models.attention_api import AttentionContext
-from iris_serve.scheduler.models.config import VLModelConfig
-from iris_serve.scheduler.models.layers import PACKED_SHARDS
-from iris_serve.scheduler.models.linear_state import LinearStepContext
-from iris_serve.scheduler.models.loader import Weight, load_named_weights
-from iris_serve.scheduler.models.qwen2_lm import Qwen2Model
-from iris_serve.scheduler.models.qwen3_lm import Qwen3Model
-from iris_serve.scheduler.models.tensor_parallel import vocab_parallel_head
-from iris_serve.scheduler.models.vision_qwen2 import Qwen2VisionTransformer
+from ..hybrid.linear_state import LinearStepContext
+from .attention_api import AttentionContext
+from .config import VLModelConfig
+from .layers import PACKED_SHARDS
+from .loader import Weight, load_named_weights
+from .qwen2_lm import Qwen2Model
+from .qwen3_lm import Qwen3Model
+from .tensor_parallel import vocab_parallel_head
+from .vision_qwen2 import Qwen2VisionTransformer
 
 if TYPE_CHECKING:  # Qwen3.5's decoder, imported only by its model module
-    from iris_serve.scheduler.models.qwen3_5_lm import Qwen3_5Model
+    from .qwen3_5_lm import Qwen3_5Model
 
 # checkpoint prefix -> our prefix, first match wins
 _PREFIXES = (

@@ -19,13 +19,13 @@ from collections.abc import Iterable
 
 import torch
 
-from iris_serve.scheduler.models.attention_api import AttentionContext
-from iris_serve.scheduler.models.linear_state import LinearStepContext
-from iris_serve.scheduler.models.loader import Weight
-from iris_serve.scheduler.models.moe import expert_weights_for
-from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
-from iris_serve.scheduler.models.qwen3_5_lm import Qwen3_5Model
-from iris_serve.scheduler.models.vision_qwen3 import Qwen3VisionTransformer
+from ..hybrid.linear_state import LinearStepContext
+from .attention_api import AttentionContext
+from .loader import Weight
+from .moe import expert_weights_for
+from .qwen2_vl import Qwen2VLForCausalLM
+from .qwen3_5_lm import Qwen3_5Model
+from .vision_qwen3 import Qwen3VisionTransformer
 
 _SKIPPED_PREFIXES = ("mtp.",)  # multi-token prediction: a speculative head Iris does not run
 

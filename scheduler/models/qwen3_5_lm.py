@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from iris_serve.scheduler.models.attention_api import AttentionContext
-from iris_serve.scheduler.models.config import VLModelConfig
-from iris_serve.scheduler.models.gated_deltanet import GatedDeltaNet
-from iris_serve.scheduler.models.layers import MRotaryEmbedding, ZeroCenteredRMSNorm, apply_rotary
-from iris_serve.scheduler.models.linear_state import LinearStepContext
-from iris_serve.scheduler.models.qwen2_lm import qkv_projection
-from iris_serve.scheduler.models.qwen3_lm import Qwen3Model
-from iris_serve.scheduler.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
+from ..hybrid.linear_state import LinearStepContext
+from .attention_api import AttentionContext
+from .config import VLModelConfig
+from .gated_deltanet import GatedDeltaNet
+from .layers import MRotaryEmbedding, ZeroCenteredRMSNorm, apply_rotary
+from .qwen2_lm import qkv_projection
+from .qwen3_lm import Qwen3Model
+from .tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 
 
 class GatedAttention(nn.Module):

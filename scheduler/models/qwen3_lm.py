@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from iris_serve.scheduler.models.attention_api import AttentionContext
-from iris_serve.scheduler.models.config import VLModelConfig
-from iris_serve.scheduler.models.layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
-from iris_serve.scheduler.models.moe import SparseMoEBlock
-from iris_serve.scheduler.models.qwen2_lm import Qwen2DecoderLayer, qkv_projection
-from iris_serve.scheduler.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
+from .attention_api import AttentionContext
+from .config import VLModelConfig
+from .layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
+from .moe import SparseMoEBlock
+from .qwen2_lm import Qwen2DecoderLayer, qkv_projection
+from .tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 
 
 class Qwen3Attention(nn.Module):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from iris_serve.scheduler.models.attention_api import AttentionContext
-from iris_serve.scheduler.models.linear_state import LinearStepContext
-from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
-from iris_serve.scheduler.models.qwen3_lm import Qwen3Model
-from iris_serve.scheduler.models.vision_qwen3 import Qwen3VisionTransformer
+from ..hybrid.linear_state import LinearStepContext
+from .attention_api import AttentionContext
+from .qwen2_vl import Qwen2VLForCausalLM
+from .qwen3_lm import Qwen3Model
+from .vision_qwen3 import Qwen3VisionTransformer
 
 
 class Qwen3VLForCausalLM(Qwen2VLForCausalLM):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from iris_serve.scheduler.models.loader import Weight
-from iris_serve.scheduler.models.moe import expert_weights_for
-from iris_serve.scheduler.models.qwen3_vl import Qwen3VLForCausalLM
+from .loader import Weight
+from .moe import expert_weights_for
+from .qwen3_vl import Qwen3VLForCausalLM
 
 
 class Qwen3VLMoeForCausalLM(Qwen3VLForCausalLM):

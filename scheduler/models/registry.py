@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from iris_serve.scheduler.models.config import VLModelConfig, architecture_of
-from iris_serve.scheduler.models.layers import RMSNorm
-from iris_serve.scheduler.models.loader import iter_checkpoint
-from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
+from .config import VLModelConfig, architecture_of
+from .layers import RMSNorm
+from .loader import iter_checkpoint
+from .tensor_parallel import SINGLE, TPShard
 
 if TYPE_CHECKING:  # imported only when picked (below), so importing the registry is cheap
-    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+    from .qwen2_vl import Qwen2VLForCausalLM
 
 # config.architectures[0] -> "module:Class"
 ARCHITECTURES: dict[str, str] = {

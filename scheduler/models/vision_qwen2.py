@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iris_serve.scheduler.models.config import VisionConfig
-from iris_serve.scheduler.models.layers import SegmentPlan, activation, rope_inv_freq, rotate_half
+from .config import VisionConfig
+from .layers import SegmentPlan, activation, rope_inv_freq, rotate_half
 
 
 def grid_list(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:

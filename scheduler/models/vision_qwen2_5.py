@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from iris_serve.scheduler.models.config import VisionConfig
-from iris_serve.scheduler.models.layers import GatedMLP, RMSNorm, SegmentPlan
-from iris_serve.scheduler.models.vision_qwen2 import (
+from .config import VisionConfig
+from .layers import GatedMLP, RMSNorm, SegmentPlan
+from .vision_qwen2 import (
     PatchEmbed,
     PatchMerger,
     VisionAttention,

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iris_serve.scheduler.models.config import VisionConfig
-from iris_serve.scheduler.models.layers import SegmentPlan, activation
-from iris_serve.scheduler.models.vision_qwen2 import (
+from .config import VisionConfig
+from .layers import SegmentPlan, activation
+from .vision_qwen2 import (
     VisionAttention,
     VisionRotaryEmbedding,
     frame_cu_seqlens,

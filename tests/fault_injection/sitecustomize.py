@@ -13,7 +13,7 @@ import os
 _SEED = os.environ.get("IRIS_TEST_FAULT_SEED")
 
 if _SEED is not None:
-    from iris_serve.scheduler.model_runner import ModelRunner
+    from iris_serve.scheduler.step.model_runner import ModelRunner
 
     _execute = ModelRunner.execute
 

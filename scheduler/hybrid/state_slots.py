@@ -36,14 +36,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from iris_serve.scheduler.batch_planner import ScheduledChunk
-from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.models.linear_state import LinearStates, SequenceStates
-from iris_serve.scheduler.prefix_cache import PrefixCache
-from iris_serve.scheduler.request import Request, RequestResources
+from ..config import EngineConfig
+from ..kv.prefix_cache import PrefixCache
+from ..step.batch_planner import ScheduledChunk
+from ..step.request import Request, RequestResources
+from .linear_state import LinearStates, SequenceStates
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.host_tier import HostTier
+    from ..kv.host_tier import HostTier
 
 # A request's prefix-cache keys: the first `num_pages` full pages' (or more)
 PageKeys = Callable[[Request, int], Sequence[bytes]]

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from iris_serve.scheduler.kv_cache import PagePool
-from iris_serve.scheduler.prefix_cache import PrefixCache, PrefixMatch
-from iris_serve.scheduler.request import Request, RequestResources, RequestStatus
+from ..kv.kv_cache import PagePool
+from ..kv.prefix_cache import PrefixCache, PrefixMatch
+from .request import Request, RequestResources, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iris_serve.scheduler.encoder_manager import EncoderManager
-from iris_serve.scheduler.request import Request
+from ..step.request import Request
+from .manager import EncoderManager
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+    from ..models.qwen2_vl import Qwen2VLForCausalLM
 
 
 class RefusedImage(ValueError):

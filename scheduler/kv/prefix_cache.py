@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from iris_serve.ipc.messages import ImageRef
-from iris_serve.scheduler.kv_cache import PagePool
-from iris_serve.scheduler.request import Request
+from ...ipc.messages import ImageRef
+from ..step.request import Request
+from .kv_cache import PagePool
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.host_tier import HostTier
+    from .host_tier import HostTier
 
 assert array("i").itemsize == 4, "token ids are hashed as int32"
 

@@ -12,24 +12,24 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from iris_serve.ipc.messages import TokenLogprob
-from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk
-from iris_serve.scheduler.batch_planner import ScheduledChunk, StepPlan
-from iris_serve.scheduler.encoder_manager import ChunkImages
-from iris_serve.scheduler.host_tier import HostCopy, HostTier
-from iris_serve.scheduler.models.linear_state import (
+from ...ipc.messages import TokenLogprob
+from ..attention import AttentionBackend, SequenceChunk
+from ..encoder.manager import ChunkImages
+from ..hybrid.linear_state import (
     LinearStates,
     LinearStepContext,
     SequenceStates,
 )
-from iris_serve.scheduler.request import Request, RequestResources
-from iris_serve.scheduler.sampling import Sampler, SamplingRow, token_logprobs
-from iris_serve.scheduler.state_slots import SlotOp, StateSlots
-from iris_serve.scheduler.step_faults import RanksOutOfStep
+from ..hybrid.state_slots import SlotOp, StateSlots
+from ..kv.host_tier import HostCopy, HostTier
+from ..sampling.sampler import Sampler, SamplingRow, token_logprobs
+from .batch_planner import ScheduledChunk, StepPlan
+from .faults import RanksOutOfStep
+from .request import Request, RequestResources
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.decode_graphs import DecodeGraphs
-    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+    from ..models.qwen2_vl import Qwen2VLForCausalLM
+    from .decode_graphs import DecodeGraphs
 
 
 @dataclass

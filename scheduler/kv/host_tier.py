@@ -40,8 +40,8 @@ from typing import Any, Literal
 
 import torch
 
-from iris_serve.scheduler.kv_cache import KVCache, KVLayout
-from iris_serve.scheduler.models.linear_state import LinearStates
+from ..hybrid.linear_state import LinearStates
+from .kv_cache import KVCache, KVLayout
 
 logger = logging.getLogger(__name__)
 

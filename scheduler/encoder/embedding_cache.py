@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.host_tier import HostTier
+    from ..kv.host_tier import HostTier
 
 logger = logging.getLogger(__name__)
 

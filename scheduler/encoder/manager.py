@@ -46,15 +46,15 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
-from iris_serve.ipc.messages import ImageRef
-from iris_serve.scheduler.batch_planner import ScheduledChunk
-from iris_serve.scheduler.embedding_cache import CacheKey, EmbeddingCache, Lookup
-from iris_serve.scheduler.encoder_executor import EncoderExecutor
-from iris_serve.scheduler.pixels import PixelStore
-from iris_serve.scheduler.request import Request, RequestResources, RequestStatus
+from ...ipc.messages import ImageRef
+from ..step.batch_planner import ScheduledChunk
+from ..step.request import Request, RequestResources, RequestStatus
+from .embedding_cache import CacheKey, EmbeddingCache, Lookup
+from .executor import EncoderExecutor
+from .pixels import PixelStore
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.config import EngineConfig
+    from ..config import EngineConfig
 
 # Per chunk of a step, the images it overlaps and each one's whole embedding.
 ChunkImages = list[tuple[ImageRef, torch.Tensor]]

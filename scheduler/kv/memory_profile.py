@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iris_serve.scheduler.attention import AttentionBackend, SequenceChunk, create_backend
-from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.kv_cache import KVCache, KVLayout
-from iris_serve.scheduler.models.linear_state import (
+from ..attention import AttentionBackend, SequenceChunk, create_backend
+from ..config import EngineConfig
+from ..hybrid.linear_state import (
     LinearStates,
     LinearStepContext,
     SequenceStates,
 )
+from .kv_cache import KVCache, KVLayout
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+    from ..models.qwen2_vl import Qwen2VLForCausalLM
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from iris_serve.scheduler.encoder_thread import EncoderThread
+from ..encoder.thread import EncoderThread
 
 MAX_HOLD_SECONDS = 1.0
 

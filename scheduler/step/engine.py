@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 import msgspec
 import torch
 
-from iris_serve.ipc.local import PromptInput
-from iris_serve.ipc.messages import (
+from ...ipc.local import PromptInput
+from ...ipc.messages import (
     EngineStats,
     FinishReason,
     ImageRef,
@@ -26,31 +26,31 @@ from iris_serve.ipc.messages import (
     Sampling,
     context_length_error,
 )
-from iris_serve.scheduler.batch_planner import BatchPlanner, StepPlan
-from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.device_state import DeviceState
-from iris_serve.scheduler.embedding_cache import EmbeddingCache
-from iris_serve.scheduler.encoder_executor import Tower, encoder_executor
-from iris_serve.scheduler.encoder_manager import EncoderManager, request_scoped_keys
-from iris_serve.scheduler.given_images import hold_given_images
-from iris_serve.scheduler.host_tier import HostTier
-from iris_serve.scheduler.model_runner import Followers, ModelRunner, Sampled
-from iris_serve.scheduler.models.mrope import mrope_positions
-from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
-from iris_serve.scheduler.patches import PatchMaker
-from iris_serve.scheduler.pixels import Pin, PixelStore
-from iris_serve.scheduler.prefix_cache import PrefixCache
-from iris_serve.scheduler.request import Request, RequestResources
-from iris_serve.scheduler.sampling import check_sampling
-from iris_serve.scheduler.state_slots import StateSlots
-from iris_serve.scheduler.step_faults import (
+from ..config import EngineConfig
+from ..device_state import DeviceState
+from ..encoder.embedding_cache import EmbeddingCache
+from ..encoder.executor import Tower, encoder_executor
+from ..encoder.given_images import hold_given_images
+from ..encoder.manager import EncoderManager, request_scoped_keys
+from ..encoder.patches import PatchMaker
+from ..encoder.pixels import Pin, PixelStore
+from ..hybrid.state_slots import StateSlots
+from ..kv.host_tier import HostTier
+from ..kv.prefix_cache import PrefixCache
+from ..models.mrope import mrope_positions
+from ..models.tensor_parallel import SINGLE, TPShard
+from ..sampling.sampler import check_sampling
+from ..sampling.structured_output import Grammars
+from .batch_planner import BatchPlanner, StepPlan
+from .faults import (
     FailedRequest,
     client_message,
     is_isolatable,
     release_device_memory,
 )
-from iris_serve.scheduler.step_policy import StepPolicy
-from iris_serve.scheduler.structured_output import Grammars
+from .model_runner import Followers, ModelRunner, Sampled
+from .policy import StepPolicy
+from .request import Request, RequestResources
 
 logger = logging.getLogger(__name__)
 

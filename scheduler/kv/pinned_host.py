@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from iris_serve.ipc.shm_arena import MappingHook
+from ...ipc.shm_arena import MappingHook
 
 logger = logging.getLogger(__name__)
 HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the segments are mapped read-only

@@ -17,16 +17,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
-from iris_serve.scheduler.batch_planner import UNCAPPED, PrefillCaps, StepPlan
-from iris_serve.scheduler.core_sharing import CoreSharing
-from iris_serve.scheduler.encoder_thread import EncoderThread
-from iris_serve.scheduler.step_pacer import StepPacer
+from ..encoder.thread import EncoderThread
+from .batch_planner import UNCAPPED, PrefillCaps, StepPlan
+from .core_sharing import CoreSharing
+from .pacer import StepPacer
 
 if TYPE_CHECKING:
     import torch
 
-    from iris_serve.scheduler.config import EngineConfig
-    from iris_serve.scheduler.encoder_manager import EncoderManager
+    from ..config import EngineConfig
+    from ..encoder.manager import EncoderManager
 
 
 class EncoderState(Protocol):

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iris_serve.scheduler.free_pages import FreePages
+from .free_pages import FreePages
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.models.config import VLModelConfig
+    from ..models.config import VLModelConfig
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from iris_serve.ipc.messages import Sampling, TokenLogprob
-from iris_serve.scheduler.penalties import PenaltyTable
-from iris_serve.scheduler.structured_output import GrammarMatcher, apply_bitmask, new_bitmask
+from ...ipc.messages import Sampling, TokenLogprob
+from .penalties import PenaltyTable
+from .structured_output import GrammarMatcher, apply_bitmask, new_bitmask
 
 
 def check_sampling(params: Sampling) -> None:

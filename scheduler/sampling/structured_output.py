@@ -29,8 +29,8 @@ import llguidance.hf
 import torch
 from llguidance import LLMatcher
 
-from iris_serve.common.grammars import grammar_error, grammar_of
-from iris_serve.ipc.messages import StructuredOutput
+from ...common.grammars import grammar_error, grammar_of
+from ...ipc.messages import StructuredOutput
 
 logger = logging.getLogger(__name__)
 

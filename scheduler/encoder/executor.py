@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from iris_serve.scheduler.encoder_thread import EncoderThread, Grid
-from iris_serve.scheduler.patches import PatchMaker
+from .patches import PatchMaker
+from .thread import EncoderThread, Grid
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+    from ..models.qwen2_vl import Qwen2VLForCausalLM
 
 Placement = Literal["inline", "thread"]
 MAX_TIMINGS = 4096  # tower durations kept until drained (a histogram feed, not a log)

@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from iris_serve.scheduler.attention import AttentionBackend, StaticDecode
-from iris_serve.scheduler.models.linear_state import (
+from ..attention import AttentionBackend, StaticDecode
+from ..hybrid.linear_state import (
     LinearStates,
     LinearStepContext,
     SequenceStates,
 )
 
 if TYPE_CHECKING:
-    from iris_serve.scheduler.model_runner import StepInputs
-    from iris_serve.scheduler.models.qwen2_vl import Qwen2VLForCausalLM
+    from ..models.qwen2_vl import Qwen2VLForCausalLM
+    from .model_runner import StepInputs
 
 logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512  # vLLM's cap: beyond it a graph saves little over the kernels' time

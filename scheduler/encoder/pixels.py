@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from iris_serve.ipc.messages import ShmPointer
-from iris_serve.scheduler.request import Request, RequestResources
+from ...ipc.messages import ShmPointer
+from ..step.request import Request, RequestResources
 
 Pin = ShmPointer  # an image of a served request; one in process has none
 

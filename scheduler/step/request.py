@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from iris_serve.ipc.messages import FinishReason, ImageRef, ImageReport, Sampling
-from iris_serve.scheduler.page_table import PageTable
-from iris_serve.scheduler.structured_output import GrammarMatcher
+from ...ipc.messages import FinishReason, ImageRef, ImageReport, Sampling
+from ..kv.page_table import PageTable
+from ..sampling.structured_output import GrammarMatcher
 
 
 class RequestResources:

@@ -1,0 +1,1 @@
+"""Sampling: one batched pass, penalties kept on the device, grammar masks for constrained rows."""
