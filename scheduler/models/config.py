@@ -331,12 +331,12 @@ def _moe_config(experts: Experts, get: Any) -> MoEConfig:
     ("routed"), or `Qwen3_5MoeTextConfig`'s ("routed_shared"), which routes every layer
     whatever the file says and adds a shared expert. transformers 5 saves `num_experts` as
     `num_local_experts`."""
-    qwen3_5 = experts == "routed_shared"
-    num_experts = int(get("num_experts", None) or get("num_local_experts", 256 if qwen3_5 else 60))
-    top_k = int(get("num_experts_per_tok", 8 if qwen3_5 else 4))
+    shared = experts == "routed_shared"
+    num_experts = int(get("num_experts", None) or get("num_local_experts", 256 if shared else 60))
+    top_k = int(get("num_experts_per_tok", 8 if shared else 4))
     if not 0 < top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
-    if qwen3_5:
+    if shared:
         return MoEConfig(
             num_experts=num_experts,
             top_k=top_k,
