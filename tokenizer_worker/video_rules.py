@@ -7,8 +7,9 @@ the rules are restated here from its code (`models/qwen2_vl/video_processing_qwe
 `sample_frames` and `resize`); Qwen3-VL's `smart_resize` imports without torchvision and
 is used as it is. Which rules a checkpoint follows is its architecture's row's `video`
 (`common/architectures.py`): Qwen3.5 and Qwen3.5-MoE use Qwen3-VL's video processor
-(transformers' auto mapping), Qwen2.5-VL Qwen2-VL's. tests/test_video_rules.py pins each rule against
-transformers' own code where it runs, and against these sources where it does not.
+(transformers' auto mapping), Qwen2.5-VL Qwen2-VL's. tests/test_video_rules.py pins each
+rule against transformers' own code where it runs, and against these sources where it
+does not.
 
 A request may override `fps` or `num_frames` (never both: transformers refuses them
 together), and for Qwen2-VL and Qwen2.5-VL `min_frames`, `max_frames`, `min_pixels` and
