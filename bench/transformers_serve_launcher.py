@@ -24,8 +24,8 @@ from pathlib import Path
 
 from transformers.cli.serving.model_manager import ModelManager
 
+from iris_serve.common.architectures import by_model_type
 from iris_serve.tiny_checkpoint import reference_processor
-from iris_serve.tiny_checkpoint.processor import PROCESSOR_CLASSES
 
 _stock_load_processor = ModelManager._load_processor
 
@@ -34,7 +34,8 @@ def _is_local_qwen_vl(model_id: str) -> bool:
     config = Path(model_id) / "config.json"
     if not config.is_file():
         return False
-    return json.loads(config.read_text(encoding="utf-8")).get("model_type") in PROCESSOR_CLASSES
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type", "")
+    return by_model_type(model_type) is not None
 
 
 def _load_processor(self: ModelManager, model_id_and_revision: str, gguf_file: str | None = None):

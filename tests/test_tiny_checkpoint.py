@@ -208,7 +208,7 @@ def test_generation_is_deterministic_across_processes(qwen2_vl_tiny: Path, tmp_p
     """The CLI, run in a fresh process (BPE retrained), writes byte-identical files."""
     pythonpath = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in pythonpath if p)}
-    cmd = "import sys; from tiny_checkpoint import main_tiny_model as m; sys.exit(m())"
+    cmd = "import sys; from iris_serve.tiny_checkpoint import main_tiny_model as m; sys.exit(m())"
     out = tmp_path / "again"
     run = subprocess.run(
         [sys.executable, "-c", cmd, "--arch", "qwen2_vl", "--out", str(out)],

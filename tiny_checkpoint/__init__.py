@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..common.architectures import Architecture, by_model_type, model_types
+
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
 
@@ -42,7 +44,7 @@ __all__ = [
     "reference_processor",
 ]
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+ARCHS = model_types()  # `--arch`: the `model_type` of each row of common/architectures.py
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 # Bump when the generator's output changes, so `builtin_checkpoint` rebuilds stale caches.
@@ -67,7 +69,7 @@ def generate_checkpoint(
     from transformers import GenerationConfig
 
     from .configs import build_config
-    from .processor import PROCESSOR_CLASSES, save_image_processor, save_video_processor
+    from .processor import save_image_processor, save_video_processor
     from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, build_tokenizer, token_id
 
     if dtype not in DTYPES:
@@ -100,7 +102,7 @@ def generate_checkpoint(
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, **save_kwargs)
 
-    build_tokenizer(PROCESSOR_CLASSES[arch].__name__).save_pretrained(out)
+    build_tokenizer(row_of(arch).processor).save_pretrained(out)
     save_image_processor(out, arch)
     save_video_processor(out, arch)
     stamp = {
@@ -116,23 +118,18 @@ def generate_checkpoint(
 
 
 def _model_class(arch: str) -> type:
-    from transformers import (
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLForConditionalGeneration,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5MoeForConditionalGeneration,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLMoeForConditionalGeneration,
-    )
+    """transformers' model class of `arch`: the one its row names."""
+    import transformers
 
-    return {
-        "qwen2_vl": Qwen2VLForConditionalGeneration,
-        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-        "qwen3_vl": Qwen3VLForConditionalGeneration,
-        "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
-        "qwen3_5": Qwen3_5ForConditionalGeneration,
-        "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
-    }[arch]
+    return getattr(transformers, row_of(arch).name)
+
+
+def row_of(arch: str) -> Architecture:
+    """The row of common/architectures.py whose `model_type` is `arch`; ValueError if none."""
+    row = by_model_type(arch)
+    if row is None:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {model_types()}")
+    return row
 
 
 def cache_root() -> Path:

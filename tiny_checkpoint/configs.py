@@ -13,16 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import (
-    PreTrainedConfig,
-    Qwen2_5_VLConfig,
-    Qwen2VLConfig,
-    Qwen3_5Config,
-    Qwen3_5MoeConfig,
-    Qwen3VLConfig,
-    Qwen3VLMoeConfig,
-)
+from transformers import PreTrainedConfig
 
+from ..common.architectures import Architecture, by_model_type
 from . import ARCHS, SIZES
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, VOCAB_SIZE, token_id
 
@@ -125,17 +118,6 @@ SHAPES: dict[str, Shape] = {
     ),
 }
 
-# Which arch ties lm_head to embed_tokens (Qwen2-VL-2B ties, Qwen2.5-VL-7B does not), so
-# that the default fixtures exercise both loading paths.
-TIE_WORD_EMBEDDINGS = {
-    "qwen2_vl": True,
-    "qwen2_5_vl": False,
-    "qwen3_vl": True,
-    "qwen3_vl_moe": False,  # as Qwen3-VL-30B-A3B
-    "qwen3_5": False,  # transformers' default for Qwen3.5
-    "qwen3_5_moe": False,
-}
-
 
 def mrope_section(head_dim: int) -> list[int]:
     """Split head_dim/2 rotary frequencies into (temporal, height, width) like Qwen (1:1.5:1.5);
@@ -166,12 +148,31 @@ def even_mrope_section(rotary_dims: int) -> list[int]:
 
 
 def build_config(arch: str, size: str) -> PreTrainedConfig:
-    if arch not in ARCHS:
+    """The config of the tiny checkpoint of `arch` (a row's `model_type`) at `size`, in
+    transformers' config class of the row's model class; its text and vision parts follow
+    the row's `decoder`, `experts`, `hybrid`, `tower` and `deepstack`."""
+    import transformers
+
+    row = by_model_type(arch)
+    if row is None:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
     s = SHAPES[size]
-    text = {
+    cls: type[PreTrainedConfig] = getattr(transformers, row.name).config_class
+    return cls(
+        text_config=_text_config(row, s),
+        vision_config=_vision_config(row, s),
+        image_token_id=token_id("<|image_pad|>"),
+        video_token_id=token_id("<|video_pad|>"),
+        vision_start_token_id=token_id("<|vision_start|>"),
+        vision_end_token_id=token_id("<|vision_end|>"),
+        tie_word_embeddings=row.tiny_ties_embeddings,
+    )
+
+
+def _text_config(row: Architecture, s: Shape) -> dict[str, object]:
+    text: dict[str, object] = {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": s.hidden,
         "intermediate_size": s.intermediate,
@@ -191,28 +192,8 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
         "eos_token_id": token_id(EOS_TOKEN),
         "pad_token_id": token_id(PAD_TOKEN),
     }
-    common = {
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "in_channels": 3,
-        "depth": s.vit_depth,
-        "num_heads": s.vit_heads,
-        "initializer_range": s.init_std,
-    }
-    if arch == "qwen2_vl":
-        # Qwen2-VL: ViT width is `embed_dim`; `hidden_size` is the merger's output width.
-        vision = {
-            **common,
-            "embed_dim": s.vit_width,
-            "hidden_size": s.hidden,
-            "mlp_ratio": s.vit_intermediate // s.vit_width,
-            "hidden_act": "quick_gelu",
-        }
-        cls: type[PreTrainedConfig] = Qwen2VLConfig
-    elif arch in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
-        # Qwen3-VL: explicit head_dim, q/k norm and no q/k/v bias in the decoder; the ViT has
-        # 16-px patches, a learned position table and DeepStack mergers.
+    if row.decoder == "qwen3":
+        # Qwen3-VL: explicit head_dim, q/k norm and no q/k/v bias in the decoder.
         text = {
             **text,
             "head_dim": s.head_dim,
@@ -225,36 +206,44 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
             },
         }
         del text["max_window_layers"]
-        vision = {
-            **common,
-            "patch_size": 16,
-            "hidden_size": s.vit_width,
-            "intermediate_size": s.vit_intermediate,
-            "out_hidden_size": s.hidden,
-            "hidden_act": "gelu_pytorch_tanh",
-            "num_position_embeddings": s.vit_position_grid**2,
-            "deepstack_visual_indexes": list(s.deepstack_blocks),
+    if row.experts is not None:
+        # Qwen3-VL-30B-A3B's structure: routed experts, no shared one, top-k renormalised
+        # (Qwen3.5-MoE adds its shared expert below).
+        text = {
+            **text,
+            "num_experts": s.experts,
+            "num_experts_per_tok": s.experts_per_token,
+            "moe_intermediate_size": s.expert_intermediate,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(s.dense_layers),
         }
-        cls = Qwen3VLConfig
-        if arch in ("qwen3_vl_moe", "qwen3_5_moe"):
-            # Qwen3-VL-30B-A3B's structure: routed experts, no shared one, top-k renormalised
-            # (Qwen3.5-MoE adds its shared expert below).
-            text = {
-                **text,
-                "num_experts": s.experts,
-                "num_experts_per_tok": s.experts_per_token,
-                "moe_intermediate_size": s.expert_intermediate,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": list(s.dense_layers),
-            }
-            cls = Qwen3VLMoeConfig
-        if arch in ("qwen3_5", "qwen3_5_moe"):
-            text, vision = _qwen3_5_text(text, s, moe=arch == "qwen3_5_moe"), dict(vision)
-            del vision["deepstack_visual_indexes"]  # Qwen3.5's ViT has no DeepStack
-            cls = Qwen3_5MoeConfig if arch == "qwen3_5_moe" else Qwen3_5Config
-    else:
+    if row.hybrid:
+        text = _qwen3_5_text(text, s, moe=row.experts == "routed_shared")
+    return text
+
+
+def _vision_config(row: Architecture, s: Shape) -> dict[str, object]:
+    common = {
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+        "depth": s.vit_depth,
+        "num_heads": s.vit_heads,
+        "initializer_range": s.init_std,
+    }
+    if row.tower == "qwen2":
+        # Qwen2-VL: ViT width is `embed_dim`; `hidden_size` is the merger's output width.
+        return {
+            **common,
+            "embed_dim": s.vit_width,
+            "hidden_size": s.hidden,
+            "mlp_ratio": s.vit_intermediate // s.vit_width,
+            "hidden_act": "quick_gelu",
+        }
+    if row.tower == "qwen2.5":
         # Qwen2.5-VL: ViT width is `hidden_size`; `out_hidden_size` is the merger's output.
-        vision = {
+        return {
             **common,
             "hidden_size": s.vit_width,
             "intermediate_size": s.vit_intermediate,
@@ -264,16 +253,19 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
             "fullatt_block_indexes": list(s.fullatt_blocks),
             "tokens_per_second": 2,
         }
-        cls = Qwen2_5_VLConfig
-    return cls(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=token_id("<|image_pad|>"),
-        video_token_id=token_id("<|video_pad|>"),
-        vision_start_token_id=token_id("<|vision_start|>"),
-        vision_end_token_id=token_id("<|vision_end|>"),
-        tie_word_embeddings=TIE_WORD_EMBEDDINGS[arch],
-    )
+    # Qwen3-VL: 16-px patches, a learned position table and (not Qwen3.5's) DeepStack mergers.
+    vision = {
+        **common,
+        "patch_size": 16,
+        "hidden_size": s.vit_width,
+        "intermediate_size": s.vit_intermediate,
+        "out_hidden_size": s.hidden,
+        "hidden_act": "gelu_pytorch_tanh",
+        "num_position_embeddings": s.vit_position_grid**2,
+    }
+    if row.deepstack:
+        vision["deepstack_visual_indexes"] = list(s.deepstack_blocks)
+    return vision
 
 
 def _qwen3_5_text(qwen3_vl: dict[str, object], s: Shape, moe: bool) -> dict[str, object]:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import row_of
 from .known_configs import KNOWN_CONFIGS
 from .shards import TensorSpec, write_sharded
 
@@ -36,11 +37,9 @@ DEFAULT_MAX_SHARD_SIZE = "4GB"
 INIT_GAIN = 1.6
 # transformers' in-memory names -> the hub's checkpoint names (what save_pretrained writes)
 _HUB_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
-# Families whose hub files use the nested layout and transformers' in-memory names.
-_NESTED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
-# How each MoE family's hub files hold the experts transformers fuses into
-# `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I].
-_EXPERT_LAYOUTS = {"qwen3_vl_moe": "fused_transposed", "qwen3_5_moe": "per_expert"}
+# How the hub files of each kind of experts (an architecture's `experts`) hold what
+# transformers fuses into `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I].
+_EXPERT_LAYOUTS = {"routed": "fused_transposed", "routed_shared": "per_expert"}
 # Norms that scale by (1 + w) rather than w, so that transformers starts w at 0: Qwen3.5's
 # decoder RMSNorms. Its gated norm after linear attention (`Qwen3_5RMSNormGated`) scales by w.
 _ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
@@ -90,7 +89,7 @@ def like_config(
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The dict holding the text keys: `text_config` (nested layout) or the config itself."""
-    return config["text_config"] if config["model_type"] in _NESTED else config
+    return config["text_config"] if row_of(config["model_type"]).hub_nested else config
 
 
 def _depth(value: int, full: int, what: str) -> int:
@@ -116,22 +115,13 @@ def generate_like_checkpoint(
     from transformers.utils.hub import convert_file_size_to_int
 
     from . import GENERATOR_VERSION, STAMP_FILE
-    from .processor import PROCESSOR_CLASSES, save_image_processor, save_video_processor
-    from .tokenizer import (
-        BOS_TOKEN,
-        EOS_TOKEN,
-        PAD_TOKEN,
-        QWEN3_5_FIRST_SPECIAL_ID,
-        REAL_FIRST_SPECIAL_ID,
-        build_tokenizer,
-        token_id,
-    )
+    from .processor import save_image_processor, save_video_processor
+    from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, build_tokenizer, token_id
 
     config = like_config(name, dtype, num_layers, vision_depth)
     model_type = config["model_type"]
-    first_special_id = (
-        QWEN3_5_FIRST_SPECIAL_ID if model_type.startswith("qwen3_5") else REAL_FIRST_SPECIAL_ID
-    )
+    row = row_of(model_type)
+    first_special_id = row.first_special_token_id
     max_shard_bytes = convert_file_size_to_int(max_shard_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,8 +152,7 @@ def generate_like_checkpoint(
         eos_token_id=[special(EOS_TOKEN), special(PAD_TOKEN)],
         pad_token_id=special(PAD_TOKEN),
     ).save_pretrained(out)
-    processor_class = PROCESSOR_CLASSES[model_type].__name__
-    build_tokenizer(processor_class, first_special_id=first_special_id).save_pretrained(out)
+    build_tokenizer(row.processor, first_special_id=first_special_id).save_pretrained(out)
     save_image_processor(out, model_type, published=True)
     save_video_processor(out, model_type, published=True)
 
@@ -197,7 +186,8 @@ def tensor_specs(model_dir: Path) -> list[TensorSpec]:
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     tied = bool(config.tie_word_embeddings)
-    nested = config.model_type in _NESTED
+    row = row_of(config.model_type)
+    nested = row.hub_nested
     zero_centred = {
         f"{name}.weight"
         for name, module in model.named_modules()
@@ -210,7 +200,8 @@ def tensor_specs(model_dir: Path) -> list[TensorSpec]:
         shape = tuple(tensor.shape)
         hub_name = name if nested else _hub_name(name)
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            specs += _expert_specs(hub_name, shape, _EXPERT_LAYOUTS[config.model_type])
+            assert row.experts is not None  # transformers built experts for it
+            specs += _expert_specs(hub_name, shape, _EXPERT_LAYOUTS[row.experts])
         elif name in zero_centred:
             specs.append(TensorSpec(hub_name, shape, "zeros"))
         else:

@@ -1,4 +1,7 @@
-"""Image-processor files of the generated checkpoints, and the transformers reference processor."""
+"""Image-processor files of the generated checkpoints, and the transformers reference processor.
+
+An architecture's processor is the one its row of common/architectures.py names.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +9,19 @@ import json
 from functools import cache
 from pathlib import Path
 
+import transformers
 from transformers import (
     AutoImageProcessor,
     AutoTokenizer,
     ProcessorMixin,
-    Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
-    Qwen2VLProcessor,
-    Qwen3VLProcessor,
 )
 
-PROCESSOR_CLASSES: dict[str, type[ProcessorMixin]] = {
-    "qwen2_vl": Qwen2VLProcessor,
-    "qwen2_5_vl": Qwen2_5_VLProcessor,
-    "qwen3_vl": Qwen3VLProcessor,
-    "qwen3_vl_moe": Qwen3VLProcessor,
-    "qwen3_5": Qwen3VLProcessor,  # Qwen3.5 reuses Qwen3-VL's processor (transformers' mapping)
-    "qwen3_5_moe": Qwen3VLProcessor,
-}
+from ..common.architectures import by_model_type
+from . import row_of
+
+# The processor whose image and video processors have Qwen3-VL's settings
+QWEN3_VL_PROCESSOR = "Qwen3VLProcessor"
 
 # Qwen3-VL's published settings (16-px patches, mean and std 0.5), with the pixel bounds
 # scaled down (64x64 to 1024x1024 px: 4 to 1024 tokens) so test images stay cheap.
@@ -55,7 +53,7 @@ def save_image_processor(out_dir: Path, arch: str = "qwen2_vl", published: bool 
     Qwen3.5's ViT has Qwen3-VL's patch, merge and temporal sizes, and gets its settings.
     """
     settings: dict[str, object] = {}
-    if PROCESSOR_CLASSES[arch] is Qwen3VLProcessor:  # Qwen3-VL's and Qwen3.5's
+    if row_of(arch).processor == QWEN3_VL_PROCESSOR:  # Qwen3-VL's and Qwen3.5's
         settings = dict(QWEN3_VL_IMAGE_PROCESSOR)
         if published:
             settings["size"] = QWEN3_VL_PUBLISHED_SIZE
@@ -83,7 +81,7 @@ def save_video_processor(out_dir: Path, arch: str = "qwen2_vl", published: bool 
     files have no video processor (transformers then reads the image processor's file), and
     Qwen3-VL's ship `QWEN3_VL_PUBLISHED_VIDEO_SIZE`.
     """
-    if PROCESSOR_CLASSES[arch] is Qwen3VLProcessor:
+    if row_of(arch).processor == QWEN3_VL_PROCESSOR:
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
         size = QWEN3_VL_PUBLISHED_VIDEO_SIZE if published else QWEN3_VL_VIDEO_SIZE
@@ -139,12 +137,13 @@ def reference_processor(model_dir: str | Path) -> ProcessorMixin:
     """
     model_dir = Path(model_dir)
     model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["model_type"]
-    if model_type not in PROCESSOR_CLASSES:
+    row = by_model_type(model_type)
+    if row is None:
         raise ValueError(f"{model_dir}: unsupported model_type {model_type!r}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     image_processor = AutoImageProcessor.from_pretrained(model_dir)
     # A class is hashable; mypy checks ProcessorMixin's instance-level __hash__ instead.
-    cls = _image_only(PROCESSOR_CLASSES[model_type])  # type: ignore[arg-type]
+    cls = _image_only(getattr(transformers, row.processor))
     return cls(
         image_processor=image_processor,
         tokenizer=tokenizer,

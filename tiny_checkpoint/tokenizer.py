@@ -49,12 +49,6 @@ BPE_VOCAB_SIZE = 1522
 VOCAB_SIZE = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
 
 
-# Where Qwen2's tokenizer (Qwen2-VL to Qwen3-VL) puts its first special token
-# (<|endoftext|>): 151643 BPE entries; Qwen3.5's larger one: 248044.
-REAL_FIRST_SPECIAL_ID = 151643
-QWEN3_5_FIRST_SPECIAL_ID = 248044
-
-
 def token_id(token: str, first_special_id: int = BPE_VOCAB_SIZE) -> int:
     """Id of a special token in the tiny tokenizer (no tokenizer needs to be built);
     `first_special_id` as given to `build_tokenizer`."""
@@ -101,7 +95,7 @@ def build_tokenizer(
     """The tiny tokenizer as a transformers `Qwen2Tokenizer`, chat template attached, with
     `processor_class` recorded in tokenizer_config.json as real Qwen-VL checkpoints have it.
     `first_special_id` places the special tokens where a real-size config expects them
-    (`REAL_FIRST_SPECIAL_ID`), padding the vocabulary with `filler_tokens` up to it."""
+    (an architecture's `first_special_token_id`), padding the vocabulary with `filler_tokens` up to it."""
     vocab, merges = _train_bpe()
     vocab = {**vocab, **filler_tokens(vocab, first_special_id)}
     # Qwen2Tokenizer registers its special tokens in the order eos/unk/pad, then the extra

@@ -5,9 +5,11 @@ and timestamp are (`/work/shared/notes/video.md` §3 has the sources).
 transformers' Qwen2-VL video processor needs torchvision, which Iris does not install, so
 the rules are restated here from its code (`models/qwen2_vl/video_processing_qwen2_vl.py`
 `sample_frames` and `resize`); Qwen3-VL's `smart_resize` imports without torchvision and
-is used as it is. Qwen3.5 and Qwen3.5-MoE use Qwen3-VL's video processor (transformers'
-auto mapping), Qwen2.5-VL Qwen2-VL's. tests/test_video_rules.py pins each rule against
-transformers' own code where it runs, and against these sources where it does not.
+is used as it is. Which rules a checkpoint follows is its architecture's row's `video`
+(`common/architectures.py`): Qwen3.5 and Qwen3.5-MoE use Qwen3-VL's video processor
+(transformers' auto mapping), Qwen2.5-VL Qwen2-VL's. tests/test_video_rules.py pins each
+rule against transformers' own code where it runs, and against these sources where it
+does not.
 
 A request may override `fps` or `num_frames` (never both: transformers refuses them
 together), and for Qwen2-VL and Qwen2.5-VL `min_frames`, `max_frames`, `min_pixels` and
@@ -23,7 +25,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,23 +36,16 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
     smart_resize as smart_resize_video,
 )
 
-Family = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-FAMILIES: dict[str, Family] = {
-    "qwen2_vl": "qwen2_vl",
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_vl_moe": "qwen3_vl",
-    "qwen3_5": "qwen3_vl",
-    "qwen3_5_moe": "qwen3_vl",
-}
+from ..common.architectures import VideoRules, by_model_type
+
 DEFAULT_FPS = 2.0  # vLLM's and Qwen3-VL's; Qwen2-VL's processor samples nothing by default
 UNKNOWN_VIDEO_FPS = 24.0  # what transformers assumes of a video whose rate is unknown
 BICUBIC = 3  # PIL's number, as the processors' configs store `resample`
 
 # The class attributes of transformers' video processors that shape the frames (Qwen2-VL's
 # cannot be imported without torchvision); a checkpoint's config overrides them.
-_CLASS_DEFAULTS: dict[Family, dict[str, Any]] = {
-    "qwen2_vl": {
+_CLASS_DEFAULTS: dict[VideoRules, dict[str, Any]] = {
+    "qwen2": {
         "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
         "patch_size": 14,
         "temporal_patch_size": 2,
@@ -64,7 +59,7 @@ _CLASS_DEFAULTS: dict[Family, dict[str, Any]] = {
         "image_mean": [0.48145466, 0.4578275, 0.40821073],  # OPENAI_CLIP_MEAN
         "image_std": [0.26862954, 0.26130258, 0.27577711],  # OPENAI_CLIP_STD
     },
-    "qwen3_vl": {
+    "qwen3": {
         "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768},
         "patch_size": 16,
         "temporal_patch_size": 2,
@@ -79,7 +74,7 @@ _CLASS_DEFAULTS: dict[Family, dict[str, Any]] = {
         "image_std": [0.5, 0.5, 0.5],
     },
 }
-_CLASS_DEFAULTS["qwen2_5_vl"] = _CLASS_DEFAULTS["qwen2_vl"]
+_CLASS_DEFAULTS["qwen2.5"] = _CLASS_DEFAULTS["qwen2"]
 # The settings that turn a temporal patch's resized pixels into the model's input (on the
 # scheduler's side): what a patch's key covers besides its pixels.
 PIXEL_SETTINGS = (
@@ -132,7 +127,7 @@ class VideoProcessorSettings:
     `max_pixels` are its `size` (per frame for Qwen2-VL, over all sampled frames for
     Qwen3-VL); `tokens_per_second` is Qwen2.5-VL's vision config's (None elsewhere)."""
 
-    family: Family
+    family: VideoRules  # the architecture's row's `video`
     patch_size: int
     temporal_patch_size: int
     merge_size: int
@@ -151,14 +146,15 @@ class VideoProcessorSettings:
         """The settings of the checkpoint in `model_dir`; None for a model without video."""
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        family = FAMILIES.get(config.get("model_type", ""))
-        if family is None or config.get("video_token_id") is None:
+        row = by_model_type(config.get("model_type", ""))
+        if row is None or config.get("video_token_id") is None:
             return None
+        family = row.video
         stored = _stored_settings(model_dir)
         settings = {**_CLASS_DEFAULTS[family], **stored}
         size = dict(settings["size"])
         # Qwen2-VL's processor takes min/max_pixels beside (over) `size`; Qwen3-VL's has none
-        if family != "qwen3_vl":
+        if family != "qwen3":
             size["shortest_edge"] = stored.get("min_pixels", size["shortest_edge"])
             size["longest_edge"] = stored.get("max_pixels", size["longest_edge"])
         if settings["resample"] != BICUBIC or not settings.get("do_resize", True):
@@ -180,7 +176,7 @@ class VideoProcessorSettings:
             max_frames=settings["max_frames"],
             cap_pixels_per_frame=bool(settings["cap_pixels_per_frame"]),
             max_video_tokens=settings["max_video_tokens"],
-            tokens_per_second=vision.get("tokens_per_second") if family == "qwen2_5_vl" else None,
+            tokens_per_second=vision.get("tokens_per_second") if family == "qwen2.5" else None,
             pixel_settings=tuple((name, repr(settings.get(name))) for name in PIXEL_SETTINGS),
         )
 
@@ -188,7 +184,7 @@ class VideoProcessorSettings:
     def one_block(self) -> bool:
         """Whether a video is one M-RoPE block (Qwen2-VL, Qwen2.5-VL) rather than a block
         per temporal patch (Qwen3-VL)."""
-        return self.family != "qwen3_vl"
+        return self.family != "qwen3"
 
     def key_settings(self) -> tuple[tuple[str, Any], ...]:
         """Every field, for the keys of what these settings produce."""
@@ -203,7 +199,7 @@ class VideoProcessorSettings:
             )
         changes: dict[str, Any] = {} if options.fps is None else {"fps": float(options.fps)}
         frame_bounds = {"min_frames": options.min_frames, "max_frames": options.max_frames}
-        if self.family == "qwen3_vl":
+        if self.family == "qwen3":
             given = next((name for name, value in frame_bounds.items() if value is not None), None)
             if given is not None:
                 raise VideoRuleError(
@@ -279,7 +275,7 @@ def plan_video(
             f"num_frames must be between {tps} and {settings.max_frames}, got {num_frames_wanted}",
             "num_frames",
         )
-    if settings.family == "qwen3_vl":
+    if settings.family == "qwen3":
         indices = _qwen3_indices(settings, num_frames, fps, num_frames_wanted)
     else:
         indices = _qwen2_indices(settings, num_frames, fps, num_frames_wanted)
@@ -288,7 +284,7 @@ def plan_video(
     grid = (1, resized_height // patch, resized_width // patch)
     num_patches = -(-len(indices) // tps)
     timestamps = None
-    if settings.family == "qwen3_vl":
+    if settings.family == "qwen3":
         timestamps = tuple(patch_timestamps(indices, fps, tps))
     return VideoPlan(
         indices=tuple(indices),
@@ -341,7 +337,7 @@ def resized_frame_size(
     factor = settings.patch_size * settings.merge_size
     min_pixels, max_pixels = settings.min_pixels, settings.max_pixels
     try:
-        if settings.family == "qwen3_vl":
+        if settings.family == "qwen3":
             if settings.cap_pixels_per_frame:
                 frame_cap = settings.max_video_tokens * factor * factor
                 per_frame = max(min(frame_cap, max_pixels // num_sampled), int(min_pixels * 1.05))
@@ -380,9 +376,9 @@ def rope_times(
     patch size over the sampled fps, `VideoMetadata.sampled_fps`), which reaches the model
     as a float32 tensor: the product is float32, truncated. Qwen3-VL: 0 (its timestamps
     carry the time; each patch is a block of its own)."""
-    if settings.family == "qwen3_vl":
+    if settings.family == "qwen3":
         return [0] * num_patches
-    if settings.family == "qwen2_vl":
+    if settings.family == "qwen2":
         return list(range(num_patches))
     sampled_fps = num_sampled / total * video_fps
     second_per_grid = torch.tensor(settings.temporal_patch_size / sampled_fps)

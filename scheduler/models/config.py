@@ -13,7 +13,8 @@ DeepStack and makes the decoder hybrid: Gated DeltaNet linear-attention layers
 (`LinearAttentionConfig`) between gated full-attention ones that rotate only part of each
 head; its MoE variant routes every layer and adds a shared expert. Defaults are
 transformers' defaults, so a file that leaves a key out means the same thing to us as to
-transformers.
+transformers. Which of these an architecture has is its row's (`common/architectures.py`):
+its `decoder`, `tower`, `deepstack`, `hybrid` and `experts`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ...common.architectures import Architecture, Experts, by_model_type, by_name
 from ..hybrid.linear_state import LinearStateLayout
 from .tensor_parallel import (
     SINGLE,
@@ -33,23 +35,6 @@ from .tensor_parallel import (
     TPShard,
 )
 
-QWEN2_VL = "Qwen2VLForConditionalGeneration"
-QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
-QWEN3_VL = "Qwen3VLForConditionalGeneration"
-QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
-QWEN3_5 = "Qwen3_5ForConditionalGeneration"
-QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
-_ARCH_BY_MODEL_TYPE = {
-    "qwen2_vl": QWEN2_VL,
-    "qwen2_5_vl": QWEN2_5_VL,
-    "qwen3_vl": QWEN3_VL,
-    "qwen3_vl_moe": QWEN3_VL_MOE,
-    "qwen3_5": QWEN3_5,
-    "qwen3_5_moe": QWEN3_5_MOE,
-}
-_HYBRID_ARCHS = (QWEN3_5, QWEN3_5_MOE)  # Gated DeltaNet layers between full attention
-_QWEN3_ARCHS = (QWEN3_VL, QWEN3_VL_MOE, *_HYBRID_ARCHS)  # Qwen3-VL's tower and decoder basics
-_MOE_ARCHS = (QWEN3_VL_MOE, QWEN3_5_MOE)
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
@@ -257,6 +242,7 @@ class VLModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> VLModelConfig:
         architecture = architecture_of(raw)
+        row = by_name(architecture)  # ValueError for one without a row
         text = raw.get("text_config") or {}
 
         def get(key: str, default: Any) -> Any:
@@ -270,14 +256,14 @@ class VLModelConfig:
         num_layers = int(get("num_hidden_layers", 80))
         num_heads = int(get("num_attention_heads", 64))
         num_kv_heads = int(get("num_key_value_heads", None) or num_heads)
-        qwen3 = architecture in _QWEN3_ARCHS
+        qwen3 = row.decoder == "qwen3"
         # transformers' Qwen2-VL attention uses hidden_size // heads whatever head_dim says;
         # Qwen3's reads head_dim.
         head_dim = int(get("head_dim", 128)) if qwen3 else hidden_size // num_heads
         if not qwen3 and head_dim * num_heads != hidden_size:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by {num_heads} heads")
 
-        hybrid = architecture in _HYBRID_ARCHS
+        hybrid = row.hybrid
         rope = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
@@ -334,22 +320,23 @@ class VLModelConfig:
             bos_token_id=get("bos_token_id", None),
             pad_token_id=get("pad_token_id", None),
             dtype=raw.get("dtype") or raw.get("torch_dtype") or get("dtype", None),
-            vision=_vision_config(architecture, raw.get("vision_config") or {}),
-            moe=_moe_config(architecture, get) if architecture in _MOE_ARCHS else None,
+            vision=_vision_config(row, raw.get("vision_config") or {}),
+            moe=_moe_config(row.experts, get) if row.experts else None,
             linear=_linear_config(get, num_layers) if hybrid else None,
         )
 
 
-def _moe_config(architecture: str, get: Any) -> MoEConfig:
-    """`get` reads a text key (nested first); defaults are `Qwen3VLMoeTextConfig`'s, or
-    `Qwen3_5MoeTextConfig`'s, which routes every layer whatever the file says and adds a
-    shared expert. transformers 5 saves `num_experts` as `num_local_experts`."""
-    qwen3_5 = architecture == QWEN3_5_MOE
-    num_experts = int(get("num_experts", None) or get("num_local_experts", 256 if qwen3_5 else 60))
-    top_k = int(get("num_experts_per_tok", 8 if qwen3_5 else 4))
+def _moe_config(experts: Experts, get: Any) -> MoEConfig:
+    """`get` reads a text key (nested first); defaults are `Qwen3VLMoeTextConfig`'s
+    ("routed"), or `Qwen3_5MoeTextConfig`'s ("routed_shared"), which routes every layer
+    whatever the file says and adds a shared expert. transformers 5 saves `num_experts` as
+    `num_local_experts`."""
+    shared = experts == "routed_shared"
+    num_experts = int(get("num_experts", None) or get("num_local_experts", 256 if shared else 60))
+    top_k = int(get("num_experts_per_tok", 8 if shared else 4))
     if not 0 < top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
-    if qwen3_5:
+    if shared:
         return MoEConfig(
             num_experts=num_experts,
             top_k=top_k,
@@ -395,17 +382,18 @@ def architecture_of(raw: dict[str, Any]) -> str:
     if architectures:
         return str(architectures[0])
     model_type = raw.get("model_type", "")
-    if model_type in _ARCH_BY_MODEL_TYPE:
-        return _ARCH_BY_MODEL_TYPE[model_type]
+    row = by_model_type(model_type)
+    if row is not None:
+        return row.name
     raise ValueError(f"config.json names no architecture (model_type={model_type!r})")
 
 
-def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
+def _vision_config(row: Architecture, v: dict[str, Any]) -> VisionConfig:
     def get(key: str, default: Any) -> Any:
         value = v.get(key)
         return default if value is None else value
 
-    qwen3 = architecture in _QWEN3_ARCHS
+    qwen3 = row.tower == "qwen3"
     common: dict[str, Any] = dict(  # VisionConfig's shared fields, of mixed types
         depth=int(get("depth", 27 if qwen3 else 32)),
         num_heads=int(get("num_heads", 16)),
@@ -416,7 +404,7 @@ def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
         rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         tokens_per_second=int(get("tokens_per_second", 4)),
     )
-    if architecture == QWEN2_VL:
+    if row.tower == "qwen2":
         embed_dim = int(get("embed_dim", 1280))
         return VisionConfig(
             hidden_size=embed_dim,
@@ -427,7 +415,7 @@ def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
             fullatt_block_indexes=(),
             **common,
         )
-    if architecture == QWEN2_5_VL:
+    if row.tower == "qwen2.5":
         return VisionConfig(
             hidden_size=int(get("hidden_size", 3584)),
             intermediate_size=int(get("intermediate_size", 3420)),
@@ -439,28 +427,23 @@ def _vision_config(architecture: str, v: dict[str, Any]) -> VisionConfig:
             ),
             **common,
         )
-    if qwen3:
-        deepstack = (
-            ()  # Qwen3.5's tower has no DeepStack mergers, whatever the file says
-            if architecture in _HYBRID_ARCHS
-            else tuple(int(i) for i in get("deepstack_visual_indexes", (8, 16, 24)))
-        )
-        if any(not 0 <= i < common["depth"] for i in deepstack):
-            raise ValueError(f"deepstack_visual_indexes {list(deepstack)} outside the ViT depth")
-        return VisionConfig(
-            hidden_size=int(get("hidden_size", 1152)),
-            intermediate_size=int(get("intermediate_size", 4304)),
-            out_hidden_size=int(get("out_hidden_size", 3584)),
-            hidden_act=str(get("hidden_act", "gelu_pytorch_tanh")),
-            window_size=0,
-            fullatt_block_indexes=(),
-            num_position_embeddings=int(get("num_position_embeddings", 2304)),
-            deepstack_visual_indexes=deepstack,
-            **common,
-        )
-    raise ValueError(
-        f"unsupported architecture {architecture!r}; supported: "
-        f"{', '.join(_ARCH_BY_MODEL_TYPE.values())}"
+    deepstack = (
+        tuple(int(i) for i in get("deepstack_visual_indexes", (8, 16, 24)))
+        if row.deepstack
+        else ()  # a tower without DeepStack mergers (Qwen3.5's), whatever the file says
+    )
+    if any(not 0 <= i < common["depth"] for i in deepstack):
+        raise ValueError(f"deepstack_visual_indexes {list(deepstack)} outside the ViT depth")
+    return VisionConfig(
+        hidden_size=int(get("hidden_size", 1152)),
+        intermediate_size=int(get("intermediate_size", 4304)),
+        out_hidden_size=int(get("out_hidden_size", 3584)),
+        hidden_act=str(get("hidden_act", "gelu_pytorch_tanh")),
+        window_size=0,
+        fullatt_block_indexes=(),
+        num_position_embeddings=int(get("num_position_embeddings", 2304)),
+        deepstack_visual_indexes=deepstack,
+        **common,
     )
 
 

@@ -1,6 +1,7 @@
 """Which class serves which checkpoint, and building a model from a folder.
 
-Model modules are imported only when picked, so importing the registry is cheap.
+The class is the architecture's row's (`common/architectures.py`); model modules are
+imported only when picked, so importing the registry is cheap.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ...common.architectures import ARCHITECTURES as ARCHITECTURES  # re-exported: names served
+from ...common.architectures import by_name
 from .config import VLModelConfig, architecture_of
 from .layers import RMSNorm
 from .loader import iter_checkpoint
@@ -22,28 +25,11 @@ from .tensor_parallel import SINGLE, TPShard
 if TYPE_CHECKING:  # imported only when picked (below), so importing the registry is cheap
     from .qwen2_vl import Qwen2VLForCausalLM
 
-# config.architectures[0] -> "module:Class"
-ARCHITECTURES: dict[str, str] = {
-    "Qwen2VLForConditionalGeneration": "iris_serve.scheduler.models.qwen2_vl:Qwen2VLForCausalLM",
-    "Qwen2_5_VLForConditionalGeneration": "iris_serve.scheduler.models.qwen2_5_vl:Qwen2_5_VLForCausalLM",
-    "Qwen3VLForConditionalGeneration": "iris_serve.scheduler.models.qwen3_vl:Qwen3VLForCausalLM",
-    "Qwen3VLMoeForConditionalGeneration": (
-        "iris_serve.scheduler.models.qwen3_vl_moe:Qwen3VLMoeForCausalLM"
-    ),
-    "Qwen3_5ForConditionalGeneration": "iris_serve.scheduler.models.qwen3_5:Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": (
-        "iris_serve.scheduler.models.qwen3_5:Qwen3_5MoeForCausalLM"
-    ),
-}
-
 
 def model_class(architecture: str) -> type[Qwen2VLForCausalLM]:
-    """The class serving `architecture`; every one derives from Qwen2-VL's."""
-    if architecture not in ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
-        )
-    module_name, class_name = ARCHITECTURES[architecture].split(":")
+    """The class serving `architecture` (its row's `model_class`); every one derives from
+    Qwen2-VL's. ValueError for an architecture without a row."""
+    module_name, class_name = by_name(architecture).model_class.split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
