@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.device_state import HEADROOM_BYTES, cuda_kv_budget
 from iris_serve.scheduler.kv.kv_cache import KVLayout
 from iris_serve.scheduler.kv.memory_profile import largest_encoder_call, profile_activations
+from iris_serve.scheduler.kv.sizing import HEADROOM_BYTES, cuda_kv_budget
 from iris_serve.scheduler.models.registry import load_model
 
 GiB = 2**30
