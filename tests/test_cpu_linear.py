@@ -39,9 +39,9 @@ def _packed_layers(shapes, dtype: torch.dtype) -> nn.ModuleList:
     """Layers built with the oneDNN method, random weights loaded (not processed yet)."""
     torch.manual_seed(0)
     with building_with(OneDNNPackedLinear()):
-        layers = nn.ModuleList(
-            [ReplicatedLinear(i, o, bias=bias) for i, o, bias in shapes]
-        ).to(dtype)
+        layers = nn.ModuleList([ReplicatedLinear(i, o, bias=bias) for i, o, bias in shapes]).to(
+            dtype
+        )
     with torch.no_grad():
         for param in layers.parameters():
             param.normal_(0.0, 0.1)
