@@ -22,8 +22,8 @@ from ..common.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from .config import EngineConfig
-    from .device_state import hybrid_footprint
     from .entry import SchedulerProcessConfig, run_follower, run_scheduler
+    from .hybrid.state_pool import hybrid_footprint
     from .ranks import StepBroadcaster, join_group
     from .step.engine import Engine
 
@@ -42,7 +42,7 @@ _HOMES = {
     "EngineConfig": "config",
     "StepBroadcaster": "ranks",
     "join_group": "ranks",
-    "hybrid_footprint": "device_state",
+    "hybrid_footprint": "hybrid.state_pool",
     "SchedulerProcessConfig": "entry",
     "run_scheduler": "entry",
     "run_follower": "entry",

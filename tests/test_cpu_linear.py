@@ -1,9 +1,15 @@
-"""`--cpu-linear onednn` (the default on a CPU): every linear layer computes through oneDNN
-with a prepacked weight and gives what PyTorch's own linear gives, to float rounding; the
-dense weight stays readable; `--cpu-linear aten` leaves the layers alone, and both give
-the same greedy tokens (parity with transformers runs on the default everywhere else)."""
+"""`--cpu-linear onednn` (the default on a CPU): every linear layer but the LM head computes
+through oneDNN with a prepacked weight and gives what PyTorch's own linear gives, to float
+rounding; once loaded, a layer holds only the packed copy, so the model's linear weights
+take what they take dense (1.0x, not 2x); `--cpu-linear aten` keeps the dense method, and
+both give the same greedy tokens (parity with transformers runs on the default everywhere
+else)."""
 
 from __future__ import annotations
+
+import gc
+import logging
+import weakref
 
 import pytest
 import torch
@@ -11,19 +17,52 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.models.cpu_linear import pack_linears
+from iris_serve.scheduler.models.cpu_linear import OneDNNPackedLinear
+from iris_serve.scheduler.models.linear_method import (
+    DENSE,
+    LinearLayer,
+    building_with,
+    linear_layers,
+    linear_weight_bytes,
+    process_linears_after_loading,
+)
+from iris_serve.scheduler.models.quantization import select_linear_method
+from iris_serve.scheduler.models.tensor_parallel import ReplicatedLinear
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt, cpu_engine, make_image
 
 torch.set_num_threads(2)
+CPU = torch.device("cpu")
+
+
+def _packed_layers(shapes, dtype: torch.dtype) -> nn.ModuleList:
+    """Layers built with the oneDNN method, random weights loaded (not processed yet)."""
+    torch.manual_seed(0)
+    with building_with(OneDNNPackedLinear()):
+        layers = nn.ModuleList([ReplicatedLinear(i, o, bias=bias) for i, o, bias in shapes]).to(
+            dtype
+        )
+    with torch.no_grad():
+        for param in layers.parameters():
+            param.normal_(0.0, 0.1)
+    return layers
+
+
+def _held_bytes(layer: LinearLayer) -> int:
+    """What a layer holds, counted apart from the methods' own counting: its parameters and
+    buffers, and every other tensor it references (a packed oneDNN weight by its shape and
+    dtype, the size a dense copy of it would take)."""
+    tensors = [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]
+    owned = {id(t) for t in tensors}
+    tensors += [v for v in vars(layer).values() if torch.is_tensor(v) and id(v) not in owned]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_layer_computes_what_pytorchs_linear_does(dtype):
-    torch.manual_seed(0)
-    layers = nn.ModuleList([nn.Linear(64, 96), nn.Linear(96, 32, bias=False)]).to(dtype)
+    layers = _packed_layers([(64, 96, True), (96, 32, False)], dtype)
     dense = [(layer.weight.detach().clone(), layer.bias) for layer in layers]
-    assert pack_linears(layers) == 2
+    process_linears_after_loading(layers)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for rows in ([1, 64], [7, 64], [2, 5, 64], [0, 64]):  # decode, prefill, batched, empty
         x = torch.randn(*rows, dtype=dtype)
@@ -32,18 +71,73 @@ def test_a_packed_layer_computes_what_pytorchs_linear_does(dtype):
         expected = F.linear(F.linear(x, w0, b0), w1)
         assert y.shape == expected.shape
         torch.testing.assert_close(y, expected, rtol=tolerance, atol=tolerance)
-    assert torch.equal(layers[0].weight, dense[0][0])  # the dense weight is still there
 
 
-def test_the_engine_packs_by_default_and_aten_gives_the_same_tokens(tiny_checkpoint):
+@torch.no_grad()
+def test_after_loading_only_the_packed_copy_remains():
+    """The dense weight is released (nothing references it) and the packed copy does not
+    share its memory: overwriting the old weight changes nothing."""
+    layers = _packed_layers([(64, 96, True)], torch.float32)
+    layer = layers[0]
+    x = torch.randn(3, 64)
+    expected = F.linear(x, layer.weight, layer.bias)
+    released = weakref.ref(layer.weight)
+    process_linears_after_loading(layers)
+    gc.collect()
+    assert released() is None
+    assert "weight" not in dict(layer.named_parameters()) and not hasattr(layer, "weight")
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+    kept = _packed_layers([(64, 96, False)], torch.float32)
+    old_weight = kept[0].weight
+    before = F.linear(x, old_weight)
+    process_linears_after_loading(kept)
+    old_weight.data.fill_(float("nan"))
+    torch.testing.assert_close(kept[0](x), before, rtol=1e-5, atol=1e-5)
+
+
+def test_block_sized_layers_allocate_what_they_take_dense():
+    """Widths in whole oneDNN blocks (as a real model's are): the packed allocation is the
+    dense weight's size, bias included (`resident_bytes` reads oneDNN's own size)."""
+    layers = _packed_layers([(256, 512, True), (512, 256, False)], torch.bfloat16)
+    dense = sum(p.numel() * p.element_size() for p in layers.parameters())
+    process_linears_after_loading(layers)
+    assert linear_weight_bytes(layers) == (dense, dense)
+
+
+def test_the_method_is_picked_in_one_place():
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert select_linear_method(CPU, bf16, "onednn").name == "onednn"
+    assert select_linear_method(CPU, bf16, "aten") is DENSE
+    assert select_linear_method(CPU, fp16, "onednn") is DENSE  # oneDNN packs fp32 and bf16
+    assert select_linear_method(torch.device("meta"), bf16, "onednn") is DENSE
+
+
+def test_the_engine_packs_by_default_holds_1x_and_aten_gives_the_same_tokens(
+    tiny_checkpoint, caplog
+):
     model_dir = tiny_checkpoint("qwen2_5_vl")
     prompt = chat_prompt(PromptBuilder(model_dir), "Describe.", [make_image(84, 56, seed=3)])
     greedy = Sampling(temperature=0.0, max_tokens=8)
-    engines = {kind: cpu_engine(model_dir, cpu_linear=kind) for kind in ("onednn", "aten")}
-    packed = {
-        kind: sum(hasattr(m, "packed_weight") for m in engine.model.modules())
+    with caplog.at_level(logging.INFO, logger="iris_serve.scheduler.device_state"):
+        engines = {kind: cpu_engine(model_dir, cpu_linear=kind) for kind in ("onednn", "aten")}
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("linear weights")]
+    assert len(said) == 2 and "(onednn method)" in said[0] and "(dense method)" in said[1]
+    assert "1.00x" in said[1]
+
+    methods = {
+        kind: {layer.method.name for layer in linear_layers(engine.model.model)}
         for kind, engine in engines.items()
     }
-    assert packed["onednn"] > 0 and packed["aten"] == 0
+    assert methods == {"onednn": {"onednn"}, "aten": {"dense"}}
+    packed, dense = (list(linear_layers(engines[kind].model)) for kind in ("onednn", "aten"))
+    assert len(packed) == len(dense) > 0
+    # the dense weights are gone from every packed layer, and what the layers hold is what
+    # the dense layers hold, to the byte
+    onednn = [layer for layer in packed if layer.method.name == "onednn"]
+    assert onednn and not [layer for layer in onednn if hasattr(layer, "weight")]
+    assert sum(map(_held_bytes, packed)) == sum(map(_held_bytes, dense))
+    assert linear_weight_bytes(engines["onednn"].model)[1] == sum(map(_held_bytes, dense))
+
     tokens = {kind: engine.generate([prompt], greedy) for kind, engine in engines.items()}
     assert tokens["onednn"] == tokens["aten"]

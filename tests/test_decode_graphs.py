@@ -169,19 +169,19 @@ def test_a_failed_capture_decodes_eagerly_alone_and_stops_tensor_parallel_ranks(
     """`DeviceState`'s capture on CUDA (the calls to the CUDA runtime stubbed): one device
     goes on without graphs; a rank of a tensor-parallel group raises, naming the flag,
     since its peers would wait for it inside their captures' collectives."""
-    from iris_serve.scheduler import device_state
     from iris_serve.scheduler.config import EngineConfig
     from iris_serve.scheduler.models.tensor_parallel import SINGLE, TPShard
+    from iris_serve.scheduler.step import graph_capture
 
     def failing_build(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(DecodeGraphs, "build", failing_build)
-    monkeypatch.setattr(device_state, "CudaGraphCapture", lambda device: None)
+    monkeypatch.setattr(graph_capture, "CudaGraphCapture", lambda device: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
     config = EngineConfig(model="m")
-    capture = device_state._capture_decode_graphs
+    capture = graph_capture.capture_decode_graphs
     assert capture(None, None, CPU, config, 64, SINGLE) is None  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match=r"rank 1 .*--enforce-eager"):
         capture(None, None, CPU, config, 64, TPShard(1, 2))  # type: ignore[arg-type]

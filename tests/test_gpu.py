@@ -178,7 +178,7 @@ def test_backends_match_sdpa_on_random_mixed_batches(backend):
 
 
 def test_the_start_up_profile_reads_the_activations_peak_on_the_gpu(small_bf16):
-    """The KV cache is sized after this profile (`device_state._kv_budget_bytes`): on CUDA
+    """The KV cache is sized after this profile (`kv.sizing.kv_budget_bytes`): on CUDA
     both passes must report their peak, and free what they took."""
     from iris_serve.scheduler.kv.memory_profile import profile_activations
     from iris_serve.scheduler.models.registry import load_model

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from iris_serve.scheduler.config import EngineConfig
-from iris_serve.scheduler.device_state import HEADROOM_BYTES, cuda_kv_budget
 from iris_serve.scheduler.kv.kv_cache import KVLayout
 from iris_serve.scheduler.kv.memory_profile import largest_encoder_call, profile_activations
+from iris_serve.scheduler.kv.sizing import HEADROOM_BYTES, cuda_kv_budget, readable_bytes
 from iris_serve.scheduler.models.registry import load_model
 
 GiB = 2**30
@@ -88,3 +88,9 @@ def test_the_profile_runs_the_largest_step_and_vision_call_each_architecture_tak
     assert profile.image_tokens == largest == largest_encoder_call(config)
     assert len(rows) == 1 and largest - math.isqrt(largest) < rows[0] <= largest
     assert profile.total_bytes == 0
+
+
+def test_start_up_sizes_read_in_mib_below_a_gib():
+    """A small KV cache (a test's, a CPU's) reads as MiB, not "0.00 GiB"."""
+    assert readable_bytes(8 << 20) == "8.00 MiB"
+    assert readable_bytes(1.5 * GiB) == "1.50 GiB"

@@ -1,6 +1,6 @@
 """What the largest step and the largest vision-tower call take on the device, measured
 once at start-up, before the KV cache is sized (vLLM's profile run;
-`device_state.cuda_kv_budget`).
+`sizing.cuda_kv_budget`).
 
 One prefill chunk of `max_num_batched_tokens` dummy tokens (its logits for
 `max_num_seqs` rows) and one vision-tower call over the largest image the engine may

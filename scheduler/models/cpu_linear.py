@@ -1,57 +1,62 @@
-"""oneDNN for a CPU model's linear layers: each `nn.Linear`'s weight is prepacked once, at
-load, into oneDNN's blocked layout, and the layer computes through oneDNN's matmul.
+"""oneDNN for a CPU model's linear layers (`--cpu-linear onednn`, the default on a CPU): a
+`LinearMethod` that, once the checkpoint is loaded, prepacks each layer's weight into
+oneDNN's blocked layout, frees the dense weight, and computes through oneDNN's matmul.
 
 PyTorch's default CPU linear goes through MKL's sgemm, which on AMD processors takes a
 slow path; oneDNN with a prepacked weight is faster at every row count, from a decode
 step's one to a prefill chunk's thousands (`bench/results/cpu_linear_small.md` has the
 served figures both ways). vLLM's CPU build computes its linear layers the same way.
 
-The packed copy sits beside the dense weight, which stays for everything that reads it
-(loading, tensor-parallel slices, tied embeddings, the LM head's own `F.linear`): a CPU
-model's linear weights take twice their memory. `--cpu-linear aten` keeps PyTorch's path.
+Only the packed copy stays, so a CPU model's linear weights take what they take dense.
+The LM head is built dense (the logits read its weight), and tied embeddings are the
+embedding's, never a linear layer's. `--cpu-linear aten` keeps PyTorch's path.
 """
 
 from __future__ import annotations
 
-import types
+from typing import ClassVar
 
 import torch
-import torch.nn as nn
 
-from .tensor_parallel import RowParallelLinear
+from .linear_method import LinearLayer, LinearMethod
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Routes every CPU `nn.Linear` of `model` (float32 or bfloat16) through oneDNN with a
-    prepacked weight; returns how many. Nothing changes where oneDNN is missing."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
-            continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        module.forward = types.MethodType(_packed_forward, module)  # type: ignore[method-assign]
-        count += 1
-    return count
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether layers on `device` in `dtype` can run through oneDNN here."""
+    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
 
 
-def _packed_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` through its packed weight; a row-parallel layer under tensor parallelism
-    sums the ranks' partial outputs before its bias, as its own `forward` does."""
-    if x.numel() == 0 or x.dtype != layer.weight.dtype:
-        return type(layer).forward(layer, x)
-    split = isinstance(layer, RowParallelLinear) and layer.tp.size > 1
-    bias = None if split else layer.bias
-    out = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
-    if split:
-        assert isinstance(layer, RowParallelLinear)
-        out = layer.tp.all_reduce(out)
-        if layer.bias is not None:
-            out = out + layer.bias
-    return out
+class OneDNNPackedLinear(LinearMethod):
+    """Dense weights while loading (as checkpoints store them); after it, only the packed
+    copy (`layer.packed_weight`, an opaque oneDNN tensor)."""
+
+    name: ClassVar[str] = "onednn"
+
+    def process_after_loading(self, layer: LinearLayer) -> None:
+        weight = layer.weight
+        if not can_pack(weight.device, weight.dtype):
+            raise ValueError(f"oneDNN cannot pack a {weight.dtype} weight on {weight.device}")
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        del layer.weight  # the packed copy owns its memory: nothing reads the dense one
+
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = layer.packed_weight
+        if x.numel() == 0:  # oneDNN rejects empty inputs
+            return x.new_empty(*x.shape[:-1], layer.out_features)
+        if x.dtype != packed.dtype:
+            raise TypeError(f"a {x.dtype} input to a linear layer packed as {packed.dtype}")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def resident_bytes(self, layer: LinearLayer) -> int:
+        """The bias and the packed weight's allocation (oneDNN's blocked layout pads a
+        dimension that is not a multiple of its block); before packing, the dense weights."""
+        packed = getattr(layer, "packed_weight", None)
+        extra = 0 if packed is None else torch.ops.mkldnn._nbytes(packed)
+        return super().resident_bytes(layer) + extra
+
+    def dense_bytes(self, layer: LinearLayer) -> int:
+        packed = getattr(layer, "packed_weight", None)
+        extra = 0 if packed is None else packed.numel() * packed.element_size()
+        return super().resident_bytes(layer) + extra

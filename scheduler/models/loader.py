@@ -86,10 +86,12 @@ def load_named_weights(
 
     `rename` maps a checkpoint name to the module's name (None = skip the tensor).
     `packed` maps a checkpoint module name (`q_proj`) to a fused module of ours and the
-    shard it fills (`("qkv_proj", 0)`); a fused `nn.Linear` carries `shard_sizes`. A
+    shard it fills (`("qkv_proj", 0)`); a fused linear layer carries `shard_sizes`. A
     tensor-parallel shard's module carries `tp_splits` (`tensor_parallel.TPSplit`), and a
-    `CheckpointTensor` is read only as far as it is kept. Raises naming every missing,
-    unexpected or mis-shaped weight."""
+    `CheckpointTensor` is read only as far as it is kept. A module with a `load_weight`
+    (a linear layer: its `LinearMethod`'s) is asked to load each of its tensors; the others
+    take `load_parameter`'s copy. Raises naming every missing, unexpected or mis-shaped
+    weight."""
     params = dict(module.named_parameters())
     modules = dict(module.named_modules())
     needed: set[tuple[str, int]] = set()
@@ -106,27 +108,22 @@ def load_named_weights(
         if renamed is None:
             continue
         target, shard = _unpack(renamed, packed)
-        param = params.get(target)
-        if param is None:
+        if target not in params:
             unexpected.append(ckpt_name)
             continue
-        destination = param.data
         owner_name, _, leaf = target.rpartition(".")
         owner = modules[owner_name]
-        split = getattr(owner, "tp_splits", {}).get(leaf)
-        if split is not None:  # this rank's part of the tensor (tensor_parallel.TPSplit)
-            tensor = split.take(tensor, shard)
-        tensor = materialized(tensor)
-        if shard is not None:
-            sizes = owner.shard_sizes
-            destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if destination.shape != tensor.shape:
-            bad_shape.append(f"{ckpt_name}: {tuple(tensor.shape)} vs {tuple(destination.shape)}")
+        load = getattr(owner, "load_weight", None)  # a linear layer loads through its method
+        try:
+            if callable(load):
+                written = load(leaf, tensor, shard)
+            else:
+                written = load_parameter(owner, leaf, tensor, shard)
+        except ShapeMismatch as error:
+            bad_shape.append(f"{ckpt_name}: {error}")
             continue
-        with torch.no_grad():
-            destination.copy_(tensor)
         needed.discard((target, shard or 0))
-        progress.add(destination.numel() * destination.element_size())
+        progress.add(written)
     progress.done()
 
     problems = []
@@ -139,6 +136,31 @@ def load_named_weights(
         problems.append(f"missing weights: {_names(missing)}")
     if problems:
         raise ValueError("checkpoint does not match the model; " + "; ".join(problems))
+
+
+class ShapeMismatch(ValueError):
+    """A checkpoint tensor (this rank's part of it) whose shape is not its parameter's."""
+
+
+def load_parameter(owner: nn.Module, leaf: str, tensor: Weight, shard: int | None) -> int:
+    """Copies checkpoint `tensor` into `owner`'s parameter `leaf`, casting to its dtype and
+    device; returns the bytes written. `owner.tp_splits[leaf]` (`tensor_parallel.TPSplit`),
+    if any, picks this rank's part first, reading no more of a `CheckpointTensor`; `shard`
+    is the part of a fused parameter it fills (rows `owner.shard_sizes[shard]`). Raises
+    `ShapeMismatch`."""
+    destination = getattr(owner, leaf).data
+    split = getattr(owner, "tp_splits", {}).get(leaf)
+    if split is not None:
+        tensor = split.take(tensor, shard)
+    tensor = materialized(tensor)
+    if shard is not None:
+        sizes = owner.shard_sizes
+        destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if destination.shape != tensor.shape:
+        raise ShapeMismatch(f"{tuple(tensor.shape)} vs {tuple(destination.shape)}")
+    with torch.no_grad():
+        destination.copy_(tensor)
+    return destination.numel() * destination.element_size()
 
 
 def _unpack(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:

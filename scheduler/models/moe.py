@@ -26,7 +26,7 @@ from torch import nn
 from .config import MoEConfig, VLModelConfig
 from .layers import GatedMLP
 from .loader import Weight, materialized
-from .tensor_parallel import SINGLE, TPShard, TPSplit
+from .tensor_parallel import SINGLE, ReplicatedLinear, TPShard, TPSplit
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,15 +79,15 @@ class SparseMoEBlock(nn.Module):
         super().__init__()
         self.top_k = moe.top_k
         self.tp = tp
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # on every rank
+        self.gate = ReplicatedLinear(hidden_size, moe.num_experts, bias=False)  # on every rank
         self.experts = RoutedExperts(moe.num_experts, hidden_size, moe.intermediate_size, tp)
         self.shared_expert: GatedMLP | None = None
-        self.shared_expert_gate: nn.Linear | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(
                 hidden_size, moe.shared_expert_intermediate_size, bias=False, act="silu", tp=tp
             )
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # on every rank
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False)  # on every rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k)

@@ -3,8 +3,9 @@ that put the ranks' partial results back together, split the Megatron way
 (`docs/scale-out.md`, "Tensor parallelism", the model). Vision towers are not split.
 
 A shard knows which part of each checkpoint tensor it holds: a module's `tp_splits` maps a
-parameter's name to a `TPSplit`, which `loader.load_named_weights` applies before the copy.
-With `size == 1` every class here is its plain torch counterpart.
+parameter's name to a `TPSplit`, which the loader (for a linear layer, its
+`linear_method.LinearMethod`) applies before the copy. With `size == 1` every class here
+computes what its plain torch counterpart does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .linear_method import DENSE, LinearLayer
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,16 @@ class TPShard:
         if self.size > 1:
             torch.distributed.all_reduce(x, group=self.group)
         return x
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (a collective through a tensor on `device`;
+        `value` itself on one rank): what the ranks agree on where each may hold a different
+        amount (pages, snapshots)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Ranks' `[..., n]` concatenated in rank order -> `[..., size * n]`."""
@@ -124,7 +137,11 @@ class LinearAttentionHeads:
         return cls(key_heads, key_start, value_heads, value_start)
 
 
-class ColumnParallelLinear(nn.Linear):
+class ReplicatedLinear(LinearLayer):
+    """A whole linear layer on every rank (the vision towers', a router's)."""
+
+
+class ColumnParallelLinear(LinearLayer):
     """A slice of the output features: `pieces` `(start, length)` of each packed part
     (one part for an unpacked layer), bias sliced alike. No communication."""
 
@@ -135,16 +152,16 @@ class ColumnParallelLinear(nn.Linear):
         self.tp_splits = {"weight": split, "bias": split}
 
 
-def column_slices(in_features: int, pieces: Sequence[tuple[int, int]]) -> nn.Linear:
+def column_slices(in_features: int, pieces: Sequence[tuple[int, int]]) -> LinearLayer:
     """A layer (no bias) holding the rows `pieces` `(start, length)` of *one* checkpoint
     tensor, concatenated: unlike a packed `ColumnParallelLinear`, whose pieces come from
     several tensors (q, k and v heads of a projection stored fused, for instance)."""
-    layer = nn.Linear(in_features, sum(length for _, length in pieces), bias=False)
-    layer.tp_splits = {"weight": TPSplit(0, tuple(pieces))}  # type: ignore[assignment]
+    layer = LinearLayer(in_features, sum(length for _, length in pieces), bias=False)
+    layer.tp_splits = {"weight": TPSplit(0, tuple(pieces))}
     return layer
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(LinearLayer):
     """A slice of the input features; the partial outputs are summed over the ranks, and
     the (unsplit) bias is added once, after the sum."""
 
@@ -156,8 +173,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.method.apply(self, x, self.bias)
+        out = self.tp.all_reduce(self.method.apply(self, x, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -181,9 +198,10 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
 
 
-def vocab_parallel_head(hidden_size: int, vocab_size: int, tp: TPShard) -> nn.Linear:
-    """The LM head's rows of this rank's vocabulary range (logits all-gathered by the model)."""
+def vocab_parallel_head(hidden_size: int, vocab_size: int, tp: TPShard) -> LinearLayer:
+    """The LM head's rows of this rank's vocabulary range (logits all-gathered by the model).
+    Always dense: the logits read its weight as they read tied embeddings."""
     start, length = tp.split(vocab_size, "vocab_size")
-    head = nn.Linear(hidden_size, length, bias=False)
-    head.tp_splits = {"weight": TPSplit(0, ((start, length),))}  # type: ignore[assignment]
+    head = LinearLayer(hidden_size, length, bias=False, method=DENSE)
+    head.tp_splits = {"weight": TPSplit(0, ((start, length),))}
     return head

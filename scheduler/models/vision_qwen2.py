@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import VisionConfig
 from .layers import SegmentPlan, activation, rope_inv_freq, rotate_half
+from .tensor_parallel import ReplicatedLinear
 
 
 def grid_list(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -101,8 +102,8 @@ class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = ReplicatedLinear(dim, 3 * dim, bias=True)
+        self.proj = ReplicatedLinear(dim, dim, bias=True)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan
@@ -117,8 +118,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, act: str) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.fc1 = ReplicatedLinear(dim, hidden_dim, bias=True)
+        self.fc2 = ReplicatedLinear(hidden_dim, dim, bias=True)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,9 +150,9 @@ class PatchMerger(nn.Module):
         self.merged_dim = config.hidden_size * config.spatial_merge_size**2
         self.ln_q = norm(config.hidden_size)
         self.mlp = nn.Sequential(
-            nn.Linear(self.merged_dim, self.merged_dim),
+            ReplicatedLinear(self.merged_dim, self.merged_dim, bias=True),
             nn.GELU(),
-            nn.Linear(self.merged_dim, config.out_hidden_size),
+            ReplicatedLinear(self.merged_dim, config.out_hidden_size, bias=True),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 
 from .config import VisionConfig
 from .layers import SegmentPlan, activation
+from .tensor_parallel import ReplicatedLinear
 from .vision_qwen2 import (
     VisionAttention,
     VisionRotaryEmbedding,
@@ -80,8 +81,8 @@ class Qwen3PatchEmbed(nn.Module):
 class Qwen3VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, act: str) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden_dim)
-        self.linear_fc2 = nn.Linear(hidden_dim, dim)
+        self.linear_fc1 = ReplicatedLinear(dim, hidden_dim, bias=True)
+        self.linear_fc2 = ReplicatedLinear(hidden_dim, dim, bias=True)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,8 +114,8 @@ class Qwen3PatchMerger(nn.Module):
         self.merged_dim = config.hidden_size * config.spatial_merge_size**2
         self.postshuffle = postshuffle
         self.norm = nn.LayerNorm(self.merged_dim if postshuffle else config.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
-        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
+        self.linear_fc1 = ReplicatedLinear(self.merged_dim, self.merged_dim, bias=True)
+        self.linear_fc2 = ReplicatedLinear(self.merged_dim, config.out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.postshuffle:

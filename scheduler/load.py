@@ -1,0 +1,50 @@
+"""The model one rank serves: built with the linear method its settings pick
+(`models.quantization`), loaded, its weights processed for that method, and one start-up
+line of what its linear layers hold."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import EngineConfig
+from .kv.sizing import readable_bytes
+from .models.linear_method import (
+    building_with,
+    linear_weight_bytes,
+    process_linears_after_loading,
+)
+from .models.quantization import select_linear_method
+from .models.registry import load_model
+from .models.tensor_parallel import TPShard
+
+if TYPE_CHECKING:
+    from .models.qwen2_vl import Qwen2VLForCausalLM
+
+
+def load_rank_model(
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TPShard,
+    say: Callable[..., None],
+) -> Qwen2VLForCausalLM:
+    """This rank's shard of `config.model` on `device` in `dtype`, ready to serve."""
+    method = select_linear_method(device, dtype, config.cpu_linear)
+    started = time.monotonic()
+    say("loading %s on %s (%s)", config.model, device, str(dtype).removeprefix("torch."))
+    with building_with(method):
+        model = load_model(config.model, dtype=dtype, device=device, tp=tp)
+    process_linears_after_loading(model)
+    say("model loaded in %.1f s", time.monotonic() - started)
+    resident, dense = linear_weight_bytes(model)
+    say(
+        "linear weights: %s resident per rank, %.2fx their dense size (%s method)",
+        readable_bytes(resident),
+        resident / max(dense, 1),
+        method.name,
+    )
+    return model
