@@ -14,7 +14,7 @@ types it takes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeAlias, Union
 
 from pydantic import (
     BaseModel,
@@ -83,6 +83,9 @@ class _URLPart(_Part):
     may then send the uuid alone (`"image_url": null`, or no `url`) and are served from
     the caches."""
 
+    if TYPE_CHECKING:  # a field of every url row (`_part_model`)
+        uuid: str | None
+
     @model_validator(mode="after")
     def _url_or_uuid(self) -> _URLPart:
         spec = getattr(self, self.row.field)
@@ -100,6 +103,10 @@ class _EmbedsPart(_Part):
     `{"image_embeds": {"image_embeds": B64, "image_grid_thw": B64}}`, or `image_embeds`
     B64 with `image_grid_thw` [t, h, w] beside it; the tokenizer worker reads and checks
     the tensors (`tokenizer_worker.image_embeds`), never the server."""
+
+    if TYPE_CHECKING:  # fields of every embeds row (`_part_model`)
+        image_grid_thw: list[int] | None
+        uuid: str | None
 
     @model_validator(mode="after")
     def _data_or_uuid(self) -> _EmbedsPart:
@@ -200,15 +207,15 @@ def _part_type(part: Any) -> str:
     return kind if kind in PART_MODELS else UNSUPPORTED_PART_TAG
 
 
-ContentPart = Annotated[
-    Union[
-        (
-            *(Annotated[model, Tag(name)] for name, model in PART_MODELS.items()),
-            Annotated[UnsupportedPart, Tag(UNSUPPORTED_PART_TAG)],
-        )
-    ],
-    Discriminator(_part_type),
-]
+_MEMBERS = (
+    *(Annotated[model, Tag(name)] for name, model in PART_MODELS.items()),
+    Annotated[UnsupportedPart, Tag(UNSUPPORTED_PART_TAG)],
+)
+if TYPE_CHECKING:  # what static tools see: the union below is built from the table
+    ContentPart: TypeAlias = _Part | UnsupportedPart
+else:
+    # `Union[members]`: a union of a tuple built at run time (`|` cannot unpack one)
+    ContentPart = Annotated[Union[_MEMBERS], Discriminator(_part_type)]  # noqa: UP007
 
 
 class ChatMessage(BaseModel):

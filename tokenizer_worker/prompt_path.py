@@ -135,9 +135,10 @@ class PromptPath:
             ref = ImageRef(image.key, offset, length, image.grid, image.pointer, image.embeds)
             cache = "processor" if image.cached else "none"
             items.append((ref, ImageReport(part.where, part.uuid, cache)))
-        for part, video, spans in zip(video_parts, videos, video_spans, strict=True):
+        for video_part, video, spans in zip(video_parts, videos, video_spans, strict=True):
             assert self.videos is not None  # `_check_limits` refused videos otherwise
-            report = ImageReport(part.where, part.uuid, "processor" if video.cached else "none")
+            cache = "processor" if video.cached else "none"
+            report = ImageReport(video_part.where, video_part.uuid, cache)
             items += [(ref, report) for ref in self.videos.refs(video, spans)]
         items.sort(key=lambda item: item[0].offset)
         return EngineRequest(

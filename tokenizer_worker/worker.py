@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import TypeAlias
 
 from ..ipc.messages import (
     AbortEngineRequest,
@@ -46,7 +47,7 @@ from .video_parts import VideoParts, open_video_parts
 
 logger = logging.getLogger("iris.tokenizer")
 
-Reply = EngineRequest | AbortEngineRequest | RequestError
+Reply: TypeAlias = EngineRequest | AbortEngineRequest | RequestError
 
 
 class TokenizerWorker:
