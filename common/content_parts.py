@@ -104,10 +104,12 @@ def part_url(part: dict[str, Any]) -> object:
 def part_embeds(part: dict[str, Any]) -> tuple[object, object]:
     """An "embeds" part's (embeddings, grid), unchecked, from vLLM's form
     `{"image_embeds": {"image_embeds": B64, "image_grid_thw": B64}}` or the flat one
-    `{"image_embeds": B64, "image_grid_thw": [t, h, w]}`."""
+    `{"image_embeds": B64, "image_grid_thw": [t, h, w]}`; (None, None) for a part of
+    another form."""
     row = part_type(part)
-    data = part.get(row.field if row is not None else "image_embeds")
-    grid = part.get("image_grid_thw")
+    if row is None or row.form != "embeds":
+        return None, None
+    data, grid = part.get(row.field), part.get("image_grid_thw")
     if isinstance(data, dict):
         return data.get("image_embeds"), data.get("image_grid_thw", grid)
     return data, grid
