@@ -474,7 +474,7 @@ def embedding_note(model_dir: Path, run: Setting, results: dict[str, list[dict[s
     n, prompt_tokens = max(tokens)
     per_image = prompt_tokens / n * width * 4 / MIB  # fp32 on CPU; text tokens included
     return (
-        "By design (`scheduler/encoder/embedding_cache.py`) a request pins each image's embedding "
+        "By design (`scheduler/encoder/embedding_cache.py`) a request holds each image's embedding "
         "from its first use to the request's end, so at the end of the prefill all N "
         "embeddings are held whichever the variant: tokens x "
         f"{width} (`out_hidden_size`, times 1 + DeepStack levels) x 4 bytes, about {per_image:.2f} MiB per "

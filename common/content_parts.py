@@ -1,75 +1,129 @@
-"""How an image part of an OpenAI chat message names its image.
+"""The content-part types of an OpenAI chat message that Iris takes: one table, and how a
+part of each names its media.
 
-The OpenAI message list crosses the server → tokenizer worker boundary as it came
-(`TokenizeRequest.messages`), so reading an image part is shared vocabulary of that
-wire: the worker loads the URLs it reads here (`tokenizer_worker.chat`), and the
-server's image router routes by the same URLs (`server.image_router`). One reader, so
-the two cannot disagree about which URL a part names.
+`PART_TYPES` is read by all three roles that look at parts, so they cannot disagree about
+which types exist: the server's protocol builds its validation from it
+(`server.protocol`), the server's image router routes every media part by the data read
+here (`server.image_router`), and the tokenizer worker turns each part into the chat
+template's placeholder of its modality and loads the media read here
+(`tokenizer_worker.chat`). The message list crosses the server → tokenizer worker
+boundary as it came (`TokenizeRequest.messages`), so these readers are shared vocabulary
+of that wire. A new type of an existing `form` is one row.
 
-A part may also carry `uuid` (vLLM's field): the client's id for the image. Sent with
-the image's data, it names that image from then on; sent alone (`"image_url": null`, or
-no `url`), it asks for the image sent before under that id (`tokenizer_worker.image_uuids`).
+A media part may also carry `uuid` (vLLM's field): the client's id for the image or video.
+Sent with the data, it names that image from then on; sent alone (`"image_url": null`, or
+no `url`), it asks for the one sent before under that id (`tokenizer_worker.image_uuids`).
 An `image_embeds` part carries the vision tower's output instead of an image
-(`tokenizer_worker.image_embeds`). A `video_url` part names a video the same way
-(`{"type": "video_url", "video_url": {"url": ...}, "uuid": ...}`); the router keeps it with
-the worker that has its frames, as it keeps an image.
+(`tokenizer_worker.image_embeds`). A `video_url` part names a video as an `image_url` part
+names an image; the router keeps it with the worker that has its frames, as it keeps an
+image.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 __all__ = [
-    "IMAGE_PART_TYPES",
-    "VIDEO_PART_TYPES",
-    "image_part_data",
-    "image_part_embeds",
-    "image_part_url",
-    "image_part_uuid",
-    "video_part_url",
+    "PART_TYPES",
+    "PartType",
+    "media_part_type",
+    "part_data",
+    "part_embeds",
+    "part_modality",
+    "part_type",
+    "part_url",
+    "part_uuid",
 ]
 
-IMAGE_PART_TYPES = ("image_url", "image", "image_embeds")
-VIDEO_PART_TYPES = ("video_url",)
+Modality = Literal["text", "image", "video"]
+# How a part holds its content, each read one way here and checked one way by the protocol:
+#   "text":   `{field: "..."}`;
+#   "url":    `{field: {"url": URL}}` (the worker also takes `{field: URL}`), or the uuid alone;
+#   "embeds": `{field: {"image_embeds": B64, "image_grid_thw": B64}}`, or `{field: B64,
+#             "image_grid_thw": [t, h, w]}`, or the uuid alone.
+Form = Literal["text", "url", "embeds"]
 
 
-def image_part_url(part: dict[str, Any]) -> object:
-    """What an image part (`type` in `IMAGE_PART_TYPES`) names as its URL, unchecked:
-    `image_url.url`, a bare `image_url` string, or `image` (the Qwen-style part); None
-    for an `image_embeds` part."""
-    kind = part.get("type")
-    if kind == "image_url":
-        spec = part.get("image_url")
-        return spec.get("url") if isinstance(spec, dict) else spec
-    return part.get("image") if kind == "image" else None
+@dataclass(frozen=True)
+class PartType:
+    """One content-part type: its `type`, the modality it becomes in the chat template
+    (the worker renders every image part as `{"type": "image"}`, every video part as
+    `{"type": "video"}`), the field that holds its content and that field's `form`.
+    `flag` names the server option a type needs (None: always taken)."""
+
+    name: str
+    modality: Modality
+    field: str
+    form: Form
+    flag: str | None = None
+
+    @property
+    def is_media(self) -> bool:
+        """An image or a video: fetched by the worker, routed by the server."""
+        return self.modality != "text"
 
 
-def image_part_embeds(part: dict[str, Any]) -> tuple[object, object]:
-    """An `image_embeds` part's (embeddings, grid), unchecked, from vLLM's form
+PART_TYPES: tuple[PartType, ...] = (
+    PartType("text", "text", "text", "text"),
+    PartType("image_url", "image", "image_url", "url"),
+    PartType("video_url", "video", "video_url", "url"),
+    PartType("image_embeds", "image", "image_embeds", "embeds", flag="--enable-mm-embeds"),
+)
+_BY_NAME = {row.name: row for row in PART_TYPES}
+
+
+def part_type(part: object) -> PartType | None:
+    """The row of a part's `type`; None for a type Iris does not take, or no object."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    return _BY_NAME.get(kind) if isinstance(kind, str) else None
+
+
+def media_part_type(part: object) -> PartType | None:
+    """The row of an image or video part; None for a text part or anything else."""
+    row = part_type(part)
+    return row if row is not None and row.is_media else None
+
+
+def part_modality(part: object) -> Modality | None:
+    """The modality of a part's type; None for a type Iris does not take."""
+    row = part_type(part)
+    return None if row is None else row.modality
+
+
+def part_url(part: dict[str, Any]) -> object:
+    """What a "url" part names as its URL, unchecked: `<field>.url`, or a bare `<field>`
+    string; None for a part of another form."""
+    row = part_type(part)
+    if row is None or row.form != "url":
+        return None
+    spec = part.get(row.field)
+    return spec.get("url") if isinstance(spec, dict) else spec
+
+
+def part_embeds(part: dict[str, Any]) -> tuple[object, object]:
+    """An "embeds" part's (embeddings, grid), unchecked, from vLLM's form
     `{"image_embeds": {"image_embeds": B64, "image_grid_thw": B64}}` or the flat one
-    `{"image_embeds": B64, "image_grid_thw": [t, h, w]}`."""
-    data, grid = part.get("image_embeds"), part.get("image_grid_thw")
+    `{"image_embeds": B64, "image_grid_thw": [t, h, w]}`; (None, None) for a part of
+    another form."""
+    row = part_type(part)
+    if row is None or row.form != "embeds":
+        return None, None
+    data, grid = part.get(row.field), part.get("image_grid_thw")
     if isinstance(data, dict):
         return data.get("image_embeds"), data.get("image_grid_thw", grid)
     return data, grid
 
 
-def video_part_url(part: dict[str, Any]) -> object:
-    """What a `video_url` part names as its URL, unchecked: `video_url.url`, or a bare
-    `video_url` string."""
-    spec = part.get("video_url")
-    return spec.get("url") if isinstance(spec, dict) else spec
+def part_data(part: dict[str, Any]) -> object:
+    """What identifies a media part's data for routing, unchecked: its URL, or its
+    embeddings; None for a part of neither form."""
+    row = part_type(part)
+    if row is not None and row.form == "embeds":
+        return part_embeds(part)[0]
+    return part_url(part)
 
 
-def image_part_data(part: dict[str, Any]) -> object:
-    """What identifies an image or video part's data for routing: its URL, or its
-    embeddings."""
-    kind = part.get("type")
-    if kind == "image_embeds":
-        return image_part_embeds(part)[0]
-    return video_part_url(part) if kind in VIDEO_PART_TYPES else image_part_url(part)
-
-
-def image_part_uuid(part: dict[str, Any]) -> object:
-    """The client's id of an image part (`uuid`), unchecked; None when it has none."""
+def part_uuid(part: dict[str, Any]) -> object:
+    """The client's id of a media part (`uuid`), unchecked; None when it has none."""
     return part.get("uuid")

@@ -31,11 +31,11 @@ from typing import Any
 import xxhash
 
 from ..common.content_parts import (
-    IMAGE_PART_TYPES,
-    VIDEO_PART_TYPES,
-    image_part_data,
-    image_part_url,
-    image_part_uuid,
+    media_part_type,
+    part_data,
+    part_modality,
+    part_url,
+    part_uuid,
 )
 
 AFFINITY_EDGE_CHARS = 4096  # a long URL (data:) is hashed on its two ends and its length
@@ -127,15 +127,12 @@ def _remember(table: OrderedDict, key: Any, worker: int, capacity: int) -> None:
 
 
 def _image_part_dicts(messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """The image and video parts of chat messages, in order (a video is routed as an
-    image is); malformed messages are skipped here (the worker rejects them)."""
+    """The media parts of chat messages (`PartType.is_media`), in order (a video is
+    routed as an image is); malformed messages are skipped here (the worker rejects them)."""
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind in IMAGE_PART_TYPES or kind in VIDEO_PART_TYPES:
-                    yield part
+            yield from (part for part in content if media_part_type(part) is not None)
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str | None, str | None]]:
@@ -144,7 +141,7 @@ def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str | None, str | 
     part."""
     parts = []
     for part in _image_part_dicts(messages):
-        url, uuid = image_part_data(part), image_part_uuid(part)
+        url, uuid = part_data(part), part_uuid(part)
         url = url if isinstance(url, str) and url else None
         uuid = uuid if isinstance(uuid, str) and uuid else None
         if url is not None or uuid is not None:
@@ -154,8 +151,9 @@ def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str | None, str | 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     """The URLs of the image parts of chat messages, in order, read as the worker reads
-    them (`common.content_parts.image_part_url`)."""
-    urls = (image_part_url(part) for part in _image_part_dicts(messages))
+    them (`common.content_parts.part_url`)."""
+    parts = _image_part_dicts(messages)
+    urls = (part_url(part) for part in parts if part_modality(part) == "image")
     return [url for url in urls if isinstance(url, str) and url]
 
 

@@ -5,14 +5,16 @@ know is type-checked, and a bad value becomes a 400 naming that field
 (`server.errors`). Known fields Iris does not implement yet are refused unless they are
 at their no-op value (`server.unimplemented`): never a silent ignore. Content parts are
 checked for shape only: images and videos stay URLs here and are fetched and decoded by
-a tokenizer worker, never by the server; a part of a type Iris does not take is a 400
-naming the part (`messages[0].content[1].type`) and the types it takes.
+a tokenizer worker, never by the server. The part types are the rows of
+`common.content_parts.PART_TYPES`, one model each, built by the row's form; a part of a
+type Iris does not take is a 400 naming the part (`messages[0].content[1].type`) and the
+types it takes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeAlias, Union
 
 from pydantic import (
     BaseModel,
@@ -21,11 +23,13 @@ from pydantic import (
     Field,
     Tag,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from ..common.content_parts import PART_TYPES, PartType
 from . import unimplemented
 from .errors import PATH_PARAM_ERROR, UNSUPPORTED_PART_TAG
 
@@ -44,14 +48,10 @@ class _Body(BaseModel):
 
 
 # --- chat messages -------------------------------------------------------------------
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
+# One model per row of `common.content_parts.PART_TYPES`, built by its form.
 
 MAX_UUID_CHARS = 256  # tokenizer_worker.chat's bound too
+Uuid = Annotated[str, Field(min_length=1, max_length=MAX_UUID_CHARS)]
 
 
 class ImageURL(_Body):
@@ -59,21 +59,8 @@ class ImageURL(_Body):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImageURLPart(_Body):
-    """An image by URL; `uuid` (vLLM's) names it for later requests, which may then send
-    the uuid alone (`"image_url": null`, or no `url`) and are served from the caches."""
-
-    type: Literal["image_url"]
-    image_url: ImageURL | None = None
-    uuid: Annotated[str, Field(min_length=1, max_length=MAX_UUID_CHARS)] | None = None
-
-    @model_validator(mode="after")
-    def _url_or_uuid(self) -> ImageURLPart:
-        if self.uuid is None and (self.image_url is None or self.image_url.url is None):
-            raise ValueError(
-                "an image part needs image_url.url, or the uuid of an image sent before"
-            )
-        return self
+class VideoURL(_Body):
+    url: Annotated[str, Field(min_length=1)] | None = None
 
 
 class ImageEmbeds(_Body):
@@ -83,49 +70,77 @@ class ImageEmbeds(_Body):
     image_grid_thw: str | list[int]
 
 
-class ImageEmbedsPart(_Body):
+class _Part(_Body):
+    """A content part of one row of `PART_TYPES` (`row`); its fields are the row's
+    (`_part_model`)."""
+
+    row: ClassVar[PartType]
+
+
+class _URLPart(_Part):
+    """An image or video by URL (a video part is vLLM's: OpenAI's API has none), fetched
+    and decoded by a tokenizer worker; `uuid` (vLLM's) names it for later requests, which
+    may then send the uuid alone (`"image_url": null`, or no `url`) and are served from
+    the caches."""
+
+    if TYPE_CHECKING:  # a field of every url row (`_part_model`)
+        uuid: str | None
+
+    @model_validator(mode="after")
+    def _url_or_uuid(self) -> _URLPart:
+        spec = getattr(self, self.row.field)
+        if self.uuid is None and (spec is None or spec.url is None):
+            modality = self.row.modality
+            noun = f"{'an' if modality == 'image' else 'a'} {modality}"
+            raise ValueError(
+                f"{noun} part needs {self.row.field}.url, or the uuid of {noun} sent before"
+            )
+        return self
+
+
+class _EmbedsPart(_Part):
     """An image given by its vision-tower output (`--enable-mm-embeds`): vLLM's
     `{"image_embeds": {"image_embeds": B64, "image_grid_thw": B64}}`, or `image_embeds`
     B64 with `image_grid_thw` [t, h, w] beside it; the tokenizer worker reads and checks
     the tensors (`tokenizer_worker.image_embeds`), never the server."""
 
-    type: Literal["image_embeds"]
-    image_embeds: str | ImageEmbeds | None = None
-    image_grid_thw: list[int] | None = None
-    uuid: Annotated[str, Field(min_length=1, max_length=MAX_UUID_CHARS)] | None = None
+    if TYPE_CHECKING:  # fields of every embeds row (`_part_model`)
+        image_grid_thw: list[int] | None
+        uuid: str | None
 
     @model_validator(mode="after")
-    def _data_or_uuid(self) -> ImageEmbedsPart:
-        if self.image_embeds is None and self.uuid is None:
-            raise ValueError(
-                "an image_embeds part needs its data, or the uuid of an image sent before"
-            )
-        if isinstance(self.image_embeds, str) and self.image_grid_thw is None:
-            raise ValueError("image_embeds needs image_grid_thw [t, h, w]")
+    def _data_or_uuid(self) -> _EmbedsPart:
+        data, name = getattr(self, self.row.field), self.row.name
+        if data is None and self.uuid is None:
+            raise ValueError(f"an {name} part needs its data, or the uuid of an image sent before")
+        if isinstance(data, str) and self.image_grid_thw is None:
+            raise ValueError(f"{name} needs image_grid_thw [t, h, w]")
         return self
 
 
-class VideoURL(_Body):
-    url: Annotated[str, Field(min_length=1)] | None = None
+def _part_model(row: PartType) -> type[_Part]:
+    """The model of `row`'s parts, named after its type (`image_url`: `ImageURLPart`): its
+    `type`, its content field checked by its form, and a media part's `uuid`."""
+    words = ("URL" if word == "url" else word.capitalize() for word in row.name.split("_"))
+    fields: dict[str, Any] = {"type": (Literal[row.name], ...)}
+    base: type[_Part] = _Part
+    if row.form == "text":
+        fields[row.field] = (str, ...)
+    elif row.form == "url":
+        base = _URLPart
+        fields[row.field] = ((ImageURL if row.modality == "image" else VideoURL) | None, None)
+    else:
+        base = _EmbedsPart
+        fields[row.field] = (str | ImageEmbeds | None, None)
+        fields["image_grid_thw"] = (list[int] | None, None)
+    if row.is_media:
+        fields["uuid"] = (Uuid | None, None)
+    model = create_model("".join(words) + "Part", __base__=base, __module__=__name__, **fields)
+    model.row = row
+    return model
 
 
-class VideoURLPart(_Body):
-    """A video by URL (vLLM's part: OpenAI's API has none), decoded by a tokenizer worker;
-    `uuid` names it for later requests as an image's does."""
-
-    type: Literal["video_url"]
-    video_url: VideoURL | None = None
-    uuid: Annotated[str, Field(min_length=1, max_length=MAX_UUID_CHARS)] | None = None
-
-    @model_validator(mode="after")
-    def _url_or_uuid(self) -> VideoURLPart:
-        if self.uuid is None and (self.video_url is None or self.video_url.url is None):
-            raise ValueError("a video part needs video_url.url, or the uuid of a video sent before")
-        return self
-
-
-# what a content part's `type` may be
-PART_TYPES = ("text", "image_url", "video_url", "image_embeds")
+PART_MODELS: dict[str, type[_Part]] = {row.name: _part_model(row) for row in PART_TYPES}
 # Types clients send that Iris does not take, and why, beyond "not supported"
 _PARTS_NOT_TAKEN = {
     "video": 'send a video as {"type": "video_url", "video_url": {"url": ...}}',
@@ -163,28 +178,44 @@ class UnsupportedPart(_Body):
         raise _part_refused(why)
 
 
+def _supported_types() -> str:
+    """The part types for an error: "text, image_url, video_url and image_embeds (the last
+    with --enable-mm-embeds)"."""
+    *first, last = PART_TYPES
+    listed = f"{', '.join(row.name for row in first)} and {last.name}"
+    notes = [
+        f"{'the last' if row is last else row.name} with {row.flag}"
+        for row in PART_TYPES
+        if row.flag is not None
+    ]
+    return f"{listed} ({', '.join(notes)})" if notes else listed
+
+
+_SUPPORTED_TYPES = _supported_types()
+
+
 def _part_refused(why: str) -> PydanticCustomError:
     return PydanticCustomError(
         PATH_PARAM_ERROR,
-        "{why}; the supported types are text, image_url, video_url and image_embeds "
-        "(the last with --enable-mm-embeds)",
+        "{why}; the supported types are " + _SUPPORTED_TYPES,
         {"why": why},
     )
 
 
 def _part_type(part: Any) -> str:
     kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-    return kind if kind in PART_TYPES else UNSUPPORTED_PART_TAG
+    return kind if kind in PART_MODELS else UNSUPPORTED_PART_TAG
 
 
-ContentPart = Annotated[
-    Annotated[TextPart, Tag("text")]
-    | Annotated[ImageURLPart, Tag("image_url")]
-    | Annotated[VideoURLPart, Tag("video_url")]
-    | Annotated[ImageEmbedsPart, Tag("image_embeds")]
-    | Annotated[UnsupportedPart, Tag(UNSUPPORTED_PART_TAG)],
-    Discriminator(_part_type),
-]
+_MEMBERS = (
+    *(Annotated[model, Tag(name)] for name, model in PART_MODELS.items()),
+    Annotated[UnsupportedPart, Tag(UNSUPPORTED_PART_TAG)],
+)
+if TYPE_CHECKING:  # what static tools see: the union below is built from the table
+    ContentPart: TypeAlias = _Part | UnsupportedPart
+else:
+    # `Union[members]`: a union of a tuple built at run time (`|` cannot unpack one)
+    ContentPart = Annotated[Union[_MEMBERS], Discriminator(_part_type)]  # noqa: UP007
 
 
 class ChatMessage(BaseModel):
@@ -205,7 +236,7 @@ class ChatMessage(BaseModel):
     def has_images(self) -> bool:
         """Whether the message has an image or a video part."""
         return isinstance(self.content, list) and any(
-            isinstance(part, ImageURLPart | ImageEmbedsPart | VideoURLPart) for part in self.content
+            isinstance(part, _Part) and part.row.is_media for part in self.content
         )
 
 

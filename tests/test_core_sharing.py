@@ -242,4 +242,4 @@ def test_prefill_beside_a_running_call_holds_it_takes_every_core_and_answers_rig
     assert threads[asked] == 2  # the text's prefill on every core while the tower waited
     assert not encoder.held and iris.stats().images_encoded == 1
     assert_parity(model_dir, [image, text], [tokens["image"], tokens["text"]], 8)
-    assert iris.pixels.num_pinned == 0 and iris.embedding_cache.num_pinned == 0
+    assert iris.pixels.num_pinned == 0 and iris.embedding_cache.num_held == 0

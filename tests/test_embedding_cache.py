@@ -1,4 +1,4 @@
-"""EmbeddingCache alone: pins, LRU by bytes, token-count checks, dedupe (fake tensors)."""
+"""EmbeddingCache alone: holds, LRU by bytes, token-count checks, dedupe (fake tensors)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def fill(cache: EmbeddingCache, k: bytes, request_id: str, num_tokens: int = 4) 
     cache.put(k, emb(num_tokens, float(k[0])))
 
 
-def test_miss_then_hit_pins_and_counts() -> None:
+def test_miss_then_hit_holds_and_counts() -> None:
     cache = EmbeddingCache(1 << 20)
     fill(cache, key(1), "a")
     assert cache.usage_bytes == 64 and cache.misses == 1 and cache.hits == 0
@@ -38,7 +38,7 @@ def test_miss_then_hit_pins_and_counts() -> None:
     cache.release("a")
     cache.release("b")
     cache.release("b")  # twice is harmless
-    assert cache.num_pinned == 0 and key(1) in cache and cache.usage_bytes == 64
+    assert cache.num_held == 0 and key(1) in cache and cache.usage_bytes == 64
 
 
 def test_lru_eviction_by_bytes_takes_the_least_recently_released() -> None:
@@ -48,25 +48,25 @@ def test_lru_eviction_by_bytes_takes_the_least_recently_released() -> None:
     for i in (1, 0, 2):  # released in this order: 1 is the least recently used
         cache.release(f"r{i}")
     assert len(cache) == 3 and cache.usage_bytes == 192
-    assert cache.lookup(key(0), 4, "again") is Lookup.HIT  # 0 leaves the LRU while pinned
+    assert cache.lookup(key(0), 4, "again") is Lookup.HIT  # 0 leaves the LRU while held
     fill(cache, key(3), "new")
     assert key(1) not in cache and {key(0), key(2), key(3)} <= set(cache.keys())
     fill(cache, key(4), "newer")
-    assert key(2) not in cache and key(0) in cache  # 0 is pinned, 2 was next in the LRU
+    assert key(2) not in cache and key(0) in cache  # 0 is held, 2 was next in the LRU
     assert cache.usage_bytes == 192
 
 
-def test_pinned_entries_are_never_evicted_the_cache_goes_over_capacity() -> None:
+def test_held_entries_are_never_evicted_the_cache_goes_over_capacity() -> None:
     cache = EmbeddingCache(100)
     for i in range(4):
         fill(cache, key(i), "long-running")
     assert len(cache) == 4 and cache.usage_bytes == 256 > cache.capacity_bytes
     assert all(torch.equal(cache.get(key(i)), emb(4, float(i))) for i in range(4))
-    cache.release("long-running")  # unpinned: shrinks back to the capacity, oldest first
+    cache.release("long-running")  # let go: shrinks back to the capacity, oldest first
     assert cache.usage_bytes == 64 and list(cache.keys()) == [key(3)]
 
 
-def test_unpin_makes_an_entry_evictable_only_when_its_last_user_leaves() -> None:
+def test_letting_go_makes_an_entry_evictable_only_when_its_last_user_leaves() -> None:
     cache = EmbeddingCache(0)  # capacity 0: an entry lives exactly as long as a user
     fill(cache, key(1), "a")
     assert cache.lookup(key(1), 4, "b") is Lookup.HIT

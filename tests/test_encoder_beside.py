@@ -85,7 +85,7 @@ def test_a_request_waiting_for_its_image_does_not_delay_another_s_decode(model_d
     run(iris, tokens)
     assert_parity(model_dir, [text], [tokens["text"]], longer.max_tokens)
     assert_parity(model_dir, [image], [tokens["image"]], GREEDY.max_tokens)
-    assert iris.pixels.num_pinned == 0 and iris.embedding_cache.num_pinned == 0
+    assert iris.pixels.num_pinned == 0 and iris.embedding_cache.num_held == 0
 
 
 def test_answers_equal_transformers_with_requests_joining_every_step(model_dir, builder):

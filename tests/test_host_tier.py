@@ -317,7 +317,7 @@ def test_agents_cycling_through_a_full_tier_leak_nothing(model_dir, builder):
     assert tier.pages_spilled > tier.memory.num_blocks  # the tier was full, and evicted
     assert tier.embeddings_spilled > 0 and tier.usage_bytes <= tier.capacity_bytes
     assert tier.num_pages + len(tier._free_blocks) == tier.memory.num_blocks
-    assert pool.num_free == pool.num_pages and iris.embedding_cache.num_pinned == 0
+    assert pool.num_free == pool.num_pages and iris.embedding_cache.num_held == 0
     assert iris.stats().pinned_images == 0 and not iris.requests
 
 

@@ -194,7 +194,7 @@ def test_embeds_from_the_vision_tower_answer_as_the_image_does(request, arch):
     half = engine.generate([as_embeds(prompt, embedding.half(), b"h" * 16)], SAMPLING)[0]
     assert len(half) == len(from_image)  # another dtype is cast to the model's
     assert engine.embedding_cache.get(b"h" * 16).dtype == torch.float32
-    assert engine.pop_released_pins() == [] and engine.embedding_cache.num_pinned == 0
+    assert engine.pop_released_pins() == [] and engine.embedding_cache.num_held == 0
 
 
 def test_embeds_of_another_width_are_refused_holding_nothing(qwen2_5_vl_tiny, builder):

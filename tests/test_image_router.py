@@ -126,11 +126,12 @@ def test_image_urls_reads_parts_as_the_worker_does():
     parts = [
         {"type": "text", "text": "hi"},
         {"type": "image_url", "image_url": "plain-string-url"},
-        {"type": "image", "image": "second"},
+        {"type": "image", "image": "second"},  # not a type Iris takes: routing skips it
         {"type": "image_url", "image_url": {"url": "third"}},
-        {"type": "image"},  # malformed: the worker rejects it, routing skips it
+        {"type": "image_url"},  # malformed: the worker rejects it, routing skips it
+        {"type": "video_url", "video_url": {"url": "a video"}},  # no image
         "not a part",
     ]
     messages = [{"role": "system", "content": "x"}, {"role": "user", "content": parts}]
-    assert image_urls(messages) == ["plain-string-url", "second", "third"]
+    assert image_urls(messages) == ["plain-string-url", "third"]
     assert image_urls([{"role": "user", "content": [{"type": "image"}]}]) == []

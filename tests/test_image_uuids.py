@@ -233,7 +233,7 @@ def test_an_image_without_pixels_is_served_from_the_embedding_cache(
     assert again == tokens
     assert reports[0].cache == ("prefix" if prefix_caching else "embedding")
     assert engine.stats().images_encoded == 1
-    assert engine.embedding_cache.num_pinned == 0
+    assert engine.embedding_cache.num_held == 0
 
 
 def test_an_image_with_neither_pixels_nor_embedding_is_refused_holding_nothing(
@@ -245,5 +245,5 @@ def test_an_image_with_neither_pixels_nor_embedding_is_refused_holding_nothing(
     with pytest.raises(RefusedImage, match="send it again with its data") as refused:
         engine.add_request("b", PromptInput(prompt.prompt, (None,)), SAMPLING, reports=REPORT)
     assert refused.value.param == "messages[0].content[0]"
-    assert not engine.requests and engine.embedding_cache.num_pinned == 0
+    assert not engine.requests and engine.embedding_cache.num_held == 0
     assert engine.stats().kv_pages_used == 0 and engine.pop_released_pins() == []

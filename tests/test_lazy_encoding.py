@@ -193,7 +193,7 @@ def test_a_cache_too_small_for_one_image_evicts_after_every_request(
     together = [prompt(cache_arch_builder, A, "One?"), prompt(cache_arch_builder, A, B, "Two?")]
     later = [prompt(cache_arch_builder, B, A, "Again?")]
     outputs = iris.generate(together, GREEDY)
-    assert iris.stats().images_encoded == 2  # pinned while both run: shared although over capacity
+    assert iris.stats().images_encoded == 2  # held while both run: shared although over capacity
     assert len(iris.embedding_cache) == 0 and iris.stats().mm_embedding_cache_usage_bytes == 0
     outputs += iris.generate(later, GREEDY)
     assert iris.stats().images_encoded == 4 and len(iris.embedding_cache) == 0
@@ -273,7 +273,7 @@ def test_preemption_recomputes_without_encoding_or_pixels(model_dir, builder, in
     # were dropped at the first use, so reading them would have failed)
     assert sorted(encoded(iris)) == sorted(p.images[0].key for p in prompts)
     assert_parity(model_dir, prompts, outputs, longer.max_tokens)
-    assert iris.embedding_cache.num_pinned == 0
+    assert iris.embedding_cache.num_held == 0
 
 
 def test_pixels_are_reported_done_once_each_and_nothing_stays_pinned(model_dir, builder):
@@ -302,18 +302,18 @@ def test_pixels_are_reported_done_once_each_and_nothing_stays_pinned(model_dir, 
     expected = [(rid, i) for rid, p in prompts.items() for i in range(len(p.images))]
     assert sorted(reported) == sorted(expected) and len(set(reported)) == len(reported)
     assert iris.stats().pinned_images == 0
-    assert iris.embedding_cache.num_pinned == 0 and iris.embedding_cache.pending_keys() == []
+    assert iris.embedding_cache.num_held == 0 and iris.embedding_cache.pending_keys() == []
     assert iris.stats().images_encoded == 3
 
 
-def test_an_abort_unpins_and_releases_each_pin_once(model_dir, builder):
+def test_an_abort_lets_go_of_the_entries_and_releases_each_pin_once(model_dir, builder):
     iris = engine(model_dir, max_num_batched_tokens=16, **NO_PREFIX)
     iris.add_request("gone", prompt(builder, A, FILLER, B, "?"), GREEDY, ["a", "b"])
     while iris.stats().images_encoded == 0:
         iris.step()
-    assert iris.embedding_cache.num_pinned == 1 and iris.pop_released_pins() == ["a"]
+    assert iris.embedding_cache.num_held == 1 and iris.pop_released_pins() == ["a"]
     iris.abort("gone")
-    assert iris.pop_released_pins() == ["b"] and iris.embedding_cache.num_pinned == 0
+    assert iris.pop_released_pins() == ["b"] and iris.embedding_cache.num_held == 0
     assert iris.pop_released_pins() == [] and iris.stats().pinned_images == 0
     assert len(iris.embedding_cache) == 1  # kept for whoever sends A next
 

@@ -15,7 +15,7 @@ import pytest
 from iris_serve.ipc.messages import EngineRequest, RequestError
 from iris_serve.ipc.shm_arena import ArenaFull, ShmArena, ShmReader
 from iris_serve.ipc.shm_names import instance_prefix, segment_name, sweep
-from iris_serve.tokenizer_worker import worker as worker_module
+from iris_serve.tokenizer_worker import image_parts as image_parts_module
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.processor_cache import CorruptEntry, ProcessorCache
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
@@ -170,8 +170,8 @@ class Spy:
 
 @pytest.fixture
 def spies(monkeypatch, builder: PromptBuilder) -> tuple[Spy, Spy]:
-    decode, process = Spy(worker_module.decode_image), Spy(builder.resize_image)
-    monkeypatch.setattr(worker_module, "decode_image", decode)
+    decode, process = Spy(image_parts_module.decode_image), Spy(builder.resize_image)
+    monkeypatch.setattr(image_parts_module, "decode_image", decode)
     monkeypatch.setattr(builder, "resize_image", process)
     return decode, process
 

@@ -68,7 +68,7 @@ def assert_all_released(iris: Engine) -> None:
     pool = iris.kv_cache.pool
     assert pool.num_free == pool.num_pages, "a KV page of a failed request leaked"
     assert not iris.requests and not iris.has_unfinished_requests()
-    assert iris.pixels.num_pinned == 0 and iris.embedding_cache.num_pinned == 0
+    assert iris.pixels.num_pinned == 0 and iris.embedding_cache.num_held == 0
     assert iris.embedding_cache.pending_keys() == []
     penalties = iris.runner.sampler.penalties
     assert penalties is None or len(penalties) == 0, "a request's penalty state leaked"

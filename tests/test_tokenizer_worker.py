@@ -299,7 +299,12 @@ BAD_REQUESTS = {
     "part": (
         dict(messages=chat({"type": "input_audio"})),
         "messages[1].content[0].type",
-        "unsupported content part type 'input_audio' (text, image_url, image, image_embeds, video_url)",
+        "unsupported content part type 'input_audio' (text, image_url, video_url, image_embeds)",
+    ),
+    "image part": (  # Qwen's form: refused, as the server's protocol refuses it
+        dict(messages=chat({"type": "image", "image": "https://example.com/a.png"})),
+        "messages[1].content[0].type",
+        "unsupported content part type 'image'",
     ),
     "pad in text": (dict(messages=chat(text="<|image_pad|>")), "messages", "0 images"),
     "aspect ratio": (

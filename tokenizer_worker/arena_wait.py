@@ -17,6 +17,15 @@ from collections import OrderedDict
 from ..ipc.messages import TokenizeRequest
 
 
+class NoRoom(Exception):
+    """The arena is full of pinned entries; the request, its pins dropped, needs at least
+    `needed` bytes of it (its images so far and the one that found no room)."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(needed)
+        self.needed = needed
+
+
 class WaitingRequests:
     """Oldest first, each with its deadline (`time.monotonic()` seconds)."""
 

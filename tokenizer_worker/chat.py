@@ -3,16 +3,15 @@ order.
 
 The server has checked the JSON's basic shape; this checks what the template and the
 worker rely on. Roles: system, developer (rendered as system), user, assistant. Content:
-a string, or a list of parts `{"type": "text", "text": ...}`,
-`{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (or the URL as a plain
-string) and `{"type": "image", "image": url}`. Each image part becomes the template's
-`{"type": "image"}` placeholder; `detail` is ignored (the processor's min/max pixels
-decide the resolution). An image part may carry a `uuid` (image_uuids.py), and with one
-needs no URL; an `image_embeds` part's data stay unread here. A
-`{"type": "video_url", "video_url": {"url": ...}}` part becomes the template's
-`{"type": "video"}` placeholder, with a `uuid` likewise. An assistant message's
-`tool_calls` keep their OpenAI shape with `arguments` decoded from its JSON string, as
-Qwen's templates expect (they `tojson` it: a string would come out encoded twice).
+a string, or a list of parts of the types in `common.content_parts.PART_TYPES`: a text
+part stays text; every image part (`{"type": "image_url", "image_url": {"url": ...,
+"detail": ...}}`, or the URL as a plain string) becomes the template's `{"type": "image"}`
+placeholder, every video part (`{"type": "video_url", "video_url": {"url": ...}}`) its
+`{"type": "video"}` one. `detail` is ignored (the processor's min/max pixels decide the
+resolution). A media part may carry a `uuid` (image_uuids.py), and with one needs no URL;
+an `image_embeds` part's data stay unread here. An assistant message's `tool_calls` keep
+their OpenAI shape with `arguments` decoded from its JSON string, as Qwen's templates
+expect (they `tojson` it: a string would come out encoded twice).
 """
 
 from __future__ import annotations
@@ -21,14 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.content_parts import (
-    IMAGE_PART_TYPES,
-    VIDEO_PART_TYPES,
-    image_part_embeds,
-    image_part_url,
-    image_part_uuid,
-    video_part_url,
-)
+from ..common.content_parts import PART_TYPES, part_embeds, part_type, part_url, part_uuid
 
 MAX_UUID_CHARS = 256
 
@@ -177,37 +169,34 @@ def _part(
 ) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise ChatError(f"{where} must be an object")
-    kind = part.get("type")
-    if kind == "text":
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise ChatError(f"{where}.text must be a string")
-        return {"type": "text", "text": text}
-    if kind not in IMAGE_PART_TYPES and kind not in VIDEO_PART_TYPES:
+    row = part_type(part)
+    if row is None:
         raise ChatError(
-            f"{where}: unsupported content part type {kind!r} "
-            f"(text, {', '.join(IMAGE_PART_TYPES + VIDEO_PART_TYPES)})",
+            f"{where}: unsupported content part type {part.get('type')!r} "
+            f"({', '.join(r.name for r in PART_TYPES)})",
             f"{where}.type",
         )
-    uuid = image_part_uuid(part)
+    if row.form == "text":
+        text = part.get(row.field)
+        if not isinstance(text, str):
+            raise ChatError(f"{where}.{row.field} must be a string")
+        return {"type": "text", "text": text}
+    uuid = part_uuid(part)
     if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
         raise ChatError(f"{where}.uuid must be a string of 1 to {MAX_UUID_CHARS} characters", where)
-    if kind in VIDEO_PART_TYPES:
-        videos.append(
-            VideoPart(_media_url(video_part_url(part), uuid, where, "video"), uuid, where)
-        )
+    if row.modality == "video":
+        videos.append(VideoPart(_media_url(part_url(part), uuid, where, "video"), uuid, where))
         return {"type": "video"}
-    url = image_part_url(part)
-    if kind == "image_embeds":
-        data, grid = image_part_embeds(part)
+    if row.form == "embeds":
+        data, grid = part_embeds(part)
         if data is None and uuid is None:
             raise ChatError(
-                f"{where}: image_embeds needs its data, or the uuid of an image sent before", where
+                f"{where}: {row.name} needs its data, or the uuid of an image sent before", where
             )
         embeds = None if data is None else (data, grid)
         images.append(ImagePart(None, uuid, where, embeds, is_embeds=True))
         return {"type": "image"}
-    images.append(ImagePart(_media_url(url, uuid, where, "image"), uuid, where))
+    images.append(ImagePart(_media_url(part_url(part), uuid, where, "image"), uuid, where))
     return {"type": "image"}
 
 

@@ -16,9 +16,12 @@ from typing import TypeVar
 from ..ipc.messages import ImageRef, TokenizeRequest
 from ..ipc.shm_arena import ArenaFull, ShmArena
 from .chat import VideoPart
+from .config import WorkerConfig
 from .image_uuids import ImageUuids
 from .media import MediaError
-from .video_loader import LoadedVideo, VideoLayout, VideoLoader
+from .processor_cache import ProcessorCache
+from .prompt import PromptBuilder
+from .video_loader import LoadedVideo, VideoLayout, VideoLimits, VideoLoader
 from .video_rules import VideoOptions, VideoRuleError
 
 T = TypeVar("T")
@@ -109,6 +112,28 @@ class VideoParts:
             for pointer in video.pointers:
                 if pointer is not None:
                     self.arena.release(pointer)
+
+
+def open_video_parts(
+    config: WorkerConfig, builder: PromptBuilder, cache: ProcessorCache, arena: ShmArena
+) -> VideoParts | None:
+    """The video parts of a worker whose model takes video, under its settings; None for a
+    model that takes none."""
+    if builder.video_settings is None:
+        return None
+    limits = VideoLimits(
+        config.max_video_frames, config.max_image_pixels, config.video_decode_threads
+    )
+    model = str(builder.model_dir.resolve())
+    loader = VideoLoader(
+        builder.video_settings,
+        cache,
+        arena,
+        limits,
+        model,
+        pruning_rate=config.video_pruning_rate,
+    )
+    return VideoParts(loader, arena, config.max_image_uuids)
 
 
 def video_options(request: TokenizeRequest) -> VideoOptions:

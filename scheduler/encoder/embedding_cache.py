@@ -6,16 +6,17 @@ describes. `lookup` of an absent key creates a *pending* entry that the caller f
 `put` in the same step, so a second request for the key in that step is a hit and the
 image is encoded once.
 
-A request pins an entry at its first `lookup` until `release(request_id)`, preemption
-included. An unpinned entry joins the tail of the LRU; eviction takes from its head while
-the bytes exceed the capacity and never touches a pinned entry: **when every entry is
-pinned the cache goes over capacity rather than evict one**. Capacity 0 therefore keeps
-an entry exactly as long as some request uses it.
+A request holds an entry from its first `lookup` until `release(request_id)`,
+preemption included ("hold" here; "pin" is the shared-memory arena's word). An entry
+nobody holds joins the tail of the LRU; eviction takes from its head while the bytes
+exceed the capacity and never touches a held entry: **when every entry is held the cache
+goes over capacity rather than evict one**. Capacity 0 therefore keeps an entry exactly as
+long as some request uses it.
 
-Why pins do not drop once the prefill has passed the image: a preempted request would
+Why holds do not end once the prefill has passed the image: a preempted request would
 then re-encode, so its pixels (the larger: 4 patches of 3·2·14·14 values per image token
-against one hidden vector) would stay pinned in shared memory until it ends. Pinned from
-first use to the end, the pixels can go at first use.
+against one hidden vector) would stay pinned in shared memory until it ends. Held from
+first use to the end, the entry lets the pixels go at first use.
 
 With a host tier (host_tier.py), an entry evicted here moves to host memory, and a
 lookup that misses here but finds it there fills the entry at once: a hit (`host_hits`
@@ -46,8 +47,8 @@ CacheKey = Hashable  # an image's 16-byte key, or a request-scoped key when shar
 
 
 class Lookup(enum.Enum):
-    HIT = "hit"  # present or being encoded this step; now pinned by the request
-    MISS = "miss"  # a new pending entry pinned by the request: encode, then `put`
+    HIT = "hit"  # present or being encoded this step; now held by the request
+    MISS = "miss"  # a new pending entry held by the request: encode, then `put`
     UNCACHEABLE = "uncacheable"  # token-count mismatch with an entry in use: encode privately
 
 
@@ -82,8 +83,8 @@ class EmbeddingCache:
         return key in self._entries
 
     @property
-    def num_pinned(self) -> int:
-        """Entries some request uses."""
+    def num_held(self) -> int:
+        """Entries some request holds."""
         return len(self._entries) - len(self._unused)
 
     def keys(self) -> list[CacheKey]:
@@ -100,10 +101,10 @@ class EmbeddingCache:
         """The embedding of a filled entry; None while pending or absent."""
         return self._tensors.get(key)
 
-    # -- pins -----------------------------------------------------------------------------
+    # -- holds ----------------------------------------------------------------------------
 
     def lookup(self, key: CacheKey, num_tokens: int, request_id: str) -> Lookup:
-        """Pins `key` for `request_id`; a request's second lookup of a key counts nothing."""
+        """Holds `key` for `request_id`; a request's second lookup of a key counts nothing."""
         entry = self._entries.get(key)
         if entry is not None and entry.num_tokens != num_tokens:
             logger.error(
@@ -150,8 +151,8 @@ class EmbeddingCache:
         self._evict()
 
     def release(self, request_id: str) -> None:
-        """Unpins every entry of a finished or aborted request (safe twice); entries nobody uses
-        any more join the LRU in the order the request took them."""
+        """Lets go of every entry a finished or aborted request holds (safe twice); entries
+        nobody holds any more join the LRU in the order the request took them."""
         for key in self._keys_of.pop(request_id, ()):
             entry = self._entries[key]
             entry.users.discard(request_id)

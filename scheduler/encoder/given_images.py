@@ -33,7 +33,7 @@ def hold_given_images(
     encoder: EncoderManager,
     model: Qwen2VLForCausalLM,
 ) -> None:
-    """Takes every image given by its embeddings into the embedding cache and pins the
+    """Takes every image given by its embeddings into the embedding cache and holds the
     cached embedding of every image that came without pixels; raises `RefusedImage`
     (the caller then releases what the request holds)."""
     for index, image_pixels in enumerate(pixels):

@@ -2,15 +2,15 @@
 "Lazy and chunk-aware"): it decides what is encoded and when; an `EncoderExecutor`
 (encoder_executor.py) runs the vision tower.
 
-It owns the embedding-cache pins (through `EmbeddingCache`) and the embeddings a request
-holds for its later chunks: `release(request)` lets go of both, `preempt(request)` only of
-the embeddings in hand (the pins stay, so nothing is re-encoded). Once a request pins an
+It owns the embedding-cache holds (through `EmbeddingCache`) and the embeddings a request
+keeps for its later chunks: `release(request)` lets go of both, `preempt(request)` only of
+the embeddings in hand (the holds stay, so nothing is re-encoded). Once a request holds an
 image's entry its pixels are dropped (`PixelStore.drop`); an image it never needs (prefix
 cache) or whose key hit an entry of another token count keeps them until it ends.
 
 `encode(chunks)` returns, per chunk, the images it overlaps with their embeddings (with
 chunked encoding the overlapping images, otherwise every image from the chunk on). A
-cached image, or one another request is encoding this step, costs a pin; the rest go
+cached image, or one another request is encoding this step, costs a hold; the rest go
 through the vision tower in calls of at most `max_num_encoder_tokens` image tokens (a
 larger image goes alone).
 
@@ -20,7 +20,7 @@ them) are cached and delivered: its entry has `length` rows like any other. The 
 budget counts the rows the tower computes, so pruning never makes a call larger than
 the start-up profile measured.
 
-An image that came without pixels is served only from the cache: `hold_cached` pins its
+An image that came without pixels is served only from the cache: `hold_cached` holds its
 entry at admission, so no eviction takes it before the prefill reads it.
 `embedding_hits` remembers what each image's first lookup found, for the client's report.
 
@@ -117,8 +117,8 @@ class EncoderManager(RequestResources):
         return key if self.shared else (request.request_id, key)
 
     def hold_cached(self, request: Request, index: int) -> bool:
-        """Pins the cached embedding of an image that came without pixels, for the
-        request's lifetime; False (nothing pinned for it) when the cache holds none."""
+        """Holds the cached embedding of an image that came without pixels, for the
+        request's lifetime; False (nothing held for it) when the cache has none."""
         key = self.cache_key(request, index)
         if self.cache.get(key) is None:
             return False
@@ -127,8 +127,8 @@ class EncoderManager(RequestResources):
 
     def hold_given(self, request: Request, index: int, embedding: torch.Tensor) -> None:
         """Takes a client's embedding of an image (`image_embeds`; on the device, in the model's
-        dtype, its own storage) into the cache unless cached already, pinned for the request's
-        lifetime. ValueError (nothing pinned) if the key's entry has another token count."""
+        dtype, its own storage) into the cache unless cached already, held for the request's
+        lifetime. ValueError (nothing held) if the key's entry has another token count."""
         key = self.cache_key(request, index)
         if self._lookup(request, index, key) is Lookup.UNCACHEABLE:  # a key collision
             raise ValueError(f"image {index + 1}: its embedding cache entry has another size")
@@ -191,7 +191,7 @@ class EncoderManager(RequestResources):
     def prefetch(self, wanted: Iterable[tuple[Request, int]]) -> None:
         """Starts encoding, within the encoder budget (`thread` placement; inline,
         nothing), the images from each (request, first uncomputed token) on, in priority
-        order. A cached image costs a pin, one already encoding a place among its waiters."""
+        order. A cached image costs a hold, one already encoding a place among its waiters."""
         if not self._ahead:
             return
         ahead = self.tokens_ahead()
@@ -270,12 +270,12 @@ class EncoderManager(RequestResources):
     # -- lifetimes ------------------------------------------------------------------------
 
     def preempt(self, request: Request) -> None:
-        """A preempted request lets go of the embeddings in hand; its cache pins stay, so
+        """A preempted request lets go of the embeddings in hand; its cache holds stay, so
         its recompute gets them back without the vision tower (or the pixels)."""
         self._in_hand.pop(request.request_id, None)
 
     def release(self, request: Request) -> None:
-        """An ended request lets go of its embeddings in hand and its cache pins."""
+        """An ended request lets go of its embeddings in hand and its cache holds."""
         self._in_hand.pop(request.request_id, None)
         self._first_lookup.pop(request.request_id, None)
         self.cache.release(request.request_id)
@@ -293,7 +293,7 @@ class EncoderManager(RequestResources):
         return self.executor.submit(pixels, [job.image.grid_thw for job in batch])
 
     def _lookup(self, request: Request, index: int, key: CacheKey) -> Lookup:
-        """`EmbeddingCache.lookup` (pins the entry), remembering the request's first."""
+        """`EmbeddingCache.lookup` (holds the entry), remembering the request's first."""
         found = self.cache.lookup(key, request.images[index].length, request.request_id)
         self._first_lookup.setdefault(request.request_id, {}).setdefault(index, found)
         return found
@@ -341,7 +341,7 @@ class EncoderManager(RequestResources):
                 self._deliver(request, index, job.key, part)
 
     def _deliver(self, request: Request, index: int, key: CacheKey, part: torch.Tensor) -> None:
-        """Hands a pinned entry to the request and lets go of the pixels it covers."""
+        """Hands a held entry to the request and lets go of the pixels it covers."""
         request_id = request.request_id
         self._in_hand.setdefault(request_id, {})[index] = part
         length = request.images[index].length

@@ -161,7 +161,7 @@ class Engine:
         self._owners: tuple[RequestResources, ...] = (
             self.planner,  # KV pages, queues
             *(() if self.state_slots is None else (self.state_slots,)),  # linear-layer state
-            self.encoder_manager,  # embedding-cache pins, embeddings in hand
+            self.encoder_manager,  # embedding-cache holds, embeddings in hand
             self.pixels,  # pixels and their shared-memory pins
             self.runner,  # sampler state (penalty rows)
         )

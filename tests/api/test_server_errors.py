@@ -78,6 +78,7 @@ _PARTS_NOT_TAKEN = {
                     "'input_audio' are not supported (audio input is not supported)"),
     "file": ({"type": "file", "file": {"file_id": "f"}},
              "'file' are not supported (file inputs are not supported)"),
+    "image": ({"type": "image", "image": "https://x/a.png"}, "'image' are not supported;"),
     "made up": ({"type": "hologram"}, "'hologram' are not supported;"),
     "no type": ({"text": "hi"}, "a content part needs a type"),
     "not an object": ("hi", "a content part must be an object"),
