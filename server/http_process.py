@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from ..common.process_heap import freeze_startup_heap
-from ..ipc.messages import EngineStats
+from ..ipc.messages import EngineStats, SchedulerReady
 from .stats_log import LOG_INTERVAL_SECONDS, banner, throughput_line
 
 if TYPE_CHECKING:
@@ -52,11 +52,11 @@ def import_http_side() -> None:
 async def serve_http(
     config: HttpServerConfig,
     settings: AppSettings,
-    schedulers: Sequence[Mapping[str, Any]],
+    schedulers: Sequence[SchedulerReady],
     dead_child: Callable[[], str | None],
 ) -> int:
     """Serves until SIGINT/SIGTERM (0) or a child's death (1). `schedulers`: each
-    replica's ready info, for the banner."""
+    replica's ready report, for the banner."""
     from .app import create_app
     from .engine_client import ZmqEngineClient
 
