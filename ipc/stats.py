@@ -113,11 +113,6 @@ def _prefix_queries(e: EngineStats) -> int:
     return e.prefix_cache_query_tokens
 
 
-_PREFIX_HITS = (
-    "Prompt tokens whose KV the prefix cache held at requests' first admission (a request "
-    "admitted again after a preemption is not counted again)."
-)
-
 # The scheduler's figures, one sample per replica (`Engine.stats` fills them).
 ENGINE_SERIES: tuple[Series[EngineStats], ...] = (
     Series("iris_prompt_tokens_total", "counter",
@@ -159,7 +154,9 @@ ENGINE_SERIES: tuple[Series[EngineStats], ...] = (
            "Preemptions: a running request sent back to wait, its KV pages freed (a request "
            "preempted twice counts twice).",
            lambda e: e.num_preemptions, vllm="vllm:num_preemptions_total"),
-    Series("iris_prefix_cache_hit_tokens_total", "counter", _PREFIX_HITS,
+    Series("iris_prefix_cache_hit_tokens_total", "counter",
+           "Prompt tokens whose KV the prefix cache held at requests' first admission (a "
+           "request admitted again after a preemption is not counted again).",
            lambda e: e.prefix_cache_hit_tokens, vllm="vllm:prefix_cache_hits_total",
            # as vLLM's "Prefix cache hit rate": hit tokens over the tokens looked up
            log=percent("prefix cache hit rate {:.1f}%", _prefix_queries)),

@@ -23,6 +23,7 @@ from .stats_log import LOG_INTERVAL_SECONDS, banner, throughput_line
 
 if TYPE_CHECKING:
     from .app import AppSettings
+    from .metrics import MetricsBoard
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -132,7 +133,7 @@ class _DrainingServer(uvicorn.Server):
             drainer.cancel()
 
 
-async def _log_throughput(board: Any, replicas: int) -> None:
+async def _log_throughput(board: MetricsBoard, replicas: int) -> None:
     """A throughput line every `LOG_INTERVAL_SECONDS` while the engine has work."""
     idle = EngineStats(0, 0, 0, 0, 0)
 
