@@ -9,6 +9,8 @@ One tagged union per socket direction (tags are ints, unique across all unions):
     ToServer              scheduler, workers → server    TokenBatch 40, RequestError 41,
                                                          EngineStats 42, WorkerStats 43
     ToFollower            scheduler rank 0 → rank N      RankStep 50, StopRanks 51
+    ReadyReport           every child → launcher         SchedulerReady 60, ProcessReady 61,
+                                                         ProcessFailed 62
 
 `ToServer` has two senders: the scheduler, and a tokenizer worker for the errors of
 requests that never reached the scheduler (an unreadable image, a prompt over the limit).
@@ -26,7 +28,7 @@ scheduler reads bytes without a per-id loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Generic, Literal, TypeAlias, TypeVar, get_args
+from typing import Annotated, Any, Generic, Literal, Protocol, TypeAlias, TypeVar, get_args
 
 import msgspec
 import numpy as np
@@ -36,6 +38,7 @@ _ENGINE_REQUEST, _ABORT_ENGINE = 20, 21
 _RELEASE_IMAGES = 30
 _TOKEN_BATCH, _REQUEST_ERROR, _ENGINE_STATS, _WORKER_STATS = 40, 41, 42, 43
 _RANK_STEP, _STOP_RANKS = 50, 51
+_SCHEDULER_READY, _PROCESS_READY, _PROCESS_FAILED = 60, 61, 62
 
 Key128 = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -340,7 +343,9 @@ def context_length_error(
 
 
 class EngineStats(_Message, tag=_ENGINE_STATS):
-    """The scheduler's gauges, sent when they change (at most a few times a second)."""
+    """The scheduler's gauges and totals, sent when they change (at most a few times a
+    second). What each figure is on /metrics and in the throughput line is its row in
+    `ipc.stats.ENGINE_SERIES`, the one place a metric is named."""
 
     num_running: int
     num_waiting: int
@@ -386,7 +391,8 @@ class EngineStats(_Message, tag=_ENGINE_STATS):
 
 
 class WorkerStats(_Message, tag=_WORKER_STATS):
-    """A tokenizer worker's gauges, sent when they change."""
+    """A tokenizer worker's gauges and totals, sent when they change; each figure's
+    metric is its row in `ipc.stats.WORKER_SERIES`."""
 
     worker_id: int
     arena_used_bytes: int
@@ -455,6 +461,50 @@ class StopRanks(_Message, tag=_STOP_RANKS):
 ToFollower: TypeAlias = RankStep | StopRanks
 
 
+# --- every child → the launcher, once started -------------------------------------
+
+
+class SchedulerReady(_Message, tag=_SCHEDULER_READY):
+    """A scheduler (rank 0 of its replica) is ready: its limits, which the server applies
+    (`max_model_len`) and its start-up banner states."""
+
+    name: str  # the process name
+    max_model_len: int
+    architecture: str  # the checkpoint's, as transformers names it
+    device: str
+    dtype: str  # without torch's "torch." prefix
+    kv_pages: int  # per tensor-parallel rank
+    page_size: int  # tokens per KV page
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class ProcessReady(_Message, tag=_PROCESS_READY):
+    """A tokenizer worker or a follower tensor-parallel rank is ready."""
+
+    name: str
+
+
+class ProcessFailed(_Message, tag=_PROCESS_FAILED):
+    """A child could not start: `error` is the exception's type and message."""
+
+    name: str
+    error: str
+
+    @classmethod
+    def of(cls, name: str, error: BaseException) -> ProcessFailed:
+        return cls(name, f"{type(error).__name__}: {error}")
+
+
+ReadyReport: TypeAlias = SchedulerReady | ProcessReady | ProcessFailed
+
+
+class ReadySink(Protocol):
+    """Where a child puts its one `ReadyReport` (the launcher's `ReadyChannel`)."""
+
+    def put(self, report: ReadyReport) -> None: ...
+
+
 # --- codecs -----------------------------------------------------------------------
 
 T = TypeVar("T")
@@ -511,6 +561,7 @@ SCHEDULER_TO_TOKENIZER: Codec[SchedulerToTokenizer] = Codec(
 )
 TO_SERVER: Codec[ToServer] = Codec(ToServer, "→server")
 TO_FOLLOWER: Codec[ToFollower] = Codec(ToFollower, "rank 0→follower")
+READY: Codec[ReadyReport] = Codec(ReadyReport, "child→launcher")
 
 
 # --- token ids --------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.logs import configure_logging
+from ..ipc.messages import READY, ProcessFailed, ProcessReady, ReadyReport, SchedulerReady
 from ..ipc.shm_names import SHM_DIR, instance_prefix, new_instance_id, sweep, sweep_orphans
 from ..ipc.sockets import new_run_dir
 from ..scheduler import (
@@ -75,11 +76,11 @@ def serve(args: ServeArgs) -> int:
             child.start()
             logger.info("started %s (pid %d)", child.name, child.pid)
         import_http_side()  # while the children import theirs
-        info = _wait_until_ready(children, ready, args.startup_timeout)
-        if info is None:
+        schedulers = _wait_until_ready(children, ready, args.startup_timeout)
+        if schedulers is None:
             return 1
         _LIFECYCLE.http_serving = True
-        return asyncio.run(_serve_http(args, model_path, run_dir, info, children, defaults))
+        return asyncio.run(_serve_http(args, model_path, run_dir, schedulers, children, defaults))
     finally:
         _stop(children)
         ready.close()
@@ -241,17 +242,18 @@ def engine_config(args: ServeArgs, model_path: Path) -> EngineConfig:
 
 
 class ReadyChannel:
-    """Children report `(name, ok, info)` once started; a pipe, so that nothing (unlike a
-    `multiprocessing.Queue`'s named semaphores) can be left in /dev/shm by a crash."""
+    """Children report a `ReadyReport` once started, msgpack-encoded as every message
+    (`ipc.messages.READY`); a pipe, so that nothing (unlike a `multiprocessing.Queue`'s
+    named semaphores) can be left in /dev/shm by a crash."""
 
     def __init__(self, context: Any) -> None:
         self._reader, self._writer = context.Pipe(duplex=False)
 
-    def put(self, item: tuple[str, bool, Any]) -> None:  # called in the child
-        self._writer.send(item)
+    def put(self, report: ReadyReport) -> None:  # called in the child
+        self._writer.send_bytes(READY.encode(report))
 
-    def get(self, timeout: float) -> tuple[str, bool, Any] | None:
-        return self._reader.recv() if self._reader.poll(timeout) else None
+    def get(self, timeout: float) -> ReadyReport | None:
+        return READY.decode(self._reader.recv_bytes()) if self._reader.poll(timeout) else None
 
     def close(self) -> None:
         self._reader.close()
@@ -275,42 +277,42 @@ def usable_cores() -> int:
 
 def _wait_until_ready(
     children: list[BaseProcess], ready: ReadyChannel, timeout: float
-) -> dict[str, Any] | None:
-    """Each child's ready info by name, or None (logged) if one failed or died."""
+) -> dict[str, SchedulerReady] | None:
+    """Once every child is ready, the schedulers' reports by name; None (logged) if one
+    failed or died."""
     deadline = time.monotonic() + timeout
-    infos: dict[str, Any] = {}
-    while len(infos) < len(children):
+    reports: dict[str, SchedulerReady | ProcessReady] = {}
+    while len(reports) < len(children):
         if time.monotonic() > deadline:
-            missing = sorted({c.name for c in children} - set(infos))
+            missing = sorted({c.name for c in children} - set(reports))
             logger.error("not ready after %.0f s: %s", timeout, ", ".join(missing))
             return None
-        message = ready.get(timeout=WATCH_INTERVAL_SECONDS)
-        if message is None:
+        report = ready.get(timeout=WATCH_INTERVAL_SECONDS)
+        if report is None:
             dead = _dead(children)
             if dead:
                 logger.error("%s before it was ready", dead)
                 return None
             continue
-        name, ok, info = message
-        if not ok:
-            logger.error("%s failed to start: %s", name, info)
+        if isinstance(report, ProcessFailed):
+            logger.error("%s failed to start: %s", report.name, report.error)
             return None
-        infos[name] = info
-    return infos
+        reports[report.name] = report
+    return {name: r for name, r in reports.items() if isinstance(r, SchedulerReady)}
 
 
 async def _serve_http(
     args: ServeArgs,
     model_path: Path,
     run_dir: Path,
-    info: dict[str, Any],
+    ready: dict[str, SchedulerReady],
     children: list[BaseProcess],
     defaults: dict[str, Any],
 ) -> int:
     from ..server import AppSettings, HttpServerConfig, serve_http
 
     replicas = args.data_parallel_size
-    schedulers = [info[scheduler_name(r, replicas)] for r in range(replicas)]
+    schedulers = [ready[scheduler_name(r, replicas)] for r in range(replicas)]
     first_worker = worker_config(args, 0, model_path, "", Path())
     config = HttpServerConfig(
         host=args.host,
@@ -326,7 +328,7 @@ async def _serve_http(
     settings = AppSettings(
         model_path=str(model_path),
         served_model_names=tuple(args.served_model_name or [args.model or model_path.name]),
-        max_model_len=min(scheduler["max_model_len"] for scheduler in schedulers),
+        max_model_len=min(scheduler.max_model_len for scheduler in schedulers),
         sampling_defaults=defaults,
         max_logprobs=args.max_logprobs,
         chat_template=args.chat_template,

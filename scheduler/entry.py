@@ -9,8 +9,8 @@ launcher's own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from ..ipc.messages import ReadySink
 from .config import EngineConfig
 
 
@@ -33,17 +33,18 @@ class SchedulerProcessConfig:
         return f"{self.name}-rank{rank}"
 
 
-def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
-    """The spawned scheduler process (`process.run_scheduler`); reports `(name, ok,
-    info)` on `ready`."""
+def run_scheduler(config: SchedulerProcessConfig, ready: ReadySink) -> None:
+    """The spawned scheduler process (`process.run_scheduler`); reports its
+    `SchedulerReady`, or a `ProcessFailed`, on `ready`."""
     from .process import run_scheduler as run
 
     run(config, ready)
 
 
-def run_follower(config: SchedulerProcessConfig, rank: int, ready: Any) -> None:
+def run_follower(config: SchedulerProcessConfig, rank: int, ready: ReadySink) -> None:
     """A spawned tensor-parallel rank past the first of `config`'s replica
-    (`ranks.run_follower`); reports `(its name, ok, info)` on `ready`."""
+    (`ranks.run_follower`); reports a `ProcessReady`, or a `ProcessFailed`, under its
+    name on `ready`."""
     from ..common.logs import configure_logging
     from .ranks import run_follower as run
 

@@ -19,7 +19,6 @@ import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
@@ -34,10 +33,13 @@ from ..ipc.messages import (
     AbortEngineRequest,
     EngineRequest,
     EngineStats,
+    ProcessFailed,
+    ReadySink,
     ReleaseImages,
     RequestError,
     RequestOutput,
     Sampling,
+    SchedulerReady,
     ShmHandle,
     ShmPointer,
     TokenBatch,
@@ -172,9 +174,13 @@ class SchedulerLoop:
         if not changed or (not idle and now - self._last_stats_time < STATS_INTERVAL_SECONDS):
             return
         self._last_stats, self._last_stats_time = stats, now
+        allocated, peak = device_memory(engine.device)
         self._send(
             msgspec.structs.replace(
-                stats, encoder_seconds=self._encoder_seconds, **device_memory(engine.device)
+                stats,
+                encoder_seconds=self._encoder_seconds,
+                device_memory_allocated_bytes=allocated,
+                device_memory_peak_bytes=peak,
             )
         )
         self._encoder_seconds = []
@@ -207,20 +213,21 @@ def _param_of(error: ValueError) -> str | None:
     return getattr(error, "param", None)
 
 
-def device_memory(device: torch.device) -> dict[str, int]:
-    """`EngineStats`' device-memory fields: torch's CUDA allocator figures (nothing on
-    CPU, where the process's RSS is the measure)."""
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """`EngineStats`' device-memory figures, bytes allocated now and at the peak: torch's
+    CUDA allocator's (zeros on CPU, where the process's RSS is the measure)."""
     if device.type != "cuda":
-        return {}
+        return 0, 0
     allocator = torch.cuda.memory_stats(device)  # one read for both figures
-    return {
-        "device_memory_allocated_bytes": allocator.get("allocated_bytes.all.current", 0),
-        "device_memory_peak_bytes": allocator.get("allocated_bytes.all.peak", 0),
-    }
+    return (
+        allocator.get("allocated_bytes.all.current", 0),
+        allocator.get("allocated_bytes.all.peak", 0),
+    )
 
 
-def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
-    """Entry point of the spawned scheduler process; reports `(name, ok, info)` on `ready`."""
+def run_scheduler(config: SchedulerProcessConfig, ready: ReadySink) -> None:
+    """Entry point of the spawned scheduler process; reports a `SchedulerReady`, or a
+    `ProcessFailed`, on `ready`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
     configure_logging(config.log_level)
     torch.set_num_threads(config.torch_threads)
@@ -238,7 +245,7 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
         freeze_startup_heap()
     except Exception as error:
         logger.exception("%s failed to start", config.name)
-        ready.put((config.name, False, f"{type(error).__name__}: {error}"))
+        ready.put(ProcessFailed.of(config.name, error))
         raise SystemExit(1) from error
 
     def stop(signum: int, frame: object) -> None:
@@ -246,19 +253,16 @@ def run_scheduler(config: SchedulerProcessConfig, ready: Any) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     ready.put(
-        (
-            config.name,
-            True,
-            {
-                "max_model_len": engine.max_model_len,
-                "architecture": engine.model.config.architecture,
-                "device": str(engine.device),
-                "dtype": str(engine.dtype).removeprefix("torch."),
-                "kv_pages": engine.kv_cache.num_pages,
-                "page_size": engine.kv_cache.page_size,
-                "max_num_seqs": engine.config.max_num_seqs,
-                "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-            },
+        SchedulerReady(
+            name=config.name,
+            max_model_len=engine.max_model_len,
+            architecture=engine.model.config.architecture,
+            device=str(engine.device),
+            dtype=str(engine.dtype).removeprefix("torch."),
+            kv_pages=engine.kv_cache.num_pages,
+            page_size=engine.kv_cache.page_size,
+            max_num_seqs=engine.config.max_num_seqs,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
         )
     )
     logger.info(

@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -32,8 +31,11 @@ import zmq
 
 from ..ipc.messages import (
     TO_FOLLOWER,
+    ProcessFailed,
+    ProcessReady,
     RankChunk,
     RankStep,
+    ReadySink,
     StopRanks,
     pack_token_ids,
 )
@@ -243,12 +245,12 @@ def run_follower(
     run_dir: str,
     rank: int,
     threads: int,
-    ready: Any,
+    ready: ReadySink,
     replica: int = 0,
     name: str | None = None,
 ) -> None:
     """Entry point of a spawned follower rank of data-parallel replica `replica`; reports
-    `(name, ok, info)` on `ready`."""
+    a `ProcessReady`, or a `ProcessFailed`, on `ready`."""
     name = name or f"scheduler-rank{rank}"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
     torch.set_num_threads(threads)
@@ -258,9 +260,9 @@ def run_follower(
         inbox = PullSocket(TO_FOLLOWER, follower_address(Path(run_dir), rank, replica))
     except Exception as error:
         logger.exception("%s failed to start", name)
-        ready.put((name, False, f"{type(error).__name__}: {error}"))
+        ready.put(ProcessFailed.of(name, error))
         raise SystemExit(1) from error
-    ready.put((name, True, {}))
+    ready.put(ProcessReady(name))
     logger.info("%s ready on %s", name, follower.state.device)
     status = 1
     parent = os.getppid()

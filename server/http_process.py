@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from ..common.process_heap import freeze_startup_heap
-from ..ipc.messages import EngineStats
+from ..ipc.messages import EngineStats, SchedulerReady
 from .stats_log import LOG_INTERVAL_SECONDS, banner, throughput_line
 
 if TYPE_CHECKING:
     from .app import AppSettings
+    from .metrics import MetricsBoard
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -52,11 +53,11 @@ def import_http_side() -> None:
 async def serve_http(
     config: HttpServerConfig,
     settings: AppSettings,
-    schedulers: Sequence[Mapping[str, Any]],
+    schedulers: Sequence[SchedulerReady],
     dead_child: Callable[[], str | None],
 ) -> int:
     """Serves until SIGINT/SIGTERM (0) or a child's death (1). `schedulers`: each
-    replica's ready info, for the banner."""
+    replica's ready report, for the banner."""
     from .app import create_app
     from .engine_client import ZmqEngineClient
 
@@ -132,7 +133,7 @@ class _DrainingServer(uvicorn.Server):
             drainer.cancel()
 
 
-async def _log_throughput(board: Any, replicas: int) -> None:
+async def _log_throughput(board: MetricsBoard, replicas: int) -> None:
     """A throughput line every `LOG_INTERVAL_SECONDS` while the engine has work."""
     idle = EngineStats(0, 0, 0, 0, 0)
 

@@ -4,7 +4,9 @@ the histograms the server observes. Iris's own series are `iris_*`; next to them
 vLLM's names, buckets and meaning (`vllm/v1/metrics/loggers.py`).
 
 The board keeps the latest `EngineStats` / `WorkerStats` of each process, read by a
-collector at scrape time, so a scrape never waits on another process. Their counters are
+collector at scrape time, so a scrape never waits on another process. Their gauges and
+totals are the rows of `ipc.stats` (`ENGINE_SERIES`, `WORKER_SERIES`), each with its name,
+kind and help; nothing here names one. Their counters are
 totals since start, exposed as they are (worker totals summed): nothing is added up
 here, so nothing is counted twice. Histograms are observed here: the encoder timings
 each `EngineStats` carries, and per request, by the HTTP handlers, the time to first
@@ -27,14 +29,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import get_args
+from collections.abc import Iterator, Sequence
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from ..ipc.messages import EngineStats, FinishReason, WorkerStats
+from ..ipc.stats import ENGINE_SERIES, WORKER_SERIES, Series
 from .protocol import Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
@@ -74,154 +77,6 @@ def token_buckets(max_model_len: int) -> list[int]:
 
 _NO_ENGINE = EngineStats(num_running=0, num_waiting=0, kv_pages_used=0, kv_pages_total=0,
                          pinned_images=0)  # fmt: skip
-
-_RUNNING = "Requests in the scheduler's running batch."
-_WAITING = "Requests the scheduler holds that are not running: not yet admitted, or preempted."
-_KV_USAGE = (
-    "Fraction of KV pages held by requests, 0 to 1 (cached pages no request holds count as "
-    "free: a new request may take them)."
-)
-_PREEMPTIONS = (
-    "Preemptions: a running request sent back to wait, its KV pages freed (a request "
-    "preempted twice counts twice)."
-)
-_PROMPT_TOKENS = "Prompt tokens of the requests the scheduler accepted, image tokens included."
-_GENERATION_TOKENS = "Tokens the engine sampled."
-_PREFIX_QUERIES = "Prompt tokens looked up in the prefix cache at requests' first admission."
-_PREFIX_HITS = (
-    "Prompt tokens whose KV the prefix cache held at requests' first admission (a request "
-    "admitted again after a preemption is not counted again)."
-)
-
-
-def _kv_usage(e: EngineStats) -> float:
-    return e.kv_pages_used / e.kv_pages_total if e.kv_pages_total else 0.0
-
-
-# name, type, help, value from the latest EngineStats
-_ENGINE: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
-    ("iris_num_requests_running", "gauge", _RUNNING, lambda e: e.num_running),
-    ("iris_num_requests_waiting", "gauge", _WAITING, lambda e: e.num_waiting),
-    ("iris_kv_cache_usage_ratio", "gauge", _KV_USAGE, _kv_usage),
-    ("iris_kv_cache_used_pages", "gauge", "KV pages held by requests.",
-     lambda e: e.kv_pages_used),
-    ("iris_kv_cache_total_pages", "gauge", "KV pages in the pool.", lambda e: e.kv_pages_total),
-    ("iris_scheduler_pinned_images", "gauge",
-     "Arena entries pinned by requests in the scheduler.", lambda e: e.pinned_images),
-    ("iris_mm_embedding_cache_usage_bytes", "gauge",
-     "Device bytes held by the image embedding cache.",
-     lambda e: e.mm_embedding_cache_usage_bytes),
-    ("iris_device_memory_allocated_bytes", "gauge",
-     "Device memory allocated by the scheduler's torch now (CUDA; 0 on CPU).",
-     lambda e: e.device_memory_allocated_bytes),
-    ("iris_device_memory_peak_bytes", "gauge",
-     "Most device memory the scheduler's torch has allocated since it started "
-     "(torch.cuda.max_memory_allocated; 0 on CPU).",
-     lambda e: e.device_memory_peak_bytes),
-    ("iris_num_preemptions_total", "counter", _PREEMPTIONS, lambda e: e.num_preemptions),
-    ("iris_prompt_tokens_total", "counter", _PROMPT_TOKENS, lambda e: e.prompt_tokens),
-    ("iris_generation_tokens_total", "counter", _GENERATION_TOKENS,
-     lambda e: e.generation_tokens),
-    ("iris_prefix_cache_hit_tokens_total", "counter", _PREFIX_HITS,
-     lambda e: e.prefix_cache_hit_tokens),
-    ("iris_prefix_cache_query_tokens_total", "counter", _PREFIX_QUERIES,
-     lambda e: e.prefix_cache_query_tokens),
-    ("iris_mm_images_encoded_total", "counter", "Images run through the vision encoder.",
-     lambda e: e.images_encoded),
-    ("iris_mm_embedding_cache_hits_total", "counter",
-     "Images whose embedding was found in the embedding cache.",
-     lambda e: e.mm_embedding_cache_hits),
-    ("iris_mm_embedding_cache_misses_total", "counter",
-     "Images whose embedding was not in the embedding cache.",
-     lambda e: e.mm_embedding_cache_misses),
-    ("iris_linear_state_snapshot_queries_total", "counter",
-     "Requests admitted for the first time on a hybrid model (Qwen3.5): the denominator "
-     "of the snapshot hit rate.", lambda e: e.linear_state_snapshot_queries),
-    ("iris_linear_state_snapshot_hits_total", "counter",
-     "Of those, requests whose prefix-cache hit restored a snapshot of the linear-attention "
-     "state.", lambda e: e.linear_state_snapshot_hits),
-    ("iris_linear_state_snapshots", "gauge",
-     "Snapshots of the linear-attention state the prefix cache keeps (hybrid models).",
-     lambda e: e.linear_state_snapshots),
-    ("iris_prefix_cache_host_hit_tokens_total", "counter",
-     "Of the prefix cache's hit tokens, those reloaded from the host tier (--kv-offload-gib).",
-     lambda e: e.prefix_cache_host_hit_tokens),
-    ("iris_mm_embedding_cache_host_hits_total", "counter",
-     "Of the embedding cache's hits, images whose embedding was reloaded from the host tier.",
-     lambda e: e.mm_embedding_cache_host_hits),
-    ("iris_host_tier_capacity_bytes", "gauge",
-     "Host memory of the tier under the prefix and embedding caches (per tensor-parallel "
-     "rank for the KV).", lambda e: e.host_tier_capacity_bytes),
-    ("iris_host_tier_usage_bytes", "gauge", "Bytes the host tier holds.",
-     lambda e: e.host_tier_usage_bytes),
-    ("iris_host_tier_pages", "gauge", "KV pages the host tier holds.",
-     lambda e: e.host_tier_pages),
-    ("iris_host_tier_embeddings", "gauge", "Image embeddings the host tier holds.",
-     lambda e: e.host_tier_embeddings),
-    ("iris_host_tier_spilled_bytes_total", "counter",
-     "Bytes the device caches evicted into the host tier.", lambda e: e.host_tier_bytes_to_host),
-    ("iris_host_tier_reloaded_bytes_total", "counter",
-     "Bytes reloaded from the host tier to the device.", lambda e: e.host_tier_bytes_to_device),
-    ("iris_host_tier_copy_seconds_total", "counter",
-     "Seconds spent copying between the device and the host tier (issuing them, on CUDA).",
-     lambda e: e.host_tier_copy_seconds),
-    ("iris_host_tier_page_copies_total", "counter",
-     "KV pages copied between the device and the host tier, either way.",
-     lambda e: e.host_tier_page_copies),
-    ("iris_host_tier_failed_reloads_total", "counter",
-     "Reloads from the host tier that failed (their tokens were computed instead).",
-     lambda e: e.host_tier_failed_reloads),
-]  # fmt: skip
-
-# name, type, help, value of one WorkerStats (summed across workers)
-_WORKERS: list[tuple[str, str, str, Callable[[WorkerStats], float]]] = [
-    ("iris_shm_arena_usage_bytes", "gauge",
-     "Bytes held in the tokenizer workers' shared-memory arenas (in flight and cached).",
-     lambda w: w.arena_used_bytes),
-    ("iris_shm_arena_capacity_bytes", "gauge",
-     "Capacity of the tokenizer workers' shared-memory arenas.",
-     lambda w: w.arena_capacity_bytes),
-    ("iris_shm_arena_pinned_entries", "gauge", "Arena entries pinned by requests in flight.",
-     lambda w: w.arena_pinned_entries),
-    ("iris_shm_arena_waiting_requests", "gauge",
-     "Requests waiting for room in a tokenizer worker's arena (full of pinned entries).",
-     lambda w: w.arena_waiting_requests),
-    ("iris_tokenizer_requests_total", "counter",
-     "Requests processed by the tokenizer workers.", lambda w: w.requests_processed),
-    ("iris_tokenizer_images_total", "counter",
-     "Images decoded and processed by the tokenizer workers (processor cache misses, or "
-     "every image with the cache disabled).",
-     lambda w: w.images_processed),
-    ("iris_mm_processor_cache_hits_total", "counter",
-     "Images found in a tokenizer worker's processor cache (not decoded again).",
-     lambda w: w.processor_cache_hits),
-    ("iris_mm_processor_cache_misses_total", "counter",
-     "Images not in a tokenizer worker's processor cache.",
-     lambda w: w.processor_cache_misses),
-    ("iris_mm_uuid_hits_total", "counter",
-     "Image parts sent with a uuid and no data whose uuid the worker knew (served from "
-     "the caches).", lambda w: w.image_uuid_hits),
-    ("iris_mm_uuid_misses_total", "counter",
-     "Image parts sent with a uuid and no data whose uuid the worker did not know (400).",
-     lambda w: w.image_uuid_misses),
-    ("iris_mm_uuid_entries", "gauge", "Image uuids the tokenizer workers remember.",
-     lambda w: w.image_uuids),
-]  # fmt: skip
-
-# vLLM's engine series: the same figures as the iris_* ones, by vLLM's names
-_VLLM_ENGINE: list[tuple[str, str, str, Callable[[EngineStats], float]]] = [
-    ("vllm:num_requests_running", "gauge", _RUNNING, lambda e: e.num_running),
-    ("vllm:num_requests_waiting", "gauge", _WAITING, lambda e: e.num_waiting),
-    ("vllm:kv_cache_usage_perc", "gauge", _KV_USAGE, _kv_usage),
-    ("vllm:prompt_tokens_total", "counter", _PROMPT_TOKENS, lambda e: e.prompt_tokens),
-    ("vllm:generation_tokens_total", "counter", _GENERATION_TOKENS,
-     lambda e: e.generation_tokens),
-    ("vllm:num_preemptions_total", "counter", _PREEMPTIONS, lambda e: e.num_preemptions),
-    ("vllm:prefix_cache_queries_total", "counter", _PREFIX_QUERIES,
-     lambda e: e.prefix_cache_query_tokens),
-    ("vllm:prefix_cache_hits_total", "counter", _PREFIX_HITS,
-     lambda e: e.prefix_cache_hit_tokens),
-]  # fmt: skip
 
 
 class MetricsBoard:
@@ -368,32 +223,32 @@ class _LatestStats:
         single = board.num_replicas == 1
         labels = ["model_name"] if single else ["model_name", "replica"]
         rows = [[model] if single else [model, str(r)] for r in range(board.num_replicas)]
-        for name, kind, help_text, value in _ENGINE:
-            yield _family(name, kind, help_text, labels, rows, [value(e) for e in engines])
         vllm_rows = [[model, str(r)] for r in range(board.num_replicas)]
-        for name, kind, help_text, value in _VLLM_ENGINE:
-            values = [value(e) for e in engines]
-            yield _family(name, kind, help_text, ["model_name", "engine"], vllm_rows, values)
+        for series in ENGINE_SERIES:
+            values = [series.value(e) for e in engines]
+            yield _family(series.name, series, labels, rows, values)
+            if series.vllm is not None:
+                vllm_labels = ["model_name", "engine"]
+                yield _family(series.vllm, series, vllm_labels, vllm_rows, values)
         workers = list(board.workers.values())
-        for name, kind, help_text, value in _WORKERS:
-            total = sum(value(w) for w in workers)
-            yield _family(name, kind, help_text, ["model_name"], [[model]], [total])
+        for worker_series in WORKER_SERIES:
+            total = sum(worker_series.value(w) for w in workers)
+            yield _family(worker_series.name, worker_series, ["model_name"], [[model]], [total])
 
 
 def _family(
     name: str,
-    kind: str,
-    help_text: str,
+    series: Series[Any],
     labels: list[str],
     rows: list[list[str]],
     values: list[float],
 ) -> Metric:
-    """A gauge or counter family with one sample per row of label values."""
+    """`series`' gauge or counter family, as `name`, with one sample per row of label values."""
     family: CounterMetricFamily | GaugeMetricFamily
-    if kind == "counter":  # named without `_total`: the family adds it to the sample
-        family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=labels)
+    if series.kind == "counter":  # named without `_total`: the family adds it to the sample
+        family = CounterMetricFamily(name.removesuffix("_total"), series.help, labels=labels)
     else:
-        family = GaugeMetricFamily(name, help_text, labels=labels)
+        family = GaugeMetricFamily(name, series.help, labels=labels)
     for row, value in zip(rows, values, strict=True):
         family.add_metric(row, value)
     return family

@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from iris_serve.ipc.messages import (
+    READY,
     SCHEDULER_TO_TOKENIZER,
     SERVER_TO_TOKENIZER,
     TO_SERVER,
@@ -21,10 +22,13 @@ from iris_serve.ipc.messages import (
     EngineRequest,
     ImageRef,
     MessageError,
+    ProcessFailed,
+    ProcessReady,
     ReleaseImages,
     RequestError,
     RequestOutput,
     Sampling,
+    SchedulerReady,
     ShmPointer,
     TokenBatch,
     TokenizeRequest,
@@ -69,6 +73,10 @@ def engine_request(num_images: int, num_text_tokens: int = 300) -> EngineRequest
     )
 
 
+SCHEDULER_READY = SchedulerReady(
+    "scheduler-dp1", 4096, "Qwen3VLForConditionalGeneration", "cuda:1", "bfloat16",
+    kv_pages=1000, page_size=16, max_num_seqs=256, max_num_batched_tokens=2048,
+)  # fmt: skip
 MESSAGES: list[tuple[Codec, msgspec.Struct]] = [
     (
         SERVER_TO_TOKENIZER,
@@ -98,6 +106,9 @@ MESSAGES: list[tuple[Codec, msgspec.Struct]] = [
         ),
     ),
     (TO_SERVER, RequestError("r3", 400, "image 2: cannot decode", param="messages")),
+    (READY, SCHEDULER_READY),
+    (READY, ProcessReady("tokenizer-0")),
+    (READY, ProcessFailed("scheduler-rank1", "RuntimeError: NCCL timed out")),
 ]
 
 

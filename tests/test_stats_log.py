@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from iris_serve.common.version import iris_version
-from iris_serve.ipc.messages import EngineStats
+from iris_serve.ipc.messages import EngineStats, SchedulerReady
 from iris_serve.server.stats_log import banner, throughput_line
 
 
@@ -44,11 +44,11 @@ def test_a_hybrid_models_line_says_how_often_a_snapshot_was_restored():
 
 
 def test_the_banner_names_the_model_device_cache_and_url():
-    scheduler = {
-        "max_model_len": 4096, "architecture": "Qwen3VLForConditionalGeneration",
-        "device": "cuda:0", "dtype": "bfloat16", "kv_pages": 1000, "page_size": 16,
-        "max_num_seqs": 256, "max_num_batched_tokens": 2048,
-    }  # fmt: skip
+    scheduler = SchedulerReady(
+        name="scheduler", max_model_len=4096, architecture="Qwen3VLForConditionalGeneration",
+        device="cuda:0", dtype="bfloat16", kv_pages=1000, page_size=16, max_num_seqs=256,
+        max_num_batched_tokens=2048,
+    )  # fmt: skip
     line = banner("q3", "http://0.0.0.0:8000", [scheduler, scheduler], 4, 2**30)
     assert line.startswith(f"Iris {iris_version()} ready at http://0.0.0.0:8000, serving 'q3'")
     assert "(Qwen3VLForConditionalGeneration, bfloat16 on cuda:0)" in line

@@ -29,6 +29,8 @@ from iris_serve.ipc.messages import (
     AbortEngineRequest,
     AbortRequest,
     EngineRequest,
+    ProcessFailed,
+    ProcessReady,
     ReleaseImages,
     RequestError,
     Sampling,
@@ -491,7 +493,7 @@ def test_worker_process(qwen2_vl_tiny: Path, instance: str):
     releases = PushSocket(SCHEDULER_TO_TOKENIZER, ipc_address(run_dir, "release-0"))
     process.start()
     try:
-        assert ready.get(timeout=60) == ("tokenizer-0", True, None)
+        assert ready.get(timeout=60) == ProcessReady("tokenizer-0")
         requests.send(request(chat(OK)))
         out = receive(scheduler, EngineRequest)
         assert out.request_id == "r1" and len(out.images) == 1
@@ -537,14 +539,14 @@ def test_worker_process_start_up_failure_is_reported_and_cleaned_up(
     process = context.Process(target=run_worker, args=(config, ready))
     process.start()
     try:
-        name, ok, reason = ready.get(timeout=60)
+        report = ready.get(timeout=60)
         process.join(30)
     finally:
         if process.is_alive():
             process.kill()
             process.join(5)
-    assert (name, ok, process.exitcode) == ("tokenizer-1", False, 1)
-    assert "ZMQError" in reason
+    assert isinstance(report, ProcessFailed) and report.name == "tokenizer-1"
+    assert process.exitcode == 1 and "ZMQError" in report.error
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(instance_prefix(instance))]
 
 

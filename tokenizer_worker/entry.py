@@ -4,14 +4,13 @@ worker's transformers and torch are imported inside the spawned process only).
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..ipc.messages import ReadySink
 from .config import WorkerConfig
 
 
-def run_worker(config: WorkerConfig, ready: Any) -> None:
-    """The spawned worker process (`process.run_worker`); reports `(name, ok, info)` on
-    `ready`."""
+def run_worker(config: WorkerConfig, ready: ReadySink) -> None:
+    """The spawned worker process (`process.run_worker`); reports a `ProcessReady`, or a
+    `ProcessFailed`, on `ready`."""
     from .process import run_worker as run
 
     run(config, ready)

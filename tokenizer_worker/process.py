@@ -40,8 +40,12 @@ from ..ipc.messages import (
     TOKENIZER_TO_SCHEDULER,
     EngineRequest,
     MessageError,
+    ProcessFailed,
+    ProcessReady,
+    ReadySink,
     RequestError,
     TokenizeRequest,
+    WorkerStats,
 )
 from ..ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
 from .config import WorkerConfig
@@ -54,8 +58,9 @@ MAX_BATCH = 32  # requests read ahead (to skip the ones aborted meanwhile)
 STATS_INTERVAL_SECONDS = 0.2
 
 
-def run_worker(config: WorkerConfig, ready: Any) -> None:
-    """Entry point of a spawned worker process; reports `(name, ok, info)` on `ready`."""
+def run_worker(config: WorkerConfig, ready: ReadySink) -> None:
+    """Entry point of a spawned worker process; reports a `ProcessReady`, or a
+    `ProcessFailed`, on `ready`."""
     configure_logging(config.log_level)
     torch.set_num_threads(1)  # workers scale by process; a torch thread pool would only contend
     stop = _Stop()
@@ -70,10 +75,10 @@ def run_worker(config: WorkerConfig, ready: Any) -> None:
         logger.exception("start-up failed")
         if worker is not None:
             worker.close()
-        ready.put((config.name, False, f"{type(e).__name__}: {e}"))
+        ready.put(ProcessFailed.of(config.name, e))
         sys.exit(1)
     freeze_startup_heap()
-    ready.put((config.name, True, None))
+    ready.put(ProcessReady(config.name))
     logger.info(
         "ready: arena %s of %d bytes, processor cache %s",
         worker.arena.name,
@@ -123,7 +128,7 @@ class _Loop:
         except BaseException:
             self.close()
             raise
-        self._last_stats: Any = None
+        self._last_stats: WorkerStats | None = None
         self._last_stats_time = 0.0
 
     def _open(self, cls: type, codec: Any, run_dir: Path, name: str) -> Any:
@@ -223,7 +228,7 @@ class _Loop:
                     )
                 )
 
-    def _to_server(self, message: Any) -> None:
+    def _to_server(self, message: RequestError | WorkerStats) -> None:
         try:
             self.to_server.send(message)
         except TimeoutError as e:

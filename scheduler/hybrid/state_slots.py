@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..kv.prefix_cache import PrefixCache
@@ -125,14 +125,6 @@ class StateSlots(RequestResources):
     @property
     def num_stored(self) -> int:
         return len(self._stored)
-
-    def stats(self) -> dict[str, Any]:
-        """`ipc.EngineStats`'s fields for the snapshots."""
-        return {
-            "linear_state_snapshot_queries": self.snapshot_queries,
-            "linear_state_snapshot_hits": self.snapshot_hits,
-            "linear_state_snapshots": self.num_stored,
-        }
 
     def has_snapshot(self, key: bytes) -> bool:
         return key in self._stored or (self.host is not None and self.host.has_state(key))

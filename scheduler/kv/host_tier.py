@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from itertools import count
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -186,20 +186,6 @@ class HostTier:
     @property
     def num_pages(self) -> int:
         return self.memory.num_blocks - len(self._free_blocks)
-
-    def stats(self) -> dict[str, Any]:
-        """The tier's gauges and counters, by `ipc.EngineStats`'s names."""
-        return {
-            "host_tier_capacity_bytes": self.capacity_bytes,
-            "host_tier_usage_bytes": self.usage_bytes,
-            "host_tier_pages": self.num_pages,
-            "host_tier_embeddings": self.num_embeddings,
-            "host_tier_bytes_to_host": self.bytes_to_host,
-            "host_tier_bytes_to_device": self.bytes_to_device,
-            "host_tier_copy_seconds": self.copy_seconds,
-            "host_tier_page_copies": self.pages_spilled + self.pages_reloaded,
-            "host_tier_failed_reloads": self.failed_reloads,
-        }
 
     def take_copies(self) -> list[HostCopy]:
         """The copies made since the last call, in order, for the other ranks; a step

@@ -265,9 +265,13 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """The engine's gauges and counters now, as the scheduler process sends them (the
-        device's memory and the encoder timings are the process's to add)."""
+        device's memory and the encoder timings are the process's to add); what each is
+        on /metrics is its row in `ipc.stats`."""
         pool = self.kv_cache.pool
         cache = self.embedding_cache
+        prefix = self.prefix_cache
+        slots = self.state_slots
+        host = self.host_tier
         return EngineStats(
             replica=self.replica,
             num_running=len(self.planner.running),
@@ -279,21 +283,25 @@ class Engine:
             images_encoded=self.encoder_manager.images_encoded,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
-            prefix_cache_hit_tokens=(
-                self.prefix_cache.hit_tokens if self.prefix_cache is not None else 0
-            ),
-            prefix_cache_query_tokens=(
-                self.prefix_cache.query_tokens if self.prefix_cache is not None else 0
-            ),
+            prefix_cache_hit_tokens=0 if prefix is None else prefix.hit_tokens,
+            prefix_cache_query_tokens=0 if prefix is None else prefix.query_tokens,
             mm_embedding_cache_hits=cache.hits,
             mm_embedding_cache_misses=cache.misses,
             mm_embedding_cache_usage_bytes=cache.usage_bytes,
-            **({} if self.state_slots is None else self.state_slots.stats()),
-            **({} if self.host_tier is None else self.host_tier.stats()),
-            prefix_cache_host_hit_tokens=(
-                self.prefix_cache.host_hit_tokens if self.prefix_cache is not None else 0
-            ),
+            linear_state_snapshot_queries=0 if slots is None else slots.snapshot_queries,
+            linear_state_snapshot_hits=0 if slots is None else slots.snapshot_hits,
+            linear_state_snapshots=0 if slots is None else slots.num_stored,
+            prefix_cache_host_hit_tokens=0 if prefix is None else prefix.host_hit_tokens,
             mm_embedding_cache_host_hits=cache.host_hits,
+            host_tier_capacity_bytes=0 if host is None else host.capacity_bytes,
+            host_tier_usage_bytes=0 if host is None else host.usage_bytes,
+            host_tier_pages=0 if host is None else host.num_pages,
+            host_tier_embeddings=0 if host is None else host.num_embeddings,
+            host_tier_bytes_to_host=0 if host is None else host.bytes_to_host,
+            host_tier_bytes_to_device=0 if host is None else host.bytes_to_device,
+            host_tier_copy_seconds=0.0 if host is None else host.copy_seconds,
+            host_tier_page_copies=0 if host is None else host.pages_spilled + host.pages_reloaded,
+            host_tier_failed_reloads=0 if host is None else host.failed_reloads,
         )
 
     def has_unfinished_requests(self) -> bool:
