@@ -32,10 +32,9 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
-    ModelCard,
-    ModelList,
     TokenizeBody,
 )
+from .responses import ModelCard, ModelList
 from .serving import OpenAIServing
 
 

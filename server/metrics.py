@@ -38,7 +38,7 @@ from prometheus_client.metrics_core import Metric
 
 from ..ipc.messages import EngineStats, FinishReason, WorkerStats
 from ..ipc.stats import ENGINE_SERIES, WORKER_SERIES, Series
-from .protocol import Usage
+from .responses import Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
 

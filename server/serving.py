@@ -35,16 +35,15 @@ from .engine_client import EngineClient, EngineRequestError
 from .errors import APIError, ClientDisconnected
 from .logprobs import TokenText, chat_logprobs, completion_logprobs
 from .metrics import MetricsBoard
-from .protocol import (
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     Completion,
     CompletionChoice,
-    CompletionRequest,
     Usage,
     image_cache,
 )

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from ..ipc.messages import TokenLogprob
 from .engine_client import EngineRequestError
 from .errors import APIError
-from .protocol import Usage
+from .responses import Usage
 from .tool_choice import AnswerReader, ToolPlan
 
 T = TypeVar("T")

@@ -17,7 +17,7 @@ from iris_serve.ipc.messages import EngineStats, WorkerStats
 from iris_serve.server.app import create_app
 from iris_serve.server.engine_client import EngineRequestError
 from iris_serve.server.metrics import MetricsBoard, token_buckets
-from iris_serve.server.protocol import Usage
+from iris_serve.server.responses import Usage
 from tests.fake_engine import (
     MAX_MODEL_LEN,
     MODEL,
