@@ -118,7 +118,7 @@ def load_named_weights(
             tensor = split.take(tensor, shard)
         tensor = materialized(tensor)
         if shard is not None:
-            sizes = owner.shard_sizes
+            sizes: Any = owner.shard_sizes  # a fused nn.Linear's tuple of ints
             destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
         if destination.shape != tensor.shape:
             bad_shape.append(f"{ckpt_name}: {tuple(tensor.shape)} vs {tuple(destination.shape)}")
