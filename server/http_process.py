@@ -76,7 +76,8 @@ async def serve_http(
         log_level=config.log_level.lower(),
         log_config=None,  # uvicorn's loggers write through Iris's format (`common.logs`)
         # the drain below ends what is left first; this only bounds closing the sockets
-        timeout_graceful_shutdown=config.shutdown_timeout + 5,
+        # (annotated int, but uvicorn passes it to asyncio.wait_for, which takes a float)
+        timeout_graceful_shutdown=config.shutdown_timeout + 5,  # pyright: ignore[reportArgumentType]
     )
     server = _DrainingServer(uvicorn_config, app.state.serving, config.shutdown_timeout)
     failure: list[str] = []

@@ -199,7 +199,7 @@ class OpenAIServing:
                 index=i,
                 text=text,
                 logprobs=completion_logprobs(items, self.token_text) if logprobs else None,
-                finish_reason=last.finish_reason,
+                finish_reason=last.finish_reason,  # pyright: ignore[reportArgumentType]: a FinishReason, typed str on Delta
             )
             for i, (text, last, items) in enumerate(answers)
         ]
@@ -480,7 +480,7 @@ async def _unless_disconnected(raw: Request, awaitable: Awaitable[T]) -> T:
     return work.result()
 
 
-async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def _wait_for_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
     # The body was read already, so the next message is the disconnect.
     while (await receive())["type"] != "http.disconnect":
         pass

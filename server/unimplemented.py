@@ -91,7 +91,7 @@ def refusing_base(name: str, table: dict[str, tuple[NoOp, str]], base: type[Base
             raise ValueError(f"{why} (Iris refuses it rather than ignore it)")
         return value
 
-    validator = field_validator(*table)(classmethod(refuse))  # type: ignore[arg-type]
+    validator: Any = field_validator(*table)(classmethod(refuse))  # type: ignore[arg-type]
     fields: dict[str, Any] = {field: (Any, None) for field in table}
     return create_model(
         name, __base__=base, __validators__={f"_refuse_{name}": validator}, **fields

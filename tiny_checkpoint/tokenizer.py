@@ -18,6 +18,8 @@ from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
 from transformers import Qwen2Tokenizer
 
+_PACKAGE = __name__.rpartition(".")[0]  # this module's package, for importlib.resources
+
 # Same split regex as transformers' Qwen2Tokenizer (and the real Qwen2 tokenizer.json).
 PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -56,11 +58,11 @@ def token_id(token: str, first_special_id: int = BPE_VOCAB_SIZE) -> int:
 
 
 def corpus_text() -> str:
-    return resources.files(__package__).joinpath("corpus.txt").read_text(encoding="utf-8")
+    return resources.files(_PACKAGE).joinpath("corpus.txt").read_text(encoding="utf-8")
 
 
 def chat_template() -> str:
-    return resources.files(__package__).joinpath("chat_template.jinja").read_text(encoding="utf-8")
+    return resources.files(_PACKAGE).joinpath("chat_template.jinja").read_text(encoding="utf-8")
 
 
 @lru_cache(maxsize=1)

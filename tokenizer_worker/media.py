@@ -301,7 +301,7 @@ class _CheckedHTTPSHandler(urllib.request.HTTPSHandler):
 
     def https_open(self, req):  # type: ignore[no-untyped-def]
         connection = functools.partial(_checked, http.client.HTTPSConnection, self._hosts)
-        return self.do_open(connection, req, context=self._context)
+        return self.do_open(connection, req, context=self._context)  # pyright: ignore[reportAttributeAccessIssue]: HTTPSHandler's, not in typeshed
 
 
 def _checked(

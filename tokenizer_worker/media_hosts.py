@@ -90,7 +90,7 @@ class HostPolicy:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         if not (self.allow_private or host.lower() in self.trusted_hosts):
             for info in infos:
-                rule = address_rule(info[4][0])
+                rule = address_rule(str(info[4][0]))  # an IP address string for INET/INET6
                 if rule is not None:
                     raise RefusedHost(self._refusal(host, rule))
         return _connect_first(infos, timeout, source_address)

@@ -97,8 +97,11 @@ def open_video(data: bytes, threads: int = 1) -> Iterator[OpenVideo]:
     is no video OpenCV's FFmpeg can read."""
     stream = io.BytesIO(data)  # lives until the capture is released (see the module doc)
     try:
-        capture = cv2.VideoCapture(
-            stream, cv2.CAP_FFMPEG, [cv2.CAP_PROP_N_THREADS, max(1, threads)]
+        # OpenCV's stubs name only its IStreamReader; any binary stream with read and seek works
+        capture = cv2.VideoCapture(  # pyright: ignore[reportCallIssue]
+            stream,  # pyright: ignore[reportArgumentType]
+            cv2.CAP_FFMPEG,
+            [cv2.CAP_PROP_N_THREADS, max(1, threads)],
         )
     except cv2.error:
         capture = None

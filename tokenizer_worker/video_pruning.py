@@ -117,7 +117,7 @@ def channel_scale(settings: VideoProcessorSettings) -> np.ndarray:
         value = ast.literal_eval(given.get(name, "None"))
         return default if value is None else value
 
-    rescale = float(setting("rescale_factor", 1 / 255)) if setting("do_rescale", True) else 1.0
+    rescale = float(setting("rescale_factor", 1 / 255)) if setting("do_rescale", True) else 1.0  # pyright: ignore[reportArgumentType]: a number
     std = setting("image_std", [1.0, 1.0, 1.0]) if setting("do_normalize", True) else [1.0] * 3
     return rescale / np.asarray(std, dtype=np.float64).reshape(3)
 

@@ -382,7 +382,7 @@ def rope_times(
         return list(range(num_patches))
     sampled_fps = num_sampled / total * video_fps
     second_per_grid = torch.tensor(settings.temporal_patch_size / sampled_fps)
-    interval = settings.tokens_per_second * second_per_grid
+    interval = settings.tokens_per_second * second_per_grid  # pyright: ignore[reportOptionalOperand]: set for qwen2_5_vl
     return (torch.arange(num_patches) * interval).long().tolist()
 
 

@@ -24,6 +24,12 @@ each `[kv_heads, slots, head_dim]`), read in place through a block table:
 Offsets into the cache are int64 (slots * head_dim passes 2**31 on a large cache).
 """
 
+# Kernel parameters are annotated `tl.constexpr` (Triton specialises on them) and receive
+# plain ints; in a kernel body an int derived from a program id is a tensor (`.to`), and
+# `tl.sum`'s result is typed a tuple (`/`). Triton's DSL, which its annotations do not
+# express: these three rules are off for this file only.
+# pyright: reportArgumentType=false, reportAttributeAccessIssue=false, reportOperatorIssue=false
+
 from __future__ import annotations
 
 import torch

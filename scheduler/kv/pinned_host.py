@@ -30,6 +30,7 @@ def cuda_host_registrar(device: torch.device) -> MappingHook | None:
     if device.type != "cuda":
         return None
     cudart = torch.cuda.cudart()
+    assert cudart is not None  # typed Optional, but it raises rather than return None
     warned = False
 
     def register(address: int, size: int) -> Callable[[], None]:

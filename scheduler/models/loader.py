@@ -154,7 +154,7 @@ def load_parameter(owner: nn.Module, leaf: str, tensor: Weight, shard: int | Non
         tensor = split.take(tensor, shard)
     tensor = materialized(tensor)
     if shard is not None:
-        sizes = owner.shard_sizes
+        sizes: Any = owner.shard_sizes  # a fused linear layer's tuple of ints
         destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
     if destination.shape != tensor.shape:
         raise ShapeMismatch(f"{tuple(tensor.shape)} vs {tuple(destination.shape)}")
