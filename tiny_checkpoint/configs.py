@@ -11,6 +11,7 @@ shared expert in every layer) at toy widths.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers import PreTrainedConfig
@@ -159,8 +160,8 @@ def build_config(arch: str, size: str) -> PreTrainedConfig:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
     s = SHAPES[size]
-    cls: type[PreTrainedConfig] = getattr(transformers, row.name).config_class
-    return cls(
+    config_class: Callable[..., PreTrainedConfig] = getattr(transformers, row.name).config_class
+    return config_class(
         text_config=_text_config(row, s),
         vision_config=_vision_config(row, s),
         image_token_id=token_id("<|image_pad|>"),

@@ -113,9 +113,11 @@ def load_named_weights(
             continue
         owner_name, _, leaf = target.rpartition(".")
         owner = modules[owner_name]
-        load = getattr(owner, "load_weight", None)  # a linear layer loads through its method
+        # a linear layer loads through its method (linear_method.LinearLayer.load_weight)
+        load: Callable[[str, Weight, int | None], int] | None
+        load = getattr(owner, "load_weight", None)
         try:
-            if callable(load):
+            if load is not None:
                 written = load(leaf, tensor, shard)
             else:
                 written = load_parameter(owner, leaf, tensor, shard)
