@@ -43,7 +43,7 @@ Tower = Literal["qwen2", "qwen2.5", "qwen3"]
 # "routed_shared" as Qwen3.5-MoE (every layer, plus a shared expert; hub files hold one
 # matrix per expert and projection).
 Experts = Literal["routed", "routed_shared"]
-# The video processor's rules (`tokenizer_worker/video_rules.py`): Qwen2-VL's processor with
+# The video processor's rules (`tokenizer_worker/video/rules.py`): Qwen2-VL's processor with
 # a temporal patch's M-RoPE time its index ("qwen2"), the same processor with Qwen2.5-VL's
 # `tokens_per_second` times ("qwen2.5"), or Qwen3-VL's processor with timestamps ("qwen3").
 VideoRules = Literal["qwen2", "qwen2.5", "qwen3"]

@@ -209,7 +209,7 @@ def test_a_new_row_gets_its_video_rules(
     qwen2_5_vl_tiny: Path,
     tmp_path: Path,
 ):
-    from iris_serve.tokenizer_worker.video_rules import VideoProcessorSettings
+    from iris_serve.tokenizer_worker.video.rules import VideoProcessorSettings
 
     fake_dir = relabelled(qwen3_vl_tiny, tmp_path / "fake", fake_row)
     settings = VideoProcessorSettings.from_checkpoint(fake_dir)
@@ -228,7 +228,7 @@ def test_a_new_row_gets_its_video_rules(
 
 def test_an_architecture_without_a_row_is_refused(tmp_path: Path, qwen3_vl_tiny: Path):
     from iris_serve.scheduler.models.registry import load_config
-    from iris_serve.tokenizer_worker.video_rules import VideoProcessorSettings
+    from iris_serve.tokenizer_worker.video.rules import VideoProcessorSettings
 
     fake_dir = relabelled(qwen3_vl_tiny, tmp_path / "fake", FAKE)  # FAKE not registered
     with pytest.raises(ValueError, match="unsupported architecture 'FakeVL"):

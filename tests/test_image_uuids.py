@@ -23,7 +23,7 @@ from iris_serve.ipc.messages import (
 from iris_serve.scheduler.encoder.given_images import RefusedImage
 from iris_serve.scheduler.step.engine import Engine
 from iris_serve.server.image_router import ImageRouter, affinity_hash, image_parts
-from iris_serve.tokenizer_worker.image_uuids import Binding, ImageUuids
+from iris_serve.tokenizer_worker.images.uuids import Binding, ImageUuids
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import cpu_engine, make_image

@@ -24,7 +24,7 @@ from iris_serve.ipc.messages import ImageRef, Prompt, Sampling, ShmPointer
 from iris_serve.scheduler.encoder.pixels import PixelStore
 from iris_serve.scheduler.process import SchedulerLoop
 from iris_serve.scheduler.step.engine import Engine
-from iris_serve.tokenizer_worker.image_key import image_key
+from iris_serve.tokenizer_worker.images.key import image_key
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import assert_parity as assert_parity_with
 from tests.reference import cpu_engine, make_image

@@ -22,14 +22,14 @@ from typing import ClassVar
 import pytest
 from PIL import Image
 
-from iris_serve.tokenizer_worker import media_hosts
-from iris_serve.tokenizer_worker.media import (
+from iris_serve.tokenizer_worker.media import hosts as media_hosts
+from iris_serve.tokenizer_worker.media.fetch import (
     LOCAL_FILES_DISABLED,
     MediaError,
     MediaFetcher,
     decode_image,
 )
-from iris_serve.tokenizer_worker.media_hosts import address_rule
+from iris_serve.tokenizer_worker.media.hosts import address_rule
 from tests.reference import make_image
 
 KiB = 1024

@@ -15,9 +15,9 @@ import pytest
 from iris_serve.ipc.messages import EngineRequest, RequestError
 from iris_serve.ipc.shm_arena import ArenaFull, ShmArena, ShmReader
 from iris_serve.ipc.shm_names import instance_prefix, segment_name, sweep
-from iris_serve.tokenizer_worker import image_parts as image_parts_module
 from iris_serve.tokenizer_worker.config import WorkerConfig
-from iris_serve.tokenizer_worker.processor_cache import CorruptEntry, ProcessorCache
+from iris_serve.tokenizer_worker.images import parts as image_parts_module
+from iris_serve.tokenizer_worker.images.processor_cache import CorruptEntry, ProcessorCache
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import make_image

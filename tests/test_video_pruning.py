@@ -1,4 +1,4 @@
-"""Video token pruning (`--video-pruning-rate`, `tokenizer_worker/video_pruning.py`) in the
+"""Video token pruning (`--video-pruning-rate`, `tokenizer_worker/video/pruning.py`) in the
 tokenizer worker and in the positions: which tokens a patch keeps, how many, under which
 key, and where they sit.
 
@@ -30,13 +30,13 @@ from iris_serve.launch.args import parse_serve_args
 from iris_serve.launch.launcher import worker_config
 from iris_serve.scheduler.models.mrope import mrope_positions
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
-from iris_serve.tokenizer_worker.video_pruning import (
+from iris_serve.tokenizer_worker.video.pruning import (
     VideoPruner,
     dissimilarity,
     keep_count,
     pruned_key,
 )
-from iris_serve.tokenizer_worker.video_rules import VideoProcessorSettings
+from iris_serve.tokenizer_worker.video.rules import VideoProcessorSettings
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import prompt_positions
 from tests.video_clips import encode_clip, make_clip, recording, video_data_url, video_part

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from .config import WorkerConfig
     from .entry import run_worker
     from .prompt import PromptBuilder, load_image
-    from .video_decode import open_video
-    from .video_rules import (
+    from .video.decode import open_video
+    from .video.rules import (
         VideoProcessorSettings,
         plan_video,
         resize_frame,
@@ -43,12 +43,12 @@ __all__ = [
 ]
 _HOMES = {
     "PromptBuilder": "prompt",
-    "VideoProcessorSettings": "video_rules",
+    "VideoProcessorSettings": "video.rules",
     "WorkerConfig": "config",
     "load_image": "prompt",
-    "open_video": "video_decode",
-    "plan_video": "video_rules",
-    "resize_frame": "video_rules",
+    "open_video": "video.decode",
+    "plan_video": "video.rules",
+    "resize_frame": "video.rules",
     "run_worker": "entry",
 }
 

@@ -28,9 +28,9 @@ from transformers import AutoImageProcessor, AutoTokenizer
 
 from ..ipc.local import PromptInput
 from ..ipc.messages import ImageRef, Prompt
-from .image_key import image_key
-from .image_resize import PIXEL_FORMAT, Grid, ImageResizer, ImageSize
-from .video_rules import VideoProcessorSettings, timestamp_text
+from .images.key import image_key
+from .images.resize import PIXEL_FORMAT, Grid, ImageResizer, ImageSize
+from .video.rules import VideoProcessorSettings, timestamp_text
 
 # A placeholder's replacement: its token ids, and where each of its items (an image, a
 # video's temporal patch) lies in them, as (offset, length).

@@ -20,12 +20,12 @@ from ..ipc.shm_arena import ArenaFull, ShmArena
 from .arena_wait import NoRoom
 from .chat import ImagePart, VideoPart, parse_messages
 from .config import WorkerConfig
-from .image_parts import ImageParts, LoadedImage
-from .media import MediaFetcher
+from .images.parts import ImageParts, LoadedImage
+from .media.fetch import MediaFetcher
 from .prompt import ImageSize, PromptBuilder, Replacement
-from .video_loader import LoadedVideo
-from .video_parts import VideoParts, video_options
-from .video_rules import VideoOptions
+from .video.loader import LoadedVideo
+from .video.parts import VideoParts, video_options
+from .video.rules import VideoOptions
 
 
 class BadRequest(ValueError):

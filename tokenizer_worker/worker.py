@@ -38,12 +38,12 @@ from ..ipc.shm_names import SHM_DIR, segment_name
 from .arena_wait import NoRoom, WaitingRequests
 from .chat import ChatError
 from .config import WorkerConfig
-from .image_parts import ImageParts
-from .media import MediaError, MediaFetcher
-from .processor_cache import ProcessorCache
+from .images.parts import ImageParts
+from .images.processor_cache import ProcessorCache
+from .media.fetch import MediaError, MediaFetcher
 from .prompt import PromptBuilder
 from .prompt_path import BadRequest, PromptPath
-from .video_parts import VideoParts, open_video_parts
+from .video.parts import VideoParts, open_video_parts
 
 logger = logging.getLogger("iris.tokenizer")
 

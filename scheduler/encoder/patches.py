@@ -1,5 +1,5 @@
 """The image processor's `pixel_values`, made on the device from the worker's uint8 pixels
-`[H, W, 3]` (`tokenizer_worker/image_resize.py`): 3 bytes per pixel in shared memory and
+`[H, W, 3]` (`tokenizer_worker/images/resize.py`): 3 bytes per pixel in shared memory and
 across the host-to-device copy, 8x less than the processor's float32 rows.
 
 - rescale and normalise: per channel, each of the 256 levels maps to one value. The

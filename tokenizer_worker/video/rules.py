@@ -36,7 +36,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
     smart_resize as smart_resize_video,
 )
 
-from ..common.architectures import VideoRules, by_model_type
+from ...common.architectures import VideoRules, by_model_type
 
 DEFAULT_FPS = 2.0  # vLLM's and Qwen3-VL's; Qwen2-VL's processor samples nothing by default
 UNKNOWN_VIDEO_FPS = 24.0  # what transformers assumes of a video whose rate is unknown

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from .media import MediaError
+from ..media.fetch import MediaError
 
 # OpenCV's own thread pool (colour conversion) stays single-threaded: tokenizer workers
 # run side by side and scale with processes; FFmpeg's decoding threads are set per video.

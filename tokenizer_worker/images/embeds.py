@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .image_key import image_key
-from .media import MediaError
-from .prompt import Grid
+from ..media.fetch import MediaError
+from ..prompt import Grid
+from .key import image_key
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NPY_MAGIC = b"\x93NUMPY"

@@ -15,17 +15,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..ipc.messages import ShmPointer
-from ..ipc.shm_arena import ArenaFull, ShmArena
-from .arena_wait import NoRoom
-from .chat import ImagePart
-from .config import WorkerConfig
-from .image_embeds import embeds_key, read_embeds
-from .image_key import image_key
-from .image_uuids import Binding, ImageUuids
-from .media import MediaError, decode_image
+from ...ipc.messages import ShmPointer
+from ...ipc.shm_arena import ArenaFull, ShmArena
+from ..arena_wait import NoRoom
+from ..chat import ImagePart
+from ..config import WorkerConfig
+from ..media.fetch import MediaError, decode_image
+from ..prompt import Grid, ImageSize, PromptBuilder
+from .embeds import embeds_key, read_embeds
+from .key import image_key
 from .processor_cache import CachedImage, ProcessorCache
-from .prompt import Grid, ImageSize, PromptBuilder
+from .uuids import Binding, ImageUuids
 
 
 @dataclass(frozen=True)

@@ -43,15 +43,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ipc.messages import ShmPointer
-from ..ipc.shm_arena import ArenaFull, ShmArena
-from .image_key import image_key
-from .image_resize import PIXEL_FORMAT, Grid
-from .media import MediaError
-from .processor_cache import ProcessorCache
-from .video_decode import VideoHeader, open_video
-from .video_pruning import PRUNING_FORMAT, Kept, VideoPruner
-from .video_rules import (
+from ...ipc.messages import ShmPointer
+from ...ipc.shm_arena import ArenaFull, ShmArena
+from ..images.key import image_key
+from ..images.processor_cache import ProcessorCache
+from ..images.resize import PIXEL_FORMAT, Grid
+from ..media.fetch import MediaError
+from .decode import VideoHeader, open_video
+from .pruning import PRUNING_FORMAT, Kept, VideoPruner
+from .rules import (
     VideoOptions,
     VideoPlan,
     VideoProcessorSettings,

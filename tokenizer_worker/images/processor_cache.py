@@ -25,9 +25,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..ipc.messages import ShmPointer
-from ..ipc.shm_arena import ShmArena
-from .prompt import Grid
+from ...ipc.messages import ShmPointer
+from ...ipc.shm_arena import ShmArena
+from ..prompt import Grid
 
 
 class CachedImage(NamedTuple):

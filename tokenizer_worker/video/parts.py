@@ -13,16 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from ..ipc.messages import ImageRef, TokenizeRequest
-from ..ipc.shm_arena import ArenaFull, ShmArena
-from .chat import VideoPart
-from .config import WorkerConfig
-from .image_uuids import ImageUuids
-from .media import MediaError
-from .processor_cache import ProcessorCache
-from .prompt import PromptBuilder
-from .video_loader import LoadedVideo, VideoLayout, VideoLimits, VideoLoader
-from .video_rules import VideoOptions, VideoRuleError
+from ...ipc.messages import ImageRef, TokenizeRequest
+from ...ipc.shm_arena import ArenaFull, ShmArena
+from ..chat import VideoPart
+from ..config import WorkerConfig
+from ..images.processor_cache import ProcessorCache
+from ..images.uuids import ImageUuids
+from ..media.fetch import MediaError
+from ..prompt import PromptBuilder
+from .loader import LoadedVideo, VideoLayout, VideoLimits, VideoLoader
+from .rules import VideoOptions, VideoRuleError
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Generic, NamedTuple, TypeVar
 
-from .prompt import Grid
+from ..prompt import Grid
 
 
 class Binding(NamedTuple):

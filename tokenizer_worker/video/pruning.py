@@ -38,8 +38,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .image_key import image_key
-from .video_rules import VideoProcessorSettings
+from ..images.key import image_key
+from .rules import VideoProcessorSettings
 
 PRUNING_FORMAT = "evs pixels, mean abs diff of normalised values, per-patch budget, v1"
 

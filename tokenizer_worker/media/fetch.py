@@ -31,8 +31,8 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 from PIL import Image, ImageFile
 
-from .config import WorkerConfig
-from .media_hosts import HostPolicy, RefusedHost
+from ..config import WorkerConfig
+from .hosts import HostPolicy, RefusedHost
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG covers MPO
 LOCAL_FILES_DISABLED = "local files are disabled, start the server with --allowed-local-media-path"
