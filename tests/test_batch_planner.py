@@ -8,7 +8,10 @@ from iris_serve.scheduler.hybrid.state_slots import SlotOp, StateSlots
 from iris_serve.scheduler.kv.host_tier import HostMemory, HostTier
 from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout, PagePool
 from iris_serve.scheduler.kv.prefix_cache import PrefixCache
-from iris_serve.scheduler.step.batch_planner import BatchPlanner, PrefillCaps
+from iris_serve.scheduler.step.batch_planner import BatchPlanner
+from iris_serve.scheduler.step.core_sharing import CoreSharing
+from iris_serve.scheduler.step.latency_budget import LatencyBudget
+from iris_serve.scheduler.step.pacing import PrefillPacing
 from iris_serve.scheduler.step.request import Request, RequestStatus
 
 PAGE = 4
@@ -132,13 +135,21 @@ def test_a_prefill_waits_at_an_image_not_ready_and_the_others_go_on():
     assert run_step(planner) == {"text": 1, "late": 1, "img": 14, "blocked": 10}
 
 
+class NoEncoder:
+    """An encoder manager with no encoder thread, as prefill pacing reads it."""
+
+    encoding = False
+    images_encoded = 0
+
+
 def test_a_step_with_decodes_carries_at_most_the_prefill_cap():
-    """A cap on the prefill of a step with decodes (the policy's): while "short" decodes,
-    "long" and "next" prefill 4 tokens a step between them; once nothing decodes, a
-    prefill takes the whole budget."""
-    planner = BatchPlanner(
-        PagePool(100), PAGE, 10, max_num_seqs=8, policy=PrefillCaps(with_decodes=4)
-    )
+    """A cap on the prefill of a step with decodes (the prefill pacing's: its latency
+    budget's smallest cap, nothing measured): while "short" decodes, "long" and "next"
+    prefill 4 tokens a step between them; once nothing decodes, a prefill takes the whole
+    budget."""
+    cpu = torch.device("cpu")
+    pacing = PrefillPacing(LatencyBudget(2.0, min_tokens=4), CoreSharing(None, cpu), NoEncoder())
+    planner = BatchPlanner(PagePool(100), PAGE, 10, max_num_seqs=8, pacing=pacing)
     planner.add(request("short", 2))
     assert run_step(planner) == {"short": 2}  # nothing decodes yet: no cap
     planner.add(request("long", 7))

@@ -7,9 +7,9 @@ up to the remaining budget for a prefill. A preempted request is recomputed late
 its prompt and the tokens it produced, so nothing it returned changes. A request being
 admitted (first time or after preemption) starts from its longest cached prefix.
 
-The prefill a step carries is capped by a `PrefillPolicy`, asked once per step (`caps`)
-and told what was planned (`planned`): the engine's is `StepPolicy` (step_policy.py), a
-`PrefillCaps` fixed caps (`UNCAPPED`: none). A chunk runs only as far as `ready_until`
+The prefill a step carries is capped by the engine's `PrefillPacing` (pacing.py), asked
+once per step (`caps`) and told what was planned (`planned`); without one, nothing caps
+it but the token budget. A chunk runs only as far as `ready_until`
 allows (the encoder manager's, `thread` placement): a request whose next tokens are an
 image still encoding sits the step out, holding what it has; one waiting to be admitted
 lets those behind it in.
@@ -25,16 +25,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from ..kv.kv_cache import PagePool
 from ..kv.prefix_cache import PrefixCache, PrefixMatch
+from .pacing import UNCAPPED
 from .request import Request, RequestResources, RequestStatus
 
 if TYPE_CHECKING:
     from ..hybrid.linear_state import SequenceStates
     from ..hybrid.state_slots import SlotOp, StateSlots
     from ..kv.host_tier import HostCopy, HostTier
+    from .pacing import PrefillPacing
 
 
 @dataclass(frozen=True)
@@ -78,34 +80,6 @@ class StepPlan:
 ReadyUntil = Callable[[Request, int], int]
 
 
-@dataclass(frozen=True)
-class PrefillCaps:
-    """Prefill tokens a step may carry (None: the whole token budget). Also the policy
-    of the same caps every step."""
-
-    with_decodes: int | None = None  # in a step that has decodes
-    alone: int | None = None  # in a step that has none
-
-    def caps(self) -> PrefillCaps:
-        return self
-
-    def planned(self, plan: StepPlan) -> None:
-        pass
-
-
-class PrefillPolicy(Protocol):
-    def caps(self) -> PrefillCaps:
-        """The caps of the step being planned (asked once, as planning starts)."""
-        ...
-
-    def planned(self, plan: StepPlan) -> None:
-        """The step as planned (the policy may set what it runs with)."""
-        ...
-
-
-UNCAPPED = PrefillCaps()
-
-
 class _ReloadFailed:
     """`_take_prefix`'s answer when a host-tier reload failed: nothing was taken."""
 
@@ -131,7 +105,7 @@ class BatchPlanner(RequestResources):
         max_num_seqs: int,
         prefix_cache: PrefixCache | None = None,
         ready_until: ReadyUntil = _anywhere,
-        policy: PrefillPolicy = UNCAPPED,
+        pacing: PrefillPacing | None = None,
         state_slots: StateSlots | None = None,
         host_tier: HostTier | None = None,
     ) -> None:
@@ -139,7 +113,7 @@ class BatchPlanner(RequestResources):
         self.ready_until = ready_until
         self.state_slots = state_slots
         self.host_tier = host_tier
-        self.policy = policy
+        self.pacing = pacing
         self.prefix_cache = prefix_cache
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -165,7 +139,7 @@ class BatchPlanner(RequestResources):
             for request in self.running:  # pages the last step filled
                 self.prefix_cache.register(request)
 
-        caps = self.policy.caps()
+        caps = UNCAPPED if self.pacing is None else self.pacing.caps()
         cap = caps.alone
         if any(_is_decoding(r) for r in self.running):
             cap = caps.with_decodes
@@ -210,7 +184,8 @@ class BatchPlanner(RequestResources):
             prefill_budget -= first_chunk
         if plan.chunks:  # a step that runs carries the device work decided so far
             self._take_device_work(plan)
-        self.policy.planned(plan)
+        if self.pacing is not None:
+            self.pacing.planned(plan)
         return plan
 
     def defer_device_work(self, plan: StepPlan) -> None:

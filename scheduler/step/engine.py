@@ -45,7 +45,7 @@ from .faults import (
     release_device_memory,
 )
 from .model_runner import Followers, ModelRunner, Sampled
-from .policy import StepPolicy
+from .pacing import PrefillPacing
 from .request import Request, RequestResources
 from .wiring import build_caches
 
@@ -110,7 +110,7 @@ class Engine:
             self.encoder_executor,
             self.patches.merge_size,
         )
-        self.policy = StepPolicy.build(config, self.device, self.encoder_manager)
+        self.pacing = PrefillPacing.build(config, self.device, self.encoder_manager)
         self.planner = BatchPlanner(
             self.kv_cache.pool,
             config.page_size,
@@ -118,7 +118,7 @@ class Engine:
             config.max_num_seqs,
             self.prefix_cache,
             self.encoder_manager.ready_until,
-            self.policy,
+            self.pacing,
             self.state_slots,  # admissions; each chunk's slot; slot clears and copies
             self.host_tier,  # the copies it made while planning, in the plan
         )
@@ -276,7 +276,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self._collect_images()  # the encoder thread's finished calls in, the next ones out
-        plan = self.planner.schedule()  # within the step policy's caps
+        plan = self.planner.schedule()  # within the prefill pacing's caps
         for request in plan.preempted:
             self._preempt(request)
         if not plan.chunks:
@@ -377,7 +377,7 @@ class Engine:
         requests can fail alone with."""
         forward_began = False
         try:
-            with self.policy.timed(plan):
+            with self.pacing.timed(plan):
                 images = self.encoder_manager.encode(plan.chunks)
                 forward_began = True
                 logits = self.runner.run(plan, images)
