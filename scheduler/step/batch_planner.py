@@ -9,10 +9,13 @@ admitted (first time or after preemption) starts from its longest cached prefix.
 
 The prefill a step carries is capped by the engine's `PrefillPacing` (pacing.py), asked
 once per step (`caps`) and told what was planned (`planned`); without one, nothing caps
-it but the token budget. A chunk runs only as far as `ready_until`
-allows (the encoder manager's, `thread` placement): a request whose next tokens are an
-image still encoding sits the step out, holding what it has; one waiting to be admitted
-lets those behind it in.
+it but the token budget. A chunk runs only as far as `ready_until` allows (the encoder
+manager's, `thread` placement): a request whose next tokens are an image still encoding
+sits the step out, holding what it has; one waiting to be admitted lets those behind it
+in.
+
+The plan also carries the device work its planning decided (`StepPlan.linear`,
+`slot_ops`, `host_copies`), which the model runner applies on every rank alike.
 
 Progress advances here, as a chunk is planned, not when the step's results are
 accounted, so that admission, preemption and planning change a request's `PageTable` in
