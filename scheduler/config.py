@@ -286,7 +286,7 @@ class EngineConfig:
 
     def resolved_itl_stretch(self, device: torch.device) -> float:
         """`max_itl_stretch`, by default 2.5 on a CPU (where prefill is compute-bound, see
-        step_pacer.py) and 0 (off) on CUDA, where it has not been measured."""
+        step/latency_budget.py) and 0 (off) on CUDA, where it has not been measured."""
         if self.max_itl_stretch is not None:
             return self.max_itl_stretch
         return CPU_ITL_STRETCH if device.type == "cpu" else 0.0

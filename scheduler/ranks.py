@@ -9,7 +9,9 @@ and the follower ranks' loop (`docs/scale-out.md`, "Tensor parallelism", the ste
     sample
 
 A follower decides nothing: it keeps the page lists of the running sequences as rank 0
-tells it (`RankChunk`), so nothing on it can drift. The step message travels over ZMQ
+tells it (`RankChunk`) and makes the device work rank 0's plan carries (host copies, slot
+clears and copies) in the runner's own `forward`, as rank 0 does, so nothing on it can
+drift. The step message travels over ZMQ
 rather than a collective so an idle follower waits in a poll, never inside a collective
 with a timeout.
 """
@@ -188,6 +190,7 @@ class Follower:
             state.dtype,
             decode_graphs=state.decode_graphs,
             linear_states=state.linear_states,
+            host_memory=state.host_memory,
         )
         config = state.model.config
         self.embedding_width = config.hidden_size * (1 + config.deepstack_levels)
@@ -198,9 +201,7 @@ class Follower:
         for request_id in message.dropped:
             self.tables.pop(request_id, None)
         if message.host_copies:
-            host = self.state.host_memory
-            assert host is not None, "rank 0 has a host tier, so every rank has its memory"
-            host.apply(HostCopy(*copy) for copy in message.host_copies)  # type: ignore[arg-type]
+            assert self.state.host_memory is not None, "rank 0 has a host tier: so has every rank"
         ids = _tensor(message.input_ids, device)
         image_embeddings = None
         num_image_rows = sum(end - start for start, end in message.image_rows)
@@ -216,6 +217,7 @@ class Follower:
             image_rows=[tuple(rows) for rows in message.image_rows],  # type: ignore[misc]
             image_embeddings=image_embeddings,
             logit_rows=np.frombuffer(message.logit_rows, dtype=_INT32).tolist(),
+            host_copies=[HostCopy(*copy) for copy in message.host_copies],  # type: ignore[arg-type]
         )
         if self.state.linear_states is not None:
             inputs.linear = [
@@ -228,7 +230,7 @@ class Follower:
                 SlotOp(target, None if source < 0 else source)
                 for target, source in message.slot_ops
             ]
-        self.runner.forward(inputs)
+        self.runner.forward(inputs)  # the plan's device work first, as on rank 0
 
     def _sequence(self, chunk: RankChunk) -> SequenceChunk:
         table = self.tables.get(chunk.request_id)

@@ -146,9 +146,9 @@ def make_image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Ima
 def cpu_engine(model_dir: str | Path, **overrides) -> Engine:
     """An fp32 CPU engine; 16 MiB of KV (32k tiny-model tokens) unless told otherwise,
     since zero-filling the default 1 GiB per engine dominates a test's time. Prefill is
-    not paced (`max_itl_stretch` 0) unless told: the pacer sizes chunks from measured step
-    times, so plans (chunks, preemptions) would depend on the machine's speed; its own
-    tests turn it on (test_step_pacer.py)."""
+    not paced (`max_itl_stretch` 0) unless told: the latency budget sizes chunks from
+    measured step times, so plans (chunks, preemptions) would depend on the machine's
+    speed; its own tests turn it on (test_latency_budget.py)."""
     overrides.setdefault("kv_cache_memory", 16 << 20)
     overrides.setdefault("max_itl_stretch", 0)
     return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **overrides))

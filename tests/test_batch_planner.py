@@ -1,8 +1,17 @@
-"""Continuous batching and preemption, on fake requests (no model)."""
+"""Continuous batching and preemption, on fake requests (no model); the device work a
+plan carries (a hybrid model's slot clears and copies, the host tier's copies)."""
+
+import torch
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.kv.kv_cache import PagePool
-from iris_serve.scheduler.step.batch_planner import BatchPlanner, PrefillCaps
+from iris_serve.scheduler.hybrid.state_slots import SlotOp, StateSlots
+from iris_serve.scheduler.kv.host_tier import HostMemory, HostTier
+from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout, PagePool
+from iris_serve.scheduler.kv.prefix_cache import PrefixCache
+from iris_serve.scheduler.step.batch_planner import BatchPlanner
+from iris_serve.scheduler.step.core_sharing import CoreSharing
+from iris_serve.scheduler.step.latency_budget import LatencyBudget
+from iris_serve.scheduler.step.pacing import PrefillPacing
 from iris_serve.scheduler.step.request import Request, RequestStatus
 
 PAGE = 4
@@ -126,13 +135,21 @@ def test_a_prefill_waits_at_an_image_not_ready_and_the_others_go_on():
     assert run_step(planner) == {"text": 1, "late": 1, "img": 14, "blocked": 10}
 
 
+class NoEncoder:
+    """An encoder manager with no encoder thread, as prefill pacing reads it."""
+
+    encoding = False
+    images_encoded = 0
+
+
 def test_a_step_with_decodes_carries_at_most_the_prefill_cap():
-    """A cap on the prefill of a step with decodes (the policy's): while "short" decodes,
-    "long" and "next" prefill 4 tokens a step between them; once nothing decodes, a
-    prefill takes the whole budget."""
-    planner = BatchPlanner(
-        PagePool(100), PAGE, 10, max_num_seqs=8, policy=PrefillCaps(with_decodes=4)
-    )
+    """A cap on the prefill of a step with decodes (the prefill pacing's: its latency
+    budget's smallest cap, nothing measured): while "short" decodes, "long" and "next"
+    prefill 4 tokens a step between them; once nothing decodes, a prefill takes the whole
+    budget."""
+    cpu = torch.device("cpu")
+    pacing = PrefillPacing(LatencyBudget(2.0, min_tokens=4), CoreSharing(None, cpu), NoEncoder())
+    planner = BatchPlanner(PagePool(100), PAGE, 10, max_num_seqs=8, pacing=pacing)
     planner.add(request("short", 2))
     assert run_step(planner) == {"short": 2}  # nothing decodes yet: no cap
     planner.add(request("long", 7))
@@ -143,3 +160,52 @@ def test_a_step_with_decodes_carries_at_most_the_prefill_cap():
     assert run_step(planner) == {"long": 1, "next": 4}
     planner.release(planner.running[0])
     assert run_step(planner) == {"next": 10}  # a prefill alone: the whole budget
+
+
+def hybrid_planner(num_pages: int) -> tuple[BatchPlanner, HostTier]:
+    """A planner over a prefix cache with a host tier and two working state slots, wired
+    as the engine wires them (step/wiring.py)."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, page_size=PAGE, dtype=torch.float32)
+    kv = KVCache(layout, num_pages, torch.device("cpu"))
+    tier = HostTier(
+        8 * layout.bytes_per_page, HostMemory(kv, 8), torch.device("cpu"), record_copies=True
+    )
+    cache = PrefixCache(kv.pool, PAGE, tier)
+    kv.pool.on_evict = tier.spill_page
+    slots = StateSlots(2, 0, PAGE, cache.page_keys)
+    cache.require_snapshots(slots.has_snapshot)
+    return BatchPlanner(kv.pool, PAGE, 100, 2, cache, state_slots=slots, host_tier=tier), tier
+
+
+def test_the_plan_carries_the_slot_ops_and_host_copies_its_planning_decided():
+    """Admitting "a" clears its working slot; admitting "b" once "a" is gone clears
+    another and takes the pages "a" left cached, whose eviction copies them to the host
+    tier first."""
+    planner, tier = hybrid_planner(num_pages=3)
+    planner.add(request("a", 9))
+    plan = planner.schedule()
+    assert plan.slot_ops == [SlotOp(0)] and plan.host_copies == []
+    assert plan.linear is not None and [s.num_tokens for s in plan.linear] == [9]
+    planner.release(planner.running[0])  # its two full pages stay cached
+    other = request("b", 12)
+    other.prompt_token_ids[0] = 100  # nothing in common with "a"
+    planner.add(other)
+    plan = planner.schedule()
+    assert plan.slot_ops == [SlotOp(1)] and [s.slot for s in plan.linear or []] == [1]
+    assert [c.kind for c in plan.host_copies] == ["page_out", "page_out"]
+    assert tier.take_copies() == []  # handed over, once
+
+
+def test_device_work_waits_for_a_plan_that_runs_and_a_step_that_never_ran_hands_it_on():
+    planner, tier = hybrid_planner(num_pages=8)
+    tier.spill_page(7, b"key", b"")  # between steps (a spilled embedding can do this too)
+    assert planner.schedule().host_copies == []  # nothing to run: it waits
+    planner.add(request("a", 5))
+    plan = planner.schedule()
+    assert plan.slot_ops == [SlotOp(0)] and [c.kind for c in plan.host_copies] == ["page_out"]
+    planner.defer_device_work(plan)  # its encoding raised: no rank applied any of it
+    planner.release(planner.running[0])
+    planner.add(request("b", 5))
+    plan = planner.schedule()
+    assert plan.slot_ops == [SlotOp(0), SlotOp(1)]  # a's clear first, then b's
+    assert [c.kind for c in plan.host_copies] == ["page_out"]

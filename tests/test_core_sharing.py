@@ -205,13 +205,13 @@ def test_prefill_beside_a_running_call_holds_it_takes_every_core_and_answers_rig
     parts = PartLog(iris.model.visual.blocks)
     parts.paused_at = "0.mlp"
     threads: list[int] = []
-    share = iris.policy.cores.share
+    share = iris.pacing.cores.share
 
     def noting_threads(step_threads: int, idle: bool) -> None:
         threads.append(step_threads)
         share(step_threads, idle)
 
-    iris.policy.cores.share = noting_threads  # type: ignore[method-assign]
+    iris.pacing.cores.share = noting_threads  # type: ignore[method-assign]
     image = chat_prompt(builder, "Describe it.", [make_image(120, 90, seed=7)])
     text = chat_prompt(builder, "Count from one to twenty, slowly, " + "please " * 20)
     greedy = Sampling(temperature=0.0, max_tokens=8)
@@ -225,13 +225,13 @@ def test_prefill_beside_a_running_call_holds_it_takes_every_core_and_answers_rig
     assert isinstance(encoder, EncoderThread)
     try:
         # no holds while the call starts (its template tokens would race it for one)
-        iris.policy.cores.hold_for_prefill = False
+        iris.pacing.cores.hold_for_prefill = False
         iris.add_request("image", image, greedy)
         wait_until(lambda: step() or parts.reached.is_set(), "the call reaches block 0")
-        iris.policy.cores.hold_for_prefill = True
+        iris.pacing.cores.hold_for_prefill = True
         iris.add_request("text", text, greedy)
         step()  # a paced chunk of it beside the call: the steps ask for the cores
-        assert iris.policy.cores.holds == 1 and iris.policy.cores.awaiting_park
+        assert iris.pacing.cores.holds == 1 and iris.pacing.cores.awaiting_park
         assert threads[-1] == 1  # the encoder's share is still its own
         asked = len(threads)
     finally:

@@ -82,7 +82,7 @@ def test_a_failed_step_ends_its_requests_and_the_others_finish_as_without_it(
     produce the tokens of an engine without the fault."""
     iris = cpu_engine(model_dir, max_num_seqs=2)
     prompts = {"a": text(20, 100), "b": text(9, 300), "c": text(14, 500), "d": text(11, 700)}
-    fail_call(monkeypatch, iris.runner, "execute", 3, RuntimeError("injected fault"))
+    fail_call(monkeypatch, iris.runner, "run", 3, RuntimeError("injected fault"))
     for request_id in "abc":
         iris.add_request(request_id, prompts[request_id], GREEDY)
     tokens: dict[str, list[int]] = {}
@@ -116,7 +116,7 @@ def test_a_failed_prefill_chunk_leaves_only_earlier_chunks_in_the_prefix_cache(
     fill are not, so the same prompt again hits exactly 32 tokens and answers right."""
     iris = cpu_engine(model_dir, max_num_batched_tokens=32, page_size=16)
     prompt = text(80, 1000)
-    fail_call(monkeypatch, iris.runner, "execute", 2, RuntimeError("injected fault"))
+    fail_call(monkeypatch, iris.runner, "run", 2, RuntimeError("injected fault"))
     iris.add_request("a", prompt, GREEDY)
     assert iris.step() == [] and iris.step() == []
     assert [f.request_id for f in iris.pop_failed()] == ["a"]
@@ -167,7 +167,7 @@ def test_only_an_out_of_memory_step_empties_the_device_cache(model_dir, monkeypa
     iris = cpu_engine(model_dir)
     emptied: list[torch.device] = []
     monkeypatch.setattr(engine_module, "release_device_memory", emptied.append)
-    fail_call(monkeypatch, iris.runner, "execute", 1, error)
+    fail_call(monkeypatch, iris.runner, "run", 1, error)
     iris.add_request("a", text(10, 100), GREEDY)
     assert iris.step() == []
     [failed] = iris.pop_failed()
@@ -191,7 +191,7 @@ def test_a_device_error_is_not_isolated(model_dir, monkeypatch):
     """A CUDA error poisons the context for every later step: it propagates, and the
     scheduler process exits for the launcher to see."""
     iris = cpu_engine(model_dir)
-    fail_call(monkeypatch, iris.runner, "execute", 1, torch.AcceleratorError("device assert"))
+    fail_call(monkeypatch, iris.runner, "run", 1, torch.AcceleratorError("device assert"))
     iris.add_request("a", text(10, 100), GREEDY)
     with pytest.raises(torch.AcceleratorError):
         iris.step()
@@ -200,7 +200,7 @@ def test_a_device_error_is_not_isolated(model_dir, monkeypatch):
 def test_generate_raises_when_one_of_its_prompts_failed(model_dir, monkeypatch, caplog):
     caplog.set_level(logging.CRITICAL)
     iris = cpu_engine(model_dir, max_num_seqs=1)  # the second prompt waits out the fault
-    fail_call(monkeypatch, iris.runner, "execute", 1, RuntimeError("injected fault"))
+    fail_call(monkeypatch, iris.runner, "run", 1, RuntimeError("injected fault"))
     with pytest.raises(RuntimeError, match="1 of 2 prompts failed: internal error"):
         iris.generate([text(10, 100), text(10, 200)], Sampling(temperature=0.0, max_tokens=2))
 

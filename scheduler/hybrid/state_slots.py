@@ -5,8 +5,10 @@ A hybrid model (Qwen3.5) keeps a fixed-size state per sequence in every linear-a
 layer (`models/linear_state.py`). The pool has `num_working` working slots, one per request
 that may run at once, then `num_snapshots` snapshot slots. `StateSlots` is pure
 bookkeeping: it never touches a tensor. What the device must do (clear a slot, copy one
-into another) it queues as `SlotOp`s, which the model runner applies at the start of the
-next forward, on every tensor-parallel rank alike, before any layer reads a slot.
+into another) it records as `SlotOp`s, which the batch planner hands over in the step plan
+(`take_ops`, with each chunk's slot and captures, `sequences`); the model runner applies
+them at the start of the step's forward, on every tensor-parallel rank alike, before any
+layer reads a slot.
 
 A prefix-cache hit on a hybrid model means something only if the linear layers' state at
 the hit can be restored, so a snapshot is keyed by the prefix-cache key of the full page
@@ -110,17 +112,15 @@ class StateSlots(RequestResources):
         host: HostTier | None = None,
     ) -> StateSlots:
         """The owner of a `DeviceState` pool's slots (working slots, then snapshots, then
-        the scratch slot). With a prefix cache, its hits must end at a snapshot."""
-        slots = cls(
+        the scratch slot), keyed by `prefix_cache`'s page keys (whose hits the engine's
+        wiring makes end at a snapshot, `has_snapshot`)."""
+        return cls(
             config.max_num_seqs,
             pool.num_slots - config.max_num_seqs - 1,
             config.page_size,
             None if prefix_cache is None else prefix_cache.page_keys,
             host,
         )
-        if prefix_cache is not None:
-            prefix_cache.require_snapshots(slots.has_snapshot)
-        return slots
 
     @property
     def num_stored(self) -> int:
@@ -170,7 +170,8 @@ class StateSlots(RequestResources):
             held.pinned = []
 
     def take_ops(self) -> list[SlotOp]:
-        """The slot clears and copies queued since the last call, in order."""
+        """The slot clears and copies recorded since the last call, in order (the planner
+        takes them into the step plan)."""
         ops, self._ops = self._ops, []
         return ops
 

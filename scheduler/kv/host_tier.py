@@ -18,9 +18,9 @@ Two parts, as with the KV cache:
   entry a match found since the last step is not evicted before the step that reloads
   it), and the counters. Rank 0 copies as it decides, during planning: a spill before the
   step's forward overwrites the page or slot, a reload before the forward reads it. The
-  same copies, in the same order, go to the other ranks with the step (`take_copies`),
-  which make them before their forward (and before its slot clears and copies): their
-  pages and slots have changed no more than rank 0's had.
+  same copies, in the same order, go to the other ranks in the step plan (the planner
+  takes them, `take_copies`), which make them before their forward (and before its slot
+  clears and copies): their pages and slots have changed no more than rank 0's had.
 
 On CUDA the blocks are pinned and the copies are asynchronous on the step's stream, ordered
 with the forwards around them; a reload's failure surfaces here only on the CPU (where
@@ -188,8 +188,9 @@ class HostTier:
         return self.memory.num_blocks - len(self._free_blocks)
 
     def take_copies(self) -> list[HostCopy]:
-        """The copies made since the last call, in order, for the other ranks; a step
-        starts, so the entries matches found may be evicted again."""
+        """The copies made since the last call, in order, for the other ranks (the planner
+        takes them into the step plan); a step starts, so the entries matches found may
+        be evicted again."""
         copies, self._copies = self._copies, []
         self._fresh.clear()
         return copies

@@ -69,8 +69,9 @@ class PagePool:
     request holds a page"."""
 
     def __init__(self, num_pages: int) -> None:
-        """`on_evict(page, key, token_bytes)`, when set, hears of each cached page as it is
-        evicted, before its new owner writes it (the host tier spills it)."""
+        """`on_evict(page, key, token_bytes)`, when set (by the engine's wiring,
+        step/wiring.py), hears of each cached page as it is evicted, before its new owner
+        writes it (the host tier spills it)."""
         if num_pages < 1:
             raise ValueError("the KV cache needs at least one page; raise its memory budget")
         self.num_pages = num_pages

@@ -90,9 +90,7 @@ class PrefixCache:
     def __init__(self, pool: PagePool, page_size: int, host: HostTier | None = None) -> None:
         self.pool = pool
         self.page_size = page_size
-        self.host = host  # where evicted pages went (None: nowhere)
-        if host is not None:
-            pool.on_evict = host.spill_page
+        self.host = host  # where evicted pages went (None: nowhere; wiring.py sends them)
         # a hybrid model's: whether a page's key has a state snapshot (state_slots.py)
         self._restorable: Callable[[bytes], bool] | None = None
         self.hit_tokens = 0  # tokens found cached at requests' first admission

@@ -7,12 +7,15 @@ up to the remaining budget for a prefill. A preempted request is recomputed late
 its prompt and the tokens it produced, so nothing it returned changes. A request being
 admitted (first time or after preemption) starts from its longest cached prefix.
 
-The prefill a step carries is capped by a `PrefillPolicy`, asked once per step (`caps`)
-and told what was planned (`planned`): the engine's is `StepPolicy` (step_policy.py), a
-`PrefillCaps` fixed caps (`UNCAPPED`: none). A chunk runs only as far as `ready_until`
-allows (the encoder manager's, `thread` placement): a request whose next tokens are an
-image still encoding sits the step out, holding what it has; one waiting to be admitted
-lets those behind it in.
+The prefill a step carries is capped by the engine's `PrefillPacing` (pacing.py), asked
+once per step (`caps`) and told what was planned (`planned`); without one, nothing caps
+it but the token budget. A chunk runs only as far as `ready_until` allows (the encoder
+manager's, `thread` placement): a request whose next tokens are an image still encoding
+sits the step out, holding what it has; one waiting to be admitted lets those behind it
+in.
+
+The plan also carries the device work its planning decided (`StepPlan.linear`,
+`slot_ops`, `host_copies`), which the model runner applies on every rank alike.
 
 Progress advances here, as a chunk is planned, not when the step's results are
 accounted, so that admission, preemption and planning change a request's `PageTable` in
@@ -25,11 +28,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ..kv.kv_cache import PagePool
 from ..kv.prefix_cache import PrefixCache, PrefixMatch
+from .pacing import UNCAPPED
 from .request import Request, RequestResources, RequestStatus
+
+if TYPE_CHECKING:
+    from ..hybrid.linear_state import SequenceStates
+    from ..hybrid.state_slots import SlotOp, StateSlots
+    from ..kv.host_tier import HostCopy, HostTier
+    from .pacing import PrefillPacing
 
 
 @dataclass(frozen=True)
@@ -50,9 +60,19 @@ class ScheduledChunk:
 
 @dataclass
 class StepPlan:
+    """What a step runs, and the device work its planning decided, which every rank applies
+    before the step's forward reads a page or a slot (`BatchPlanner._take_device_work`)."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_decodes: int = 0  # chunks of one token of requests past their prompt
+    # a hybrid model's: each chunk's linear-attention state slot and captures, in order
+    linear: list[SequenceStates] | None = None
+    # a hybrid model's: slot clears and copies (admissions), applied in order
+    slot_ops: list[SlotOp] = field(default_factory=list)
+    # the host tier's copies, made on rank 0 as planning decided them; the other
+    # tensor-parallel ranks make them before their forward (and before `slot_ops`)
+    host_copies: list[HostCopy] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -61,36 +81,6 @@ class StepPlan:
 
 # How far a request's prefill may run from a token on, now (its images' readiness).
 ReadyUntil = Callable[[Request, int], int]
-# Told of each admission (first or after a preemption) and the tokens found cached.
-Admitted = Callable[[Request, int], None]
-
-
-@dataclass(frozen=True)
-class PrefillCaps:
-    """Prefill tokens a step may carry (None: the whole token budget). Also the policy
-    of the same caps every step."""
-
-    with_decodes: int | None = None  # in a step that has decodes
-    alone: int | None = None  # in a step that has none
-
-    def caps(self) -> PrefillCaps:
-        return self
-
-    def planned(self, plan: StepPlan) -> None:
-        pass
-
-
-class PrefillPolicy(Protocol):
-    def caps(self) -> PrefillCaps:
-        """The caps of the step being planned (asked once, as planning starts)."""
-        ...
-
-    def planned(self, plan: StepPlan) -> None:
-        """The step as planned (the policy may set what it runs with)."""
-        ...
-
-
-UNCAPPED = PrefillCaps()
 
 
 class _ReloadFailed:
@@ -101,13 +91,14 @@ def _anywhere(request: Request, start: int) -> int:
     return request.num_tokens
 
 
-def _unheard(request: Request, num_cached_tokens: int) -> None:
-    pass
-
-
 class BatchPlanner(RequestResources):
     """Owns the waiting queue, the running set and every request's page table (its KV
-    pages: `release` returns them; a preemption returns them as it happens)."""
+    pages: `release` returns them; a preemption returns them as it happens).
+
+    `state_slots` (a hybrid model's) hears of each admission and names each chunk's
+    state slot; it and `host_tier` record the device work planning decides, which the
+    planner hands over in the plan. A step that plans nothing, or whose forward never
+    began (`defer_device_work`), leaves that work to the next plan."""
 
     def __init__(
         self,
@@ -117,13 +108,15 @@ class BatchPlanner(RequestResources):
         max_num_seqs: int,
         prefix_cache: PrefixCache | None = None,
         ready_until: ReadyUntil = _anywhere,
-        policy: PrefillPolicy = UNCAPPED,
-        admitted: Admitted = _unheard,
+        pacing: PrefillPacing | None = None,
+        state_slots: StateSlots | None = None,
+        host_tier: HostTier | None = None,
     ) -> None:
         self.pool = pool
         self.ready_until = ready_until
-        self.admitted = admitted  # the hybrid models' state slots (state_slots.py)
-        self.policy = policy
+        self.state_slots = state_slots
+        self.host_tier = host_tier
+        self.pacing = pacing
         self.prefix_cache = prefix_cache
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -131,6 +124,9 @@ class BatchPlanner(RequestResources):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # device work of a plan whose forward never began, for the next plan
+        self._deferred_ops: list[SlotOp] = []
+        self._deferred_copies: list[HostCopy] = []
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -146,7 +142,7 @@ class BatchPlanner(RequestResources):
             for request in self.running:  # pages the last step filled
                 self.prefix_cache.register(request)
 
-        caps = self.policy.caps()
+        caps = UNCAPPED if self.pacing is None else self.pacing.caps()
         cap = caps.alone
         if any(_is_decoding(r) for r in self.running):
             cap = caps.with_decodes
@@ -189,8 +185,19 @@ class BatchPlanner(RequestResources):
             _plan_chunk(plan, request, first_chunk)
             budget -= first_chunk
             prefill_budget -= first_chunk
-        self.policy.planned(plan)
+        if plan.chunks:  # a step that runs carries the device work decided so far
+            self._take_device_work(plan)
+        if self.pacing is not None:
+            self.pacing.planned(plan)
         return plan
+
+    def defer_device_work(self, plan: StepPlan) -> None:
+        """The plan's step failed before its forward began (encoding raised): no rank
+        applied its slot ops or repeated its host copies, so they go with the next plan
+        (rank 0 made the copies already; the other ranks' host blocks must follow)."""
+        self._deferred_ops = plan.slot_ops + self._deferred_ops
+        self._deferred_copies = plan.host_copies + self._deferred_copies
+        plan.slot_ops, plan.host_copies = [], []
 
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of a waiting request that its admission would find in the prefix cache
@@ -254,7 +261,8 @@ class BatchPlanner(RequestResources):
                 self.pool.free(cached)
                 return _ReloadFailed()
         request.page_table.admit(cached + reloaded, num_cached_tokens, new[len(reloaded) :])
-        self.admitted(request, num_cached_tokens)
+        if self.state_slots is not None:  # its working slot, from a snapshot or cleared
+            self.state_slots.admit(request, num_cached_tokens)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached_tokens
             request.num_host_cached_tokens = len(reloaded) * self.page_size
@@ -264,6 +272,20 @@ class BatchPlanner(RequestResources):
                     num_cached_tokens, request.num_tokens, request.num_host_cached_tokens
                 )
         return num_tokens
+
+    def _take_device_work(self, plan: StepPlan) -> None:
+        """Puts in the plan what its planning decided for the device: each chunk's state
+        slot and captures (a capture may spill an older snapshot to the host tier, so
+        these come first), the slot clears and copies of the admissions, and the host
+        tier's copies (taking them starts a step for the tier)."""
+        slots = self.state_slots
+        if slots is not None:
+            plan.linear = slots.sequences(plan.chunks)
+            plan.slot_ops = self._deferred_ops + slots.take_ops()
+            self._deferred_ops = []
+        if self.host_tier is not None:
+            plan.host_copies = self._deferred_copies + self.host_tier.take_copies()
+            self._deferred_copies = []
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:
         table = request.page_table

@@ -1,5 +1,6 @@
 """On a CPU, the cores split between the engine's steps and the encoder thread (on CUDA
-nothing is split). `StepPolicy` (step_policy.py) drives it, once per step.
+nothing is split): one part of prefill pacing, which `PrefillPacing` (pacing.py) drives
+once per step.
 
 Splitting suits decodes, not prefill: a decode step barely gains from a second core, but
 a prefill token is several times slower with one thread alongside the tower (whose
@@ -42,8 +43,9 @@ class CoreSharing:
         self._no_hold_until = 0.0
 
     def step_threads(self, encoding: bool) -> int:
-        """The torch threads the next step runs with (0 on CUDA) while a vision-tower call is in
-        flight (`encoding`) or not; also the step pacer's key, as a step's costs depend on it."""
+        """The torch threads the next step runs with (0 on CUDA) while a vision-tower call
+        is in flight (`encoding`) or not; also the latency budget's key, as a step's costs
+        depend on it."""
         if self.encoder is None or not encoding or self.encoder.parked:
             return self.cpu_threads
         return max(1, self.cpu_threads - self.encoder.num_threads)

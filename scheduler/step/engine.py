@@ -28,15 +28,11 @@ from ...ipc.messages import (
 )
 from ..config import EngineConfig
 from ..device_state import DeviceState
-from ..encoder.embedding_cache import EmbeddingCache
 from ..encoder.executor import Tower, encoder_executor
 from ..encoder.given_images import hold_given_images
 from ..encoder.manager import EncoderManager, request_scoped_keys
 from ..encoder.patches import PatchMaker
 from ..encoder.pixels import Pin, PixelStore
-from ..hybrid.state_slots import StateSlots
-from ..kv.host_tier import HostTier
-from ..kv.prefix_cache import PrefixCache
 from ..models.mrope import mrope_positions
 from ..models.tensor_parallel import SINGLE, TPShard
 from ..sampling.sampler import check_sampling
@@ -49,8 +45,9 @@ from .faults import (
     release_device_memory,
 )
 from .model_runner import Followers, ModelRunner, Sampled
-from .policy import StepPolicy
+from .pacing import PrefillPacing
 from .request import Request, RequestResources
+from .wiring import build_caches
 
 logger = logging.getLogger(__name__)
 
@@ -95,25 +92,9 @@ class Engine:
                 self.max_model_len,
                 capacity,
             )
-        self.host_tier = (  # evicted pages and embeddings, in host memory
-            None
-            if state.host_memory is None
-            else HostTier(
-                config.kv_offload_bytes,
-                state.host_memory,
-                self.device,
-                record_copies=followers is not None,
-            )
-        )
-        self.prefix_cache = (
-            PrefixCache(self.kv_cache.pool, config.page_size, self.host_tier)
-            if config.enable_prefix_caching
-            else None
-        )
-        self.embedding_cache = EmbeddingCache(
-            config.mm_embedding_cache_bytes if config.enable_mm_embedding_cache else 0,
-            self.host_tier if config.enable_mm_embedding_cache else None,
-        )
+        caches = build_caches(config, state, record_copies=followers is not None)
+        self.host_tier, self.prefix_cache = caches.host_tier, caches.prefix_cache
+        self.embedding_cache, self.state_slots = caches.embedding_cache, caches.state_slots
         self.pixels = PixelStore()
         self.patches = PatchMaker.from_checkpoint(config.model, self.device, self.dtype)
         self.tower = Tower(self.model, self.patches)
@@ -129,12 +110,7 @@ class Engine:
             self.encoder_executor,
             self.patches.merge_size,
         )
-        self.policy = StepPolicy.build(config, self.device, self.encoder_manager)
-        self.state_slots = (  # a hybrid model's linear-attention state
-            None
-            if state.linear_states is None
-            else StateSlots.for_pool(config, state.linear_states, self.prefix_cache, self.host_tier)
-        )
+        self.pacing = PrefillPacing.build(config, self.device, self.encoder_manager)
         self.planner = BatchPlanner(
             self.kv_cache.pool,
             config.page_size,
@@ -142,10 +118,11 @@ class Engine:
             config.max_num_seqs,
             self.prefix_cache,
             self.encoder_manager.ready_until,
-            self.policy,
-            *(() if self.state_slots is None else (self.state_slots.admit,)),
+            self.pacing,
+            self.state_slots,  # admissions; each chunk's slot; slot clears and copies
+            self.host_tier,  # the copies it made while planning, in the plan
         )
-        self.runner = ModelRunner(
+        self.runner = ModelRunner(  # applies what the plan says, decides nothing
             self.model,
             self.attention,
             self.device,
@@ -153,8 +130,6 @@ class Engine:
             followers,
             state.decode_graphs,
             state.linear_states,
-            self.state_slots,
-            self.host_tier,
         )
         # Every owner of per-request state, in the order `_finish` releases them (the
         # planner first: the pages it registers are what snapshots are keyed by).
@@ -309,7 +284,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self._collect_images()  # the encoder thread's finished calls in, the next ones out
-        plan = self.planner.schedule()  # within the step policy's caps
+        plan = self.planner.schedule()  # within the prefill pacing's caps
         for request in plan.preempted:
             self._preempt(request)
         if not plan.chunks:
@@ -405,15 +380,23 @@ class Engine:
         )
 
     def _run(self, plan: StepPlan) -> Sampled | None:
-        """Encodes the images the plan's chunks overlap, runs the forward and samples;
-        None when that raised an error the step's requests can fail alone with."""
+        """Encodes the images the plan's chunks overlap, runs the forward (the snapshots it
+        wrote are then kept) and samples; None when that raised an error the step's
+        requests can fail alone with."""
+        forward_began = False
         try:
-            with self.policy.timed(plan):
+            with self.pacing.timed(plan):
                 images = self.encoder_manager.encode(plan.chunks)
-                return self.runner.execute(plan, images)
+                forward_began = True
+                logits = self.runner.run(plan, images)
+                if self.state_slots is not None:
+                    self.state_slots.step_ran()
+                return self.runner.sample(plan, logits)
         except Exception as error:
             if not is_isolatable(error):
                 raise
+            if not forward_began:  # no rank made the plan's device work: the next plan's
+                self.planner.defer_device_work(plan)
             out_of_memory = self._fail_step(plan, error)
         if out_of_memory:  # now that the traceback, and the step's tensors it held, are gone
             release_device_memory(self.device)

@@ -1,8 +1,10 @@
 """Turns a step plan and its image embeddings into one forward pass: inputs, attention,
 sampling. A step is built in two halves so that tensor-parallel ranks can share the
 second: `inputs` (rank 0: token ids, positions, attention chunks, the image rows and
-their embeddings) and `forward` (every rank: the model, then the logits of the rows that
-sample); rank 0 sends each step's `StepInputs` to the other ranks between the two.
+their embeddings, and the device work the plan carries) and `forward` (every rank: that
+device work, the model, then the logits of the rows that sample); rank 0 sends each
+step's `StepInputs` to the other ranks between the two. The runner decides nothing: it
+applies what the plan says.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from ..hybrid.linear_state import (
     LinearStepContext,
     SequenceStates,
 )
-from ..hybrid.state_slots import SlotOp, StateSlots
-from ..kv.host_tier import HostCopy, HostTier
+from ..hybrid.state_slots import SlotOp
+from ..kv.host_tier import HostCopy, HostMemory
 from ..sampling.sampler import Sampler, SamplingRow, token_logprobs
 from .batch_planner import ScheduledChunk, StepPlan
 from .faults import RanksOutOfStep
@@ -42,12 +44,11 @@ class StepInputs:
     image_rows: list[tuple[int, int]]  # [start, end) rows that take image embeddings
     image_embeddings: torch.Tensor | None  # [sum of rows, H * (1 + L)], rows in order
     logit_rows: list[int]  # rows whose logits are computed (each completes a sequence)
-    # a hybrid model's: each chunk's linear-attention state slot, and the slot clears and
-    # copies to apply before the forward reads any
+    # the plan's device work (`StepPlan`): a hybrid model's chunk slots and slot clears
+    # and copies, and the host tier's copies, which a rank given a `host_memory` makes
+    # first (the other ranks; rank 0 made them as it planned)
     linear: list[SequenceStates] | None = None
     slot_ops: list[SlotOp] = field(default_factory=list)
-    # the host tier's copies rank 0 made while planning, for the other ranks to make before
-    # their forward and its slot ops (rank 0's `forward` does not: they are made)
     host_copies: list[HostCopy] = field(default_factory=list)
     # host copies of input_ids and positions (rank 0 sends them without a device read)
     host_input_ids: list[int] | None = None
@@ -79,16 +80,14 @@ class ModelRunner(RequestResources):
         followers: Followers | None = None,
         decode_graphs: DecodeGraphs | None = None,
         linear_states: LinearStates | None = None,
-        state_slots: StateSlots | None = None,
-        host_tier: HostTier | None = None,
+        host_memory: HostMemory | None = None,
     ) -> None:
-        """`linear_states` (this rank's pool) and `state_slots` (rank 0's bookkeeping of
-        it): a hybrid model's linear-attention state; None for the others. `host_tier`:
-        rank 0's, whose page copies the other ranks repeat."""
+        """`linear_states`: this rank's pool of a hybrid model's linear-attention state
+        (None for the others). `host_memory`: where a rank other than 0 makes the host
+        tier's copies the step carries (None on rank 0, whose tier made them)."""
         self.model = model
-        self.host_tier = host_tier
         self.linear_states = linear_states
-        self.state_slots = state_slots
+        self.host_memory = host_memory
         self.decode_graphs = decode_graphs
         self.attention = attention
         self.device = device
@@ -97,24 +96,24 @@ class ModelRunner(RequestResources):
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, images: list[ChunkImages]) -> Sampled:
-        """Runs the step, splicing in each chunk's `images` (parallel to `plan.chunks`); returns
-        one sampled token per chunk that completes its sequence. Under tensor parallelism a
-        failure after the other ranks were sent the step leaves them inside collectives rank 0
-        will never finish: it is raised as `RanksOutOfStep`, which stops the scheduler."""
+    def run(self, plan: StepPlan, images: list[ChunkImages]) -> torch.Tensor | None:
+        """Runs the step's forward on every rank, splicing in each chunk's `images` (parallel
+        to `plan.chunks`); the logits of the chunks that complete their sequence, or None.
+        Under tensor parallelism a failure after the other ranks were sent the step leaves
+        them inside collectives rank 0 will never finish: it is raised as `RanksOutOfStep`,
+        which stops the scheduler."""
         inputs = self.inputs(plan, images)
         if self.followers is None:
-            logits = self.forward(inputs)
-        else:
-            self.followers.send(plan, inputs)
-            try:
-                logits = self.forward(inputs)
-            except Exception as error:
-                raise RanksOutOfStep(
-                    f"a tensor-parallel forward failed on rank 0: {error}"
-                ) from error
-        if self.state_slots is not None:
-            self.state_slots.step_ran()
+            return self.forward(inputs)
+        self.followers.send(plan, inputs)
+        try:
+            return self.forward(inputs)
+        except Exception as error:
+            raise RanksOutOfStep(f"a tensor-parallel forward failed on rank 0: {error}") from error
+
+    @torch.inference_mode()
+    def sample(self, plan: StepPlan, logits: torch.Tensor | None) -> Sampled:
+        """One sampled token per chunk that completes its sequence, from `run`'s logits."""
         if logits is None:
             return Sampled([], [])
         sampling_chunks = [c for c in plan.chunks if c.completes_sequence]
@@ -145,7 +144,6 @@ class ModelRunner(RequestResources):
         token_ids = [t for c in chunks for t in c.request.token_ids(c.start, c.end)]
         positions = torch.cat([c.request.positions(c.start, c.end) for c in chunks], dim=1)
         image_rows, parts = _image_rows(chunks, images)
-        slots = self.state_slots
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
             positions=positions.to(self.device),
@@ -160,9 +158,9 @@ class ModelRunner(RequestResources):
             logit_rows=_last_row_indices(chunks),
             host_input_ids=token_ids,
             host_positions=positions,
-            linear=None if slots is None else slots.sequences(chunks),
-            slot_ops=[] if slots is None else slots.take_ops(),
-            host_copies=[] if self.host_tier is None else self.host_tier.take_copies(),
+            linear=plan.linear,
+            slot_ops=plan.slot_ops,
+            host_copies=plan.host_copies,
         )
 
     @torch.inference_mode()
@@ -170,7 +168,10 @@ class ModelRunner(RequestResources):
         """The model over the step's tokens; fp32 logits `[len(logit_rows), vocab]`, or None
         when no row samples. A collective under tensor parallelism: every rank calls it.
         A pure decode step replays a CUDA graph where the rank captured them (every rank
-        decides alike, from the same inputs)."""
+        decides alike, from the same inputs). First the step's device work: the host
+        tier's copies (a rank given `host_memory`), then the slot clears and copies."""
+        if self.host_memory is not None and inputs.host_copies:
+            self.host_memory.apply(inputs.host_copies)
         states = None if inputs.linear is None else self._linear_states(inputs)
         if self.decode_graphs is not None and self.decode_graphs.handles(inputs):
             return self.decode_graphs.run(inputs)

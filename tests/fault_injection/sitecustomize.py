@@ -15,11 +15,11 @@ _SEED = os.environ.get("IRIS_TEST_FAULT_SEED")
 if _SEED is not None:
     from iris_serve.scheduler.step.model_runner import ModelRunner
 
-    _execute = ModelRunner.execute
+    _run = ModelRunner.run
 
-    def _faulty_execute(self, plan, images):  # type: ignore[no-untyped-def]
+    def _faulty_run(self, plan, images):  # type: ignore[no-untyped-def]
         if any(chunk.request.sampling.seed == int(_SEED) for chunk in plan.chunks):
             raise RuntimeError("fault injected by tests/fault_injection")
-        return _execute(self, plan, images)
+        return _run(self, plan, images)
 
-    ModelRunner.execute = _faulty_execute  # type: ignore[method-assign]
+    ModelRunner.run = _faulty_run  # type: ignore[method-assign]

@@ -1,4 +1,5 @@
-"""How many prefill tokens a step may carry beside decodes, from measured step times.
+"""The latency budget, one part of prefill pacing (pacing.py): how many prefill tokens a
+step may carry beside decodes, from measured step times.
 
 A running stream's next token waits for the whole step it is in: `decode` seconds for a
 step of decodes only, plus about `n × per_token` for a prefill chunk of `n` tokens beside
@@ -35,7 +36,7 @@ class _Costs:
     prefill_token_seconds: float | None = None  # added by each prefill token
 
 
-class StepPacer:
+class LatencyBudget:
     def __init__(self, stretch: float, min_tokens: int) -> None:
         """`stretch`: the longest a step with decodes may take, in decode steps (> 1);
         `min_tokens`: the smallest cap, so a prompt always moves on."""

@@ -1,0 +1,60 @@
+"""The engine's caches and the host tier under them, and who hears of whom among them,
+wired in this one place (`Engine.__init__` calls `build_caches`; `docs/design.md`, "The
+engine's step"). No constructor installs a hook on another object: each cache is given
+what it calls, and the two cross-owner links are made here.
+
+- The KV page pool's evictions go to the host tier (`PagePool.on_evict`), which copies
+  each evicted page to host memory before its new owner writes it.
+- A hybrid model's prefix matches end at a page whose linear-state snapshot the state
+  slots can restore (`PrefixCache.require_snapshots`).
+
+What the caches decide for the device during planning (slot clears and copies, host
+copies) they record for the planner, which hands it over in the step plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..device_state import DeviceState
+from ..encoder.embedding_cache import EmbeddingCache
+from ..hybrid.state_slots import StateSlots
+from ..kv.host_tier import HostTier
+from ..kv.prefix_cache import PrefixCache
+
+
+@dataclass(frozen=True)
+class Caches:
+    host_tier: HostTier | None  # evicted pages, embeddings and snapshots, in host memory
+    prefix_cache: PrefixCache | None
+    embedding_cache: EmbeddingCache
+    state_slots: StateSlots | None  # a hybrid model's linear-attention state
+
+
+def build_caches(config: EngineConfig, state: DeviceState, record_copies: bool) -> Caches:
+    """The caches over `state`'s pools, wired to each other. `record_copies`: the host tier
+    keeps its copies for the other tensor-parallel ranks (the step plan carries them)."""
+    host_tier = (
+        None
+        if state.host_memory is None
+        else HostTier(config.kv_offload_bytes, state.host_memory, state.device, record_copies)
+    )
+    pool = state.kv_cache.pool
+    prefix_cache = (
+        PrefixCache(pool, config.page_size, host_tier) if config.enable_prefix_caching else None
+    )
+    embedding_cache = EmbeddingCache(
+        config.mm_embedding_cache_bytes if config.enable_mm_embedding_cache else 0,
+        host_tier if config.enable_mm_embedding_cache else None,
+    )
+    state_slots = (
+        None
+        if state.linear_states is None
+        else StateSlots.for_pool(config, state.linear_states, prefix_cache, host_tier)
+    )
+    if host_tier is not None and prefix_cache is not None:
+        pool.on_evict = host_tier.spill_page
+    if state_slots is not None and prefix_cache is not None:
+        prefix_cache.require_snapshots(state_slots.has_snapshot)
+    return Caches(host_tier, prefix_cache, embedding_cache, state_slots)
