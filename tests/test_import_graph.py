@@ -73,7 +73,7 @@ def test_the_graph_holds_every_module(graph: grimp.ImportGraph):
     ("importer", "imported"),
     [
         # relative imports, within the package and up to ipc
-        ("iris_serve.scheduler.step.engine", "iris_serve.scheduler.kv.prefix_cache"),
+        ("iris_serve.scheduler.step.wiring", "iris_serve.scheduler.kv.prefix_cache"),
         ("iris_serve.scheduler.step.engine", "iris_serve.ipc.messages"),
         ("iris_serve.server.serving", "iris_serve.ipc.messages"),
         # the composition root uses a role through its package
