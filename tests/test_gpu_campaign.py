@@ -57,7 +57,7 @@ def test_the_source_digest_follows_the_sources_and_not_their_caches(tree: Path):
     cache.mkdir()
     (cache / "engine.cpython-312.pyc").write_bytes(b"compiled")
     assert source_digest(tree) == before
-    engine = tree / "scheduler" / "engine.py"
+    engine = tree / "scheduler" / "step" / "engine.py"
     engine.write_text(engine.read_text() + "\n# changed\n")
     try:
         assert source_digest(tree) != before
