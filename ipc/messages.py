@@ -1,4 +1,4 @@
-"""Every message that crosses a process boundary, and its msgpack codec.
+"""Every message that crosses a process boundary, and the codec of each union (`ipc.codec`).
 
 One tagged union per socket direction (tags are ints, unique across all unions):
 
@@ -22,16 +22,16 @@ here (`docs/design.md`, "Pixels never cross ZMQ").
 
 Token ids are `bytes` of little-endian int32, not `list[int]`: msgpack spends 5 bytes on
 an id above 65,535 (a Qwen image pad id, repeated for every image token), and the
-scheduler reads bytes without a per-id loop.
+scheduler reads bytes without a per-id loop (`codec.pack_token_ids`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Annotated, Any, Generic, Literal, Protocol, TypeAlias, TypeVar, get_args
+from typing import Annotated, Any, Literal, Protocol, TypeAlias
 
 import msgspec
-import numpy as np
+
+from .codec import Codec, unpack_token_ids
 
 _TOKENIZE, _ABORT = 10, 11
 _ENGINE_REQUEST, _ABORT_ENGINE = 20, 21
@@ -505,52 +505,7 @@ class ReadySink(Protocol):
     def put(self, report: ReadyReport) -> None: ...
 
 
-# --- codecs -----------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-class MessageError(ValueError):
-    """Bytes that are not a message of the expected union (a bug in the sender)."""
-
-
-def _int_tag(struct: type[msgspec.Struct]) -> int:
-    tag = struct.__struct_config__.tag
-    if not isinstance(tag, int):
-        raise TypeError(f"{struct.__name__} has no int tag (every message sets one)")
-    return tag
-
-
-class Codec(Generic[T]):
-    """msgpack encoder/decoder for one union; refuses to send a message of another."""
-
-    def __init__(self, union: Any, name: str) -> None:
-        self.name = name
-        self._encoder = msgspec.msgpack.Encoder()
-        self.types: tuple[type[msgspec.Struct], ...] = get_args(union) or (union,)
-        self._tags = sorted(_int_tag(t) for t in self.types)
-        self._decoder = msgspec.msgpack.Decoder(union)
-
-    def encode(self, msg: T) -> bytes:
-        if not isinstance(msg, self.types):
-            raise TypeError(f"{type(msg).__name__} is not a {self.name} message")
-        return self._encoder.encode(msg)
-
-    def decode(self, data: bytes | memoryview) -> T:
-        try:
-            return self._decoder.decode(data)
-        except msgspec.DecodeError as e:
-            raise MessageError(f"bad {self.name} message: {self._explain(data, e)}") from e
-
-    def _explain(self, data: bytes | memoryview, error: Exception) -> str:
-        try:
-            raw = msgspec.msgpack.decode(data)
-        except msgspec.DecodeError:
-            return str(error)
-        if isinstance(raw, list) and raw and raw[0] not in self._tags:
-            return f"unknown tag {raw[0]!r} (expected one of {self._tags})"
-        return str(error)
-
+# --- codecs, one per union ---------------------------------------------------
 
 SERVER_TO_TOKENIZER: Codec[ServerToTokenizer] = Codec(ServerToTokenizer, "server→tokenizer")
 TOKENIZER_TO_SCHEDULER: Codec[TokenizerToScheduler] = Codec(
@@ -562,17 +517,3 @@ SCHEDULER_TO_TOKENIZER: Codec[SchedulerToTokenizer] = Codec(
 TO_SERVER: Codec[ToServer] = Codec(ToServer, "→server")
 TO_FOLLOWER: Codec[ToFollower] = Codec(ToFollower, "rank 0→follower")
 READY: Codec[ReadyReport] = Codec(ReadyReport, "child→launcher")
-
-
-# --- token ids --------------------------------------------------------------------
-
-_INT32_LE = np.dtype("<i4")
-
-
-def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """Token ids as little-endian int32 bytes (the `EngineRequest.token_ids` form)."""
-    return np.asarray(token_ids, dtype=_INT32_LE).tobytes()
-
-
-def unpack_token_ids(data: bytes) -> list[int]:
-    return np.frombuffer(data, dtype=_INT32_LE).tolist()

@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 import zmq
 
-from .messages import Codec
+from .codec import Codec
 from .sockets import PushSocket
 
 T = TypeVar("T")

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 import zmq
 import zmq.asyncio
 
-from .messages import Codec
+from .codec import Codec
 
 T = TypeVar("T")
 E = TypeVar("E", bound="_Endpoint[Any]")

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import zmq
 
+from ..ipc.codec import pack_token_ids
 from ..ipc.messages import (
     TO_FOLLOWER,
     ProcessFailed,
@@ -39,7 +40,6 @@ from ..ipc.messages import (
     RankStep,
     ReadySink,
     StopRanks,
-    pack_token_ids,
 )
 from ..ipc.sockets import PullSocket, PushSocket, ipc_address
 from .attention import SequenceChunk

@@ -23,11 +23,11 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from ..ipc.codec import MessageError
 from ..ipc.messages import (
     SERVER_TO_TOKENIZER,
     TO_SERVER,
     AbortRequest,
-    MessageError,
     RequestError,
     RequestOutput,
     TokenBatch,

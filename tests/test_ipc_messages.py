@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 
+from iris_serve.ipc.codec import Codec, MessageError, pack_token_ids, unpack_token_ids
 from iris_serve.ipc.messages import (
     READY,
     SCHEDULER_TO_TOKENIZER,
@@ -18,10 +19,8 @@ from iris_serve.ipc.messages import (
     TOKENIZER_TO_SCHEDULER,
     AbortEngineRequest,
     AbortRequest,
-    Codec,
     EngineRequest,
     ImageRef,
-    MessageError,
     ProcessFailed,
     ProcessReady,
     ReleaseImages,
@@ -32,8 +31,6 @@ from iris_serve.ipc.messages import (
     ShmPointer,
     TokenBatch,
     TokenizeRequest,
-    pack_token_ids,
-    unpack_token_ids,
 )
 from iris_serve.ipc.sockets import (
     AsyncPullSocket,

@@ -21,6 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
+from iris_serve.ipc.codec import unpack_token_ids
 from iris_serve.ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     SERVER_TO_TOKENIZER,
@@ -36,7 +37,6 @@ from iris_serve.ipc.messages import (
     Sampling,
     TokenizeRequest,
     WorkerStats,
-    unpack_token_ids,
 )
 from iris_serve.ipc.shm_arena import ShmArena, ShmReader
 from iris_serve.ipc.shm_names import SHM_DIR, instance_prefix, segment_name, sweep

@@ -13,14 +13,9 @@ import httpx
 import openai
 import pytest
 
+from iris_serve.ipc.codec import unpack_token_ids
 from iris_serve.ipc.local import PromptInput
-from iris_serve.ipc.messages import (
-    EngineRequest,
-    Prompt,
-    Sampling,
-    TokenizeRequest,
-    unpack_token_ids,
-)
+from iris_serve.ipc.messages import EngineRequest, Prompt, Sampling, TokenizeRequest
 from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import hf_generate

@@ -42,7 +42,8 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
 )
 from transformers.video_utils import VideoMetadata
 
-from iris_serve.ipc.messages import EngineRequest, Sampling, TokenizeRequest, unpack_token_ids
+from iris_serve.ipc.codec import unpack_token_ids
+from iris_serve.ipc.messages import EngineRequest, Sampling, TokenizeRequest
 from iris_serve.ipc.shm_arena import ShmReader
 from iris_serve.tiny_checkpoint import reference_processor
 from iris_serve.tokenizer_worker.prompt import PromptBuilder

@@ -19,13 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from iris_serve.ipc.messages import (
-    EngineRequest,
-    ImageRef,
-    Sampling,
-    TokenizeRequest,
-    unpack_token_ids,
-)
+from iris_serve.ipc.codec import unpack_token_ids
+from iris_serve.ipc.messages import EngineRequest, ImageRef, Sampling, TokenizeRequest
 from iris_serve.launch.args import parse_serve_args
 from iris_serve.launch.launcher import worker_config
 from iris_serve.scheduler.models.mrope import mrope_positions

@@ -15,13 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from iris_serve.ipc.messages import (
-    EngineRequest,
-    RequestError,
-    Sampling,
-    TokenizeRequest,
-    unpack_token_ids,
-)
+from iris_serve.ipc.codec import unpack_token_ids
+from iris_serve.ipc.messages import EngineRequest, RequestError, Sampling, TokenizeRequest
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import make_image

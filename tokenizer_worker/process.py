@@ -33,13 +33,13 @@ import zmq
 
 from ..common.logs import configure_logging
 from ..common.process_heap import freeze_startup_heap
+from ..ipc.codec import MessageError
 from ..ipc.messages import (
     SCHEDULER_TO_TOKENIZER,
     SERVER_TO_TOKENIZER,
     TO_SERVER,
     TOKENIZER_TO_SCHEDULER,
     EngineRequest,
-    MessageError,
     ProcessFailed,
     ProcessReady,
     ReadySink,

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 from jinja2 import TemplateError
 
-from ..ipc.messages import EngineRequest, ImageRef, ImageReport, TokenizeRequest, pack_token_ids
+from ..ipc.codec import pack_token_ids
+from ..ipc.messages import EngineRequest, ImageRef, ImageReport, TokenizeRequest
 from ..ipc.shm_arena import ArenaFull, ShmArena
 from .arena_wait import NoRoom
 from .chat import ImagePart, VideoPart, parse_messages
