@@ -22,9 +22,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
+from iris_serve.common.architectures import ARCHITECTURES
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.models.config import VLModelConfig
-from iris_serve.scheduler.models.registry import ARCHITECTURES, model_class
+from iris_serve.scheduler.models.registry import model_class
 from iris_serve.tiny_checkpoint import ARCHS, main_tiny_model, reference_processor
 from iris_serve.tiny_checkpoint.known_configs import KNOWN_CONFIGS
 from iris_serve.tiny_checkpoint.like import like_config, resolve_name, tensor_specs

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import save_file
 
+from iris_serve.common.architectures import ARCHITECTURES
 from iris_serve.scheduler.models.layers import SegmentPlan
 from iris_serve.scheduler.models.mrope import mrope_positions
-from iris_serve.scheduler.models.registry import ARCHITECTURES, load_model
+from iris_serve.scheduler.models.registry import load_model
 from iris_serve.scheduler.models.vision_qwen2_5 import window_order
 from tests.reference import SingleSequenceAttention, iter_safetensors
 

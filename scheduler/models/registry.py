@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ...common.architectures import ARCHITECTURES as ARCHITECTURES  # re-exported: names served
 from ...common.architectures import by_name
 from .config import VLModelConfig, architecture_of
 from .layers import RMSNorm
