@@ -250,3 +250,84 @@ def test_the_engine_seed_makes_unseeded_sampling_repeat(qwen2_5_vl_tiny):
 
     assert sample(5) == sample(5)
     assert sample(5) != sample(6)
+
+
+# --- the edges of every parameter: the greedy answer or a valid sample, never a NaN's --
+
+
+# Token 0 masked (a NaN's argmax is 0), token 4 all but impossible.
+EDGE_LOGITS = torch.tensor([[float("-inf"), 3.0, 1.0, 2.5, -50.0, 0.5]])
+GREEDY_TOKEN = 1
+KEPT = {1, 2, 3, 4, 5}  # the tokens with any probability at all
+
+
+def edge_draws(count: int = 64, logits: torch.Tensor = EDGE_LOGITS, **params) -> list[int]:
+    """`count` seeded draws of one row under `params`."""
+    batch = logits.expand(count, -1).contiguous()
+    return Sampler()(batch, rows(*[Sampling(seed=i, **params) for i in range(count)])).tolist()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1e-40),  # a float32 denormal: the logits over it overflow
+        dict(temperature=1e-300),  # 0 in float32
+        dict(temperature=5e-324),  # the smallest double
+        dict(temperature=9.9e-6),  # just below vLLM's threshold
+        dict(top_p=1e-300),
+        dict(top_p=5e-324),
+        dict(top_p=1e-45),
+        dict(min_p=1.0),
+        dict(top_k=1, temperature=1e6),
+        dict(temperature=5.0, top_p=1e-300, min_p=1e-300),
+    ],
+)
+def test_a_vanishing_temperature_top_p_or_full_min_p_is_greedy(params):
+    """The issue's reproduction picked token 0 at every step; the greedy token it is."""
+    assert set(edge_draws(**params)) == {GREEDY_TOKEN}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1e30),
+        dict(temperature=1e300),  # past float32: uniform over what the masks keep
+        dict(temperature=float("inf")),
+        dict(min_p=1e-300),
+        dict(top_k=10**9),
+        dict(top_p=1.0, min_p=0.0, temperature=1e-5),  # at the threshold: still a sample
+        dict(frequency_penalty=-2.0, presence_penalty=2.0),
+        dict(logit_bias=((4, 100.0), (1, -100.0))),
+    ],
+)
+def test_extreme_parameters_sample_only_tokens_the_masks_keep(params):
+    draws = edge_draws(**params)
+    assert set(draws) <= KEPT, draws
+    if params.get("temperature", 1.0) >= 1e30:  # a flat distribution: not one token
+        assert len(set(draws)) > 1
+
+
+def test_a_vanishing_repetition_penalty_keeps_the_sample_among_the_seen_tokens():
+    """A penalty of 1e-300 is 0 in float32: seen tokens with positive logits overflow to
+    +inf. They win, as in transformers, and the draw stays among them (no NaN)."""
+    logits = EDGE_LOGITS.expand(64, -1).contiguous()
+    params = [Sampling(seed=i, repetition_penalty=1e-300) for i in range(64)]
+    batch = [
+        SamplingRow(p, torch.Generator().manual_seed(i), (), (2, 5), ())
+        for i, p in enumerate(params)
+    ]
+    assert set(Sampler()(logits, batch).tolist()) <= {2, 5}
+    greedy = SamplingRow(Sampling(temperature=0, repetition_penalty=1e-300), None, (), (2, 5), ())
+    assert Sampler()(EDGE_LOGITS.clone(), [greedy]).item() in {2, 5}
+
+
+def test_a_zero_from_the_exponential_noise_never_draws_a_masked_token(monkeypatch):
+    """Exp(1) draws 0 now and then (about once per 2**24 values); over a masked token's zero
+    probability that made 0 / 0 = NaN, which argmax takes."""
+
+    def zeros(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.zero_()
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", zeros)
+    tokens = Sampler()(EDGE_LOGITS.clone(), rows(Sampling(top_k=2)))
+    assert tokens.item() in {1, 3}

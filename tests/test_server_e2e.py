@@ -370,6 +370,22 @@ def test_metrics_count_an_answer_by_the_time_it_arrives(server):
         before = after
 
 
+def test_a_denormal_temperature_or_top_p_answers_the_greedy_text(server):
+    """The fuzzer's finding: `temperature` 1e-40 (or `top_p` 1e-300) picked token 0 at every
+    step (`"!!!!!!"`). It is the greedy answer."""
+    url = f"{server.base_url}/v1/completions"
+
+    def text(**sampling) -> str:
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 6, **sampling}
+        response = httpx.post(url, json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    greedy = text(temperature=0)
+    assert greedy != "!" * 6  # token 0's text: the greedy answer tells the two apart
+    assert text(temperature=1e-40) == greedy and text(top_p=1e-300, seed=3) == greedy
+
+
 def test_request_shaped_like_vllm_bench_serve_random_mm(server):
     """Exactly the body `vllm bench serve --backend openai-chat --dataset-name random-mm`
     posts, and the parts of the stream that client reads."""

@@ -106,6 +106,31 @@ def test_every_sample_follows_its_grammar_in_one_batch(engine, tokenizer):
     assert results[-1] == answers(engine, tokenizer, [free])[0]
 
 
+@pytest.mark.parametrize(
+    "edge",
+    [
+        dict(temperature=1e-40),
+        dict(temperature=1e-300, top_p=0.5),
+        dict(temperature=1.0, top_p=1e-300),
+        dict(temperature=2.0, min_p=1.0),
+    ],
+)
+def test_a_vanishing_temperature_or_top_p_under_a_grammar_is_its_greedy_answer(
+    engine, tokenizer, edge
+):
+    """Such a request picked token 0 at every step, which the grammar forbids: the server
+    logged 'left its grammar' and aborted it. It is the greedy answer, ended by EOS."""
+    phone = StructuredOutput("regex", r"\d{3}-\d{4}")
+    [greedy] = answers(
+        engine, tokenizer, [Sampling(max_tokens=20, temperature=0.0, structured=phone)]
+    )
+    [edged] = answers(
+        engine, tokenizer, [Sampling(max_tokens=20, seed=1, structured=phone, **edge)]
+    )
+    assert edged == greedy and greedy[1] == "stop"
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", greedy[0]), greedy
+
+
 def test_unconstrained_random_weights_are_not_json(engine, tokenizer):
     """What proves the constraint: the same model without it writes no JSON."""
     for text, _ in answers(engine, tokenizer, [Sampling(max_tokens=30, temperature=1.0, seed=s)

@@ -8,6 +8,13 @@ device, `penalties.py`); then greedy rows take the argmax and the others go thro
 temperature, top-k, top-p and min-p masks and an exponential-race draw (`argmax(p / q)`
 with `q ~ Exp(1)` is a sample from `p`). The race lets a request with a `seed` draw its
 noise from its own generator, so its tokens do not depend on the rest of the batch.
+
+At the edges of the parameters the draw is still a sample of the masked distribution,
+never a NaN's token: a temperature below `GREEDY_BELOW` is greedy (as vLLM's), as is a
+top-p or min-p that would keep nothing (the most likely token always stays); a logit that
+overflowed (a huge penalty, a tiny temperature) is clamped to float32's largest, so it
+wins without turning the softmax into NaNs; and a token the masks removed cannot win the
+race even where its noise draws zero.
 """
 
 from __future__ import annotations
@@ -20,6 +27,16 @@ import torch
 from ...ipc.messages import Sampling, TokenLogprob
 from .penalties import PenaltyTable
 from .structured_output import GrammarMatcher, apply_bitmask, new_bitmask
+
+GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (vLLM's _SAMPLING_EPS)
+_LARGEST = torch.finfo(torch.float32).max
+_TINIEST = torch.finfo(torch.float32).tiny
+
+
+def is_greedy(params: Sampling) -> bool:
+    """Whether the request takes the argmax: temperature 0, or one so small that dividing
+    the logits by it would overflow float32."""
+    return params.temperature < GREEDY_BELOW
 
 
 def check_sampling(params: Sampling) -> None:
@@ -95,13 +112,17 @@ class Sampler:
         vocab = logits.shape[-1]
         device = logits.device
         greedy_tokens = logits.argmax(dim=-1)
-        if all(row.params.temperature == 0.0 for row in rows):
+        greedy = [is_greedy(row.params) for row in rows]
+        if all(greedy):
             return greedy_tokens
 
-        temperature = torch.tensor(
-            [row.params.temperature or 1.0 for row in rows], device=device
-        ).unsqueeze(1)
-        logits = logits / temperature
+        # A greedy row's temperature is unused; one past float32's range samples uniformly.
+        temperatures = [
+            1.0 if g else min(r.params.temperature, _LARGEST)
+            for g, r in zip(greedy, rows, strict=True)
+        ]
+        temperature = torch.tensor(temperatures, device=device).unsqueeze(1)
+        logits = (logits / temperature).nan_to_num_(nan=float("-inf"), posinf=_LARGEST)
         logits = self._apply_top_k(logits, rows)
         logits = self._apply_top_p(logits, rows)
         probs = self._apply_min_p(torch.softmax(logits, dim=-1), rows)
@@ -113,10 +134,9 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.generator is not None:
                 noise[i] = torch.empty(vocab, device=device).exponential_(generator=row.generator)
-        sampled_tokens = (probs / noise).argmax(dim=-1)
-
-        is_greedy = torch.tensor([row.params.temperature == 0.0 for row in rows], device=device)
-        return torch.where(is_greedy, greedy_tokens, sampled_tokens)
+        # Exp(1) can draw 0: with a masked token's zero probability, 0 / 0 would win.
+        sampled_tokens = (probs / noise.clamp_min_(_TINIEST)).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=device), greedy_tokens, sampled_tokens)
 
     @staticmethod
     def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -197,7 +217,7 @@ class Sampler:
             return probs
         min_p = torch.tensor([row.params.min_p for row in rows], device=probs.device)
         floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        return probs.masked_fill(probs < floor, 0.0)
+        return probs.masked_fill(probs < floor, 0.0)  # the most likely token is never below
 
     @staticmethod
     def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -232,8 +252,10 @@ class Sampler:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
+        # Keep the smallest prefix whose mass reaches top_p; the top token always stays,
+        # even where top_p rounds to 0 in float32.
         drop_sorted = mass_before >= top_p.unsqueeze(1)
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         return logits.masked_fill(drop, float("-inf"))
 
