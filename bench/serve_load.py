@@ -2,8 +2,9 @@
 figures against the first's.
 
     python -m bench.serve_load [--size tiny|small] [--arch ARCH | --model DIR] [--quick]
-        [--workloads image,text,append,window,agents,decode,video,clips] [--variant NAME=FLAGS ...]
-        [--before-tree DIR] [--flags=FLAGS] [--rounds N] [--interleave] [--threads N]
+        [--workloads image,text,append,window,agents,decode,video,clips,gaps]
+        [--variant NAME=FLAGS ...]
+        [--before-tree [NAME=]DIR ...] [--flags=FLAGS] [--rounds N] [--interleave] [--threads N]
         [--client builtin|vllm] [--vllm PATH] [--num-prompts N] [--concurrency N]
         [--output-len N] [--decode CONTEXTxBATCH,...] [--no-bound] [--name NAME] [--out DIR]
 
@@ -15,9 +16,9 @@ The servers, on the same checkpoint (generated, `--arch`, Qwen2.5-VL by default,
 - each `--variant NAME=FLAGS`: `iris serve` with FLAGS added; leading `VAR=value` words
   are its environment, e.g. `--variant 'passive=OMP_WAIT_POLICY=PASSIVE'`,
   `--variant 'inline=--mm-encoder-placement inline --max-itl-stretch 0'`;
-- `--before-tree DIR`: `before`, `iris serve` from another checkout (`git worktree add
-  DIR COMMIT`) with its own defaults, through this venv
-  (`bench.server_process.namespace_shim`): an earlier commit measured in the same run.
+- `--before-tree [NAME=]DIR` (repeatable): NAME (default `before`), `iris serve` from
+  another checkout (`git worktree add DIR COMMIT`) with its own defaults, through this
+  venv (`bench.server_process.namespace_shim`): an earlier commit measured in the same run.
 
 `bench.peers` measures vLLM's CPU build and `transformers serve` with this same code.
 
@@ -43,6 +44,9 @@ The workloads (`--workloads`, default `image,text`), greedy:
   is the cold video), and its clips 0-10 s, 5-15 s and 10-20 s, each asked once; one
   request at a time, `ignore_eos`. The report adds how fast one tokenizer worker decodes
   and resizes each workload's clip (`bench.video_decoding`, in process).
+- `gaps` (`bench.encode_gaps`): one stream's largest inter-token gap while three new
+  1920×1080 images arrive and encode, the check that image work stays off the decode
+  path; with `--before-tree` and `--interleave` it holds a change to that.
 
 `--rounds N` sends every workload N times, new requests each round; `--interleave` starts
 every server at once and takes their workloads in turns (a burst of other work on the
@@ -73,6 +77,8 @@ import httpx
 
 from bench import scenario, video_scenario
 from bench.compute_bound import compute_bound
+from bench.encode_gaps import GapsWorkload
+from bench.encode_gaps import measure as measure_gaps
 from bench.load_client import Workload, chat_bodies, find_vllm, run_builtin, run_vllm, vllm_command
 from bench.results_io import (
     Checkpoint,
@@ -86,7 +92,7 @@ from bench.server_process import IrisServer, group_processes, measure_each, run_
 from bench.video_decoding import decode_rates
 from bench.video_scenario import VideoWorkload
 
-WORKLOADS = ("image", "text", "append", "window", "agents", "decode", "video", "clips")
+WORKLOADS = ("image", "text", "append", "window", "agents", "decode", "video", "clips", "gaps")
 AGENTS = 12  # `agents`: conversations taking turns
 SCREENSHOT = (640, 480)
 DECODE_TOKENS = 64
@@ -95,8 +101,9 @@ VIDEO_QUESTIONS = 8
 CLIP_SPANS = ((0.0, 10.0), (5.0, 15.0), (10.0, 20.0))  # seconds of one recording
 QUICK_CLIP_SPANS = ((0.0, 2.0), (1.0, 3.0))
 DECODE_REPEATS = 5  # of the in-process decoding of each video workload's clip
+GAP_IMAGES, GAP_IMAGE, QUICK_GAP_IMAGE = 3, (1920, 1080), (448, 252)
 
-Planned = Workload | scenario.Agent | VideoWorkload
+Planned = Workload | scenario.Agent | VideoWorkload | GapsWorkload
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
             chosen.append(VideoWorkload("video", spans[:1], questions, size, fps, out, 2))
         elif name == "clips":
             chosen.append(VideoWorkload("clips", spans, 1, size, fps, out, 1))
+        elif name == "gaps":
+            chosen.append(GapsWorkload("gaps", GAP_IMAGES, QUICK_GAP_IMAGE if quick else GAP_IMAGE))
         else:
             for point in ("128x2" if quick else args.decode).split(","):
                 context, batch = map(int, point.split("x"))
@@ -183,15 +192,22 @@ def iris_servers(args: argparse.Namespace, model_dir: Path, logs: Path) -> list[
         how = shlex.join([*(f"{k}={v}" for k, v in env.items()), "iris", "serve", "MODEL_DIR",
                           *common, *flags])  # fmt: skip
         servers.append(Server(name, server, f"`{how}`"))
-    if args.before_tree:
-        tree = args.before_tree.resolve()
+    for name, tree in map(parse_before_tree, args.before_tree):
         server = IrisServer(model_dir, common, env=thread_env(args), source_tree=tree,
-                            log_path=logs / "before.log")  # fmt: skip
+                            log_path=logs / f"{name}.log")  # fmt: skip
         how = f"`{shlex.join(['iris', 'serve', 'MODEL_DIR', *common])}`"
-        servers.append(
-            Server("before", server, f"{how} from `{tree}`, commit {checkout_commit(tree)}")
-        )
+        servers.append(Server(name, server, f"{how} from `{tree}`, commit {checkout_commit(tree)}"))
     return servers
+
+
+def parse_before_tree(spec: str) -> tuple[str, Path]:
+    """`[NAME=]DIR` -> (name, the checkout's path); the name defaults to `before`."""
+    name, equals, tree = spec.partition("=")
+    if not equals:
+        name, tree = "before", spec
+    if not re.fullmatch(r"[\w.+-]+", name) or name == "iris":
+        raise SystemExit(f"--before-tree {spec!r}: expected [NAME=]DIR, NAME not iris")
+    return name, Path(tree).resolve()
 
 
 def thread_env(args: argparse.Namespace) -> dict[str, str]:
@@ -263,6 +279,8 @@ def measure(
     if isinstance(w, VideoWorkload):
         rows = list(video_scenario.requests(w, server, model, seed))
         return video_scenario.summary(w, rows), rows, ""
+    if isinstance(w, GapsWorkload):
+        return measure_gaps(w, server.base_url, model, seed), [], ""
     if w.name.startswith("decode") or args.client == "builtin":
         bodies = chat_bodies(tokenizer, model, w, seed)
         if w.name.startswith("decode"):
@@ -316,7 +334,10 @@ def brief(run: Run) -> str:
         return "FAILED " + run.error[-500:]
     m = run.metrics
     figures = [f"{m['completed']} ok", f"TTFT {m['mean_ttft_ms']:.0f} ms"]
-    figures.append(f"TPOT {m['mean_tpot_ms']:.1f} ms")
+    if "max_gap_ms" in m:
+        figures.append(f"largest gap {m['max_gap_ms']:.1f} ms")
+    else:
+        figures.append(f"TPOT {m['mean_tpot_ms']:.1f} ms")
     if "request_throughput" in m:
         figures.append(f"{m['request_throughput']:.3g} req/s")
     return ", ".join(figures)
@@ -350,8 +371,9 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_arguments(parser, "image,text")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="another iris serve, with FLAGS added (repeatable)")  # fmt: skip
-    parser.add_argument("--before-tree", type=Path, default=None,
-                        help="also iris serve from this checkout of another commit")  # fmt: skip
+    parser.add_argument("--before-tree", action="append", default=[], metavar="[NAME=]DIR",
+                        help="also iris serve from this checkout of another commit, named "
+                        "NAME (default: before; repeatable)")  # fmt: skip
     parser.add_argument("--flags", default="", help="more flags for every Iris server")
     parser.add_argument("--interleave", action="store_true", help="servers up at once")
     parser.add_argument("--threads", type=int, default=None,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.compute_bound import Bound
+from bench.encode_gaps import GapsWorkload
 from bench.results_io import RESULTS_DIR, Checkpoint, markdown_table, write_result
 from bench.video_decoding import DecodeRate
 from bench.video_scenario import VideoWorkload
@@ -41,6 +42,12 @@ VIDEO = [  # the first request (the cold video), the later ones, the whole conve
     ("cold E2E ms", "cold_e2e_ms", LOWER),
     *AGENT,
     ("all requests E2E ms", "total_e2e_ms", LOWER),
+]
+GAPS = [  # the `gaps` workload (bench.encode_gaps): a stream while new images encode
+    ("largest gap while images encode ms", "max_gap_ms", LOWER),
+    ("median gap while images encode ms", "median_gap_ms", LOWER),
+    ("median gap before them ms", "quiet_gap_ms", LOWER),
+    ("images' mean TTFT ms", "mean_ttft_ms", LOWER),
 ]
 DECODE = [
     ("median ITL ms", "median_itl_ms", LOWER),
@@ -96,6 +103,8 @@ def metrics_of(workload: str) -> list[tuple[str, str, str]]:
         return AGENTS
     if workload in ("append", "window", "clips"):
         return AGENT
+    if workload == "gaps":
+        return GAPS
     return DECODE if workload.startswith("decode") else RANDOM
 
 
@@ -168,6 +177,21 @@ def _turn(row: dict[str, Any], workload: str) -> object:
     return f"{row['turn']} ({row['agent']})" if "agent" in row else row["turn"]
 
 
+def gaps_table(servers: Sequence[str], runs: Sequence[Run]) -> str:
+    """Per server: each round's largest gap in order, their median and their maximum."""
+    rows = []
+    for server in servers:
+        largest = [
+            r.metrics["max_gap_ms"]
+            for r in runs
+            if (r.server, r.workload) == (server, "gaps") and r.metrics
+        ]
+        if largest:
+            rounds = ", ".join(f"{x:.0f}" for x in largest)
+            rows.append([server, rounds, statistics.median(largest), max(largest)])
+    return markdown_table(["server", "largest gap per round ms", "median ms", "max ms"], rows)
+
+
 def bound_table(bounds: Sequence[Bound], runs: Sequence[Run], base: str) -> str:
     header = [
         "workload", "requests", "prompt tok/req", "out tok/req", "preprocess ms/req",
@@ -196,7 +220,7 @@ def setup_text(
     )
     parts = [checkpoint.sentence]
     for w in plan.workloads:
-        if isinstance(w, VideoWorkload):
+        if isinstance(w, VideoWorkload | GapsWorkload):
             parts.append(w.describe())
         elif getattr(w, "agents", 1) > 1:
             parts.append(f"`{w.name}`: {w.agents} agents taking turns, {w.turns} rounds each "
@@ -276,6 +300,12 @@ def report(
             "frames decoded, every one up to the last sampled; `× real time`: seconds of "
             "video per second of decoding and resizing.", "",
             decoding_table(rates),
+        ]  # fmt: skip
+    if any(r.metrics for r in runs if r.workload == "gaps"):
+        lines += [
+            "", "## `gaps`, the largest gap of each round", "",
+            "A round's largest gap takes the machine's hiccups too: the median over rounds "
+            "is the figure to compare.", "", gaps_table(names, runs),
         ]  # fmt: skip
     hybrid = hybrid_state_table(checkpoint.model_dir)
     if hybrid:

@@ -34,8 +34,8 @@ import msgspec
 from .codec import Codec, unpack_token_ids
 
 _TOKENIZE, _ABORT = 10, 11
-_ENGINE_REQUEST, _ABORT_ENGINE = 20, 21
-_RELEASE_IMAGES = 30
+_ENGINE_REQUEST, _ABORT_ENGINE, _MEDIA_WORK = 20, 21, 22
+_RELEASE_IMAGES, _CORE_READY = 30, 31
 _TOKEN_BATCH, _REQUEST_ERROR, _ENGINE_STATS, _WORKER_STATS = 40, 41, 42, 43
 _RANK_STEP, _STOP_RANKS = 50, 51
 _SCHEDULER_READY, _PROCESS_READY, _PROCESS_FAILED = 60, 61, 62
@@ -262,7 +262,18 @@ class AbortEngineRequest(_Message, tag=_ABORT_ENGINE):
     request_id: str
 
 
-TokenizerToScheduler: TypeAlias = EngineRequest | AbortEngineRequest
+class MediaWork(_Message, tag=_MEDIA_WORK):
+    """A worker starts (`busy`) or ends turning a request's media into pixels. Meanwhile it
+    takes a core, so on a CPU the scheduler's steps leave it one (`CoreSharing`): more
+    OpenMP threads than free cores stall every parallel region of a step. The scheduler
+    answers a start with `CoreReady` once no step that counted on that core still runs."""
+
+    worker_id: int
+    busy: bool
+    seq: int = 0  # of the worker's starts: the `CoreReady` that answers this one echoes it
+
+
+TokenizerToScheduler: TypeAlias = EngineRequest | AbortEngineRequest | MediaWork
 
 
 # --- scheduler → tokenizer worker -------------------------------------------------
@@ -274,7 +285,13 @@ class ReleaseImages(_Message, tag=_RELEASE_IMAGES):
     handles: list[ShmHandle]
 
 
-SchedulerToTokenizer: TypeAlias = ReleaseImages
+class CoreReady(_Message, tag=_CORE_READY):
+    """The answer to `MediaWork(busy=True)`: the steps from now on leave the worker its core."""
+
+    seq: int = 0  # the `MediaWork` answered
+
+
+SchedulerToTokenizer: TypeAlias = ReleaseImages | CoreReady
 
 
 # --- scheduler / tokenizer worker → server ----------------------------------------

@@ -31,8 +31,10 @@ from ..ipc.messages import (
     TO_SERVER,
     TOKENIZER_TO_SCHEDULER,
     AbortEngineRequest,
+    CoreReady,
     EngineRequest,
     EngineStats,
+    MediaWork,
     ProcessFailed,
     ReadySink,
     ReleaseImages,
@@ -43,6 +45,7 @@ from ..ipc.messages import (
     ShmHandle,
     ShmPointer,
     TokenBatch,
+    TokenizerToScheduler,
     ToServer,
     context_length_error,
 )
@@ -111,7 +114,12 @@ class SchedulerLoop:
 
     # -- messages in ----------------------------------------------------------------------
 
-    def _handle(self, message: EngineRequest | AbortEngineRequest) -> None:
+    def _handle(self, message: TokenizerToScheduler) -> None:
+        if isinstance(message, MediaWork):  # between steps: the next one plans with it
+            self.engine.media_work(message.worker_id, message.busy)
+            if message.busy:
+                self._send_to_worker(message.worker_id, CoreReady(message.seq))
+            return
         if isinstance(message, AbortEngineRequest):
             self.engine.abort(message.request_id)
             self._release_pins()
@@ -197,10 +205,13 @@ class SchedulerLoop:
         for pin in pins:
             by_worker.setdefault(pin.worker_id, []).append(pin.handle)
         for worker_id, handles in by_worker.items():
-            try:
-                self.to_workers[worker_id].send(ReleaseImages(handles))
-            except (IndexError, TimeoutError):
-                logger.error("could not release %d images of worker %d", len(handles), worker_id)
+            self._send_to_worker(worker_id, ReleaseImages(handles))
+
+    def _send_to_worker(self, worker_id: int, message: ReleaseImages | CoreReady) -> None:
+        try:
+            self.to_workers[worker_id].send(message)
+        except (IndexError, TimeoutError):
+            logger.error("could not send %s to worker %d", type(message).__name__, worker_id)
 
 
 class _ContextLengthError(ValueError):

@@ -13,14 +13,14 @@ import pytest
 
 from bench.drop_fields_proxy import drop_fields
 from bench.load_client import RequestResult, summarize
-from bench.serve_load import parse_variant
+from bench.serve_load import parse_before_tree, parse_variant
 from bench.serve_load_report import Run, summary_table
 from tests.bench_smoke import REPO, check_provenance, markdown_tables, run_bench
 
 INSTALL_SCRIPT = REPO / "bench" / "install_vllm_client.sh"
 
 
-WORKLOADS = ("image", "text", "video", "clips")
+WORKLOADS = ("image", "text", "video", "clips", "gaps")
 
 
 def test_serve_load_quick_compares_a_named_variant_with_iris(tmp_path):
@@ -33,7 +33,9 @@ def test_serve_load_quick_compares_a_named_variant_with_iris(tmp_path):
     text = (out / "serve_load_tiny_quick.md").read_text()
     check_provenance(text)
     tables = markdown_tables(text)
-    (header, summary), (_, servers), (runs_header, runs), video, clips, decoding, bound = tables
+    (header, summary), (_, servers), (runs_header, runs), video, clips, decoding, gaps, bound = (
+        tables
+    )
     assert header == ["workload", "metric", "iris", "paced", "iris ahead of paced"]
     assert list(dict.fromkeys(row[0] for row in summary)) == list(WORKLOADS)
     assert all(float(row[-1]) > 0 for row in summary), summary
@@ -42,7 +44,7 @@ def test_serve_load_quick_compares_a_named_variant_with_iris(tmp_path):
         servers[1][1].endswith("--max-itl-stretch 3`") and "--scheduler-threads 1" in servers[1][1]
     )
     ok = runs_header.index("ok")
-    sizes = {"image": "4/4", "text": "4/4", "video": "2/2", "clips": "2/2"}
+    sizes = {"image": "4/4", "text": "4/4", "video": "2/2", "clips": "2/2", "gaps": "3/3"}
     assert [(r[0], r[1], r[ok]) for r in runs] == [
         (w, s, sizes[w]) for s in ("iris", "paced") for w in WORKLOADS
     ]
@@ -57,6 +59,12 @@ def test_serve_load_quick_compares_a_named_variant_with_iris(tmp_path):
         (s, w) for s in ("iris", "paced") for w in WORKLOADS
     }
     check_video_tables(video, clips, decoding)
+    gaps_header, gaps_rows = gaps
+    assert [row[0] for row in gaps_rows] == ["iris", "paced"]
+    largest = {row[0]: float(row[gaps_header.index("max ms")]) for row in gaps_rows}
+    gap_rows = {row[1]: row for row in summary if row[0] == "gaps"}
+    assert float(gap_rows["largest gap while images encode ms"][2]) == largest["iris"]  # one round
+    assert all(float(gap_rows[m][2]) > 0 for m in gap_rows), gap_rows
 
 
 def check_video_tables(video, clips, decoding) -> None:
@@ -148,3 +156,11 @@ def test_install_script_parses_and_pins_every_package():
     names = {p.split("==")[0].lower() for p in packages}
     assert not names & {"torch", "vllm", "triton", "flashinfer-python"}
     assert not any(name.startswith("nvidia") for name in names)
+
+
+def test_before_trees_are_named_and_repeatable(tmp_path):
+    assert parse_before_tree(str(tmp_path)) == ("before", tmp_path.resolve())
+    assert parse_before_tree(f"regressed={tmp_path}") == ("regressed", tmp_path.resolve())
+    for bad in (f"iris={tmp_path}", f"a b={tmp_path}"):
+        with pytest.raises(SystemExit):
+            parse_before_tree(bad)

@@ -1,8 +1,9 @@
-"""The cores of a CPU between the steps and the encoder thread: decodes share them with a
-running vision-tower call, prefill takes them all (the encoder thread parks before its
-next block part while the steps hold it). Policy tests on a stand-in encoder with a
-given clock; then the parking itself on the tiny model's tower, and an engine whose
-prefill holds a running call and still answers as transformers does."""
+"""The cores of a CPU between the steps, the encoder thread and the tokenizer workers:
+decodes share them with a running vision-tower call, prefill takes them all (the encoder
+thread parks before its next block part while the steps hold it), and a worker decoding
+media has one to itself. Policy tests on a stand-in encoder with a given clock; then the
+parking itself on the tiny model's tower, and an engine whose prefill holds a running
+call and still answers as transformers does."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import threading
 
 import torch
 
-from iris_serve.ipc.messages import Sampling
+from iris_serve.ipc.local import PromptInput
+from iris_serve.ipc.messages import CoreReady, MediaWork, Sampling
 from iris_serve.scheduler.encoder.thread import EncoderThread
+from iris_serve.scheduler.process import SchedulerLoop
 from iris_serve.scheduler.step import core_sharing
 from iris_serve.scheduler.step.core_sharing import MAX_HOLD_SECONDS, CoreSharing
 from tests.reference import assert_parity, chat_prompt, cpu_engine, make_image
@@ -44,7 +47,7 @@ class StandInEncoder:
 def sharing(hold_for_prefill: bool = True) -> tuple[CoreSharing, StandInEncoder]:
     encoder = StandInEncoder()
     cores = CoreSharing(encoder, CPU, hold_for_prefill)  # type: ignore[arg-type]
-    cores.cpu_threads = 4
+    cores.cpu_threads = cores.cores = 4
     return cores, encoder
 
 
@@ -106,9 +109,81 @@ def test_without_pacing_the_steps_never_hold_the_encoder():
     assert not encoder.held and not cores.lone_prefill_paced(encoding=True, now=0.0)
 
 
+def test_a_worker_decoding_media_has_a_core_the_steps_leave_it():
+    cores, _ = sharing()
+    cores.media_work(0, busy=True)
+    assert cores.begin_step(encoding=False, now=0.0) == 3
+    assert cores.begin_step(encoding=True, now=0.0) == 2  # the tower's share out too
+    cores.media_work(1, busy=True)
+    cores.media_work(1, busy=True)  # told twice, one core
+    assert cores.step_threads(encoding=False) == 2
+    cores.media_work(0, busy=False)
+    cores.media_work(1, busy=False)
+    assert cores.step_threads(encoding=False) == 4
+    for worker in range(6):
+        cores.media_work(worker, busy=True)
+    assert cores.step_threads(encoding=True) == 1  # the steps always keep one
+
+
+def test_fewer_step_threads_than_cores_leave_a_worker_its_core_already():
+    cores, _ = sharing()
+    cores.cores = 8  # --scheduler-threads 4 on 8 cores
+    cores.media_work(0, busy=True)
+    assert cores.step_threads(encoding=False) == 4
+
+
+def test_without_an_encoder_thread_a_busy_worker_still_takes_a_core():
+    """The inline placement: no encoder thread, yet the steps' threads follow the workers."""
+    cores = CoreSharing(None, CPU)
+    cores.cpu_threads = cores.cores = 2
+    try:
+        cores.media_work(3, busy=True)
+        cores.share(cores.after_plan(encoding=False, prefill_tokens=0), idle=False)
+        assert torch.get_num_threads() == 1
+        cores.media_work(3, busy=False)
+        cores.share(cores.after_plan(encoding=False, prefill_tokens=0), idle=False)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(2)
+
+
+class SentToWorker:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+def test_the_scheduler_answers_media_work_between_steps_and_its_steps_follow(model_dir):
+    """`MediaWork(busy)` arrives between steps: the scheduler answers `CoreReady` with its
+    seq, and the next step runs on one core fewer; the end gives the core back."""
+    loop = object.__new__(SchedulerLoop)
+    loop.engine = cpu_engine(model_dir)
+    loop.to_workers = [SentToWorker(), SentToWorker()]
+    cores = loop.engine.pacing.cores
+    every = max(1, min(cores.cpu_threads, cores.cores))
+    loop.engine.add_request("r", PromptInput.text(range(100, 120)), Sampling(max_tokens=8))
+    try:
+        loop.engine.step()
+        assert torch.get_num_threads() == every
+        loop._handle(MediaWork(1, busy=True, seq=7))
+        assert loop.to_workers[1].sent == [CoreReady(7)] and loop.to_workers[0].sent == []
+        loop.engine.step()
+        assert torch.get_num_threads() == max(1, min(cores.cpu_threads, cores.cores - 1))
+        loop._handle(MediaWork(1, busy=False, seq=7))
+        assert loop.to_workers[1].sent == [CoreReady(7)]  # an end is not answered
+        loop.engine.step()
+        assert torch.get_num_threads() == every
+    finally:
+        loop.engine.close()
+        torch.set_num_threads(2)
+
+
 def test_on_cuda_there_is_nothing_to_share():
     cores = CoreSharing(StandInEncoder(), torch.device("cuda"))  # type: ignore[arg-type]
     assert cores.encoder is None and cores.begin_step(encoding=True) == 0
+    cores.media_work(0, busy=True)
     assert cores.after_plan(encoding=True, prefill_tokens=500) == 0
 
 

@@ -29,7 +29,9 @@ from iris_serve.ipc.messages import (
     TOKENIZER_TO_SCHEDULER,
     AbortEngineRequest,
     AbortRequest,
+    CoreReady,
     EngineRequest,
+    MediaWork,
     ProcessFailed,
     ProcessReady,
     ReleaseImages,
@@ -42,6 +44,7 @@ from iris_serve.ipc.shm_arena import ShmArena, ShmReader
 from iris_serve.ipc.shm_names import SHM_DIR, instance_prefix, segment_name, sweep
 from iris_serve.ipc.sockets import PullSocket, PushSocket, ipc_address, new_run_dir
 from iris_serve.scheduler.encoder.patches import PatchMaker
+from iris_serve.tokenizer_worker import process as worker_process
 from iris_serve.tokenizer_worker.config import WorkerConfig
 from iris_serve.tokenizer_worker.process import _Loop, _Stop, run_worker
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
@@ -569,14 +572,16 @@ def loop_in_thread(builder: PromptBuilder, instance: str, **config: Any) -> Iter
     stop = _Stop()
 
     def run() -> None:
-        arena = ShmArena(segment_name(instance, 0), cfg.arena_bytes)
-        worker = TokenizerWorker(cfg, builder, arena)
-        loop = _Loop(cfg, worker, stop)
+        def open_worker(media_work: Callable[[], Any]) -> TokenizerWorker:
+            arena = ShmArena(segment_name(instance, 0), cfg.arena_bytes)
+            return TokenizerWorker(cfg, builder, arena, media_work=media_work)
+
+        loop = _Loop(cfg, stop, open_worker)
         try:
             loop.run()
         finally:
             loop.close()
-            worker.close()
+            loop.worker.close()
 
     thread = threading.Thread(target=run, name="tokenizer-0")
     thread.start()
@@ -600,6 +605,37 @@ def stats_until(server: PullSocket, ok: Callable[[WorkerStats], bool]) -> Worker
         if isinstance(message, WorkerStats) and ok(message):
             return message
     raise AssertionError("no such WorkerStats within 30 s")
+
+
+def test_media_work_is_announced_and_starts_once_the_scheduler_leaves_a_core(
+    builder: PromptBuilder, instance: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A request with an image: `MediaWork(busy)` reaches the scheduler first, and the worker
+    decodes nothing until the `CoreReady` with its seq comes (a stale one does not count);
+    then `MediaWork(idle)` and the request. A text request says nothing of media."""
+    monkeypatch.setattr(worker_process, "CORE_WAIT_SECONDS", 60.0)
+    with loop_in_thread(builder, instance) as (requests, releases, scheduler, _):
+        requests.send(big(1, "r1"))
+        busy = receive(scheduler, MediaWork)
+        assert (busy.worker_id, busy.busy) == (0, True)
+        releases.send(CoreReady(busy.seq + 99))
+        assert scheduler.recv(0.5) is None, "the worker went on before its core was ready"
+        releases.send(CoreReady(busy.seq))
+        idle, engine_request = receive_through(scheduler, EngineRequest)
+        assert idle == MediaWork(0, busy=False, seq=busy.seq) and engine_request.request_id == "r1"
+        requests.send(request(prompt="hi", rid="text"))
+        through = receive_through(scheduler, EngineRequest)
+        assert [type(m) for m in through] == [EngineRequest]
+
+
+def test_an_unanswered_media_work_waits_a_bounded_time(
+    builder: PromptBuilder, instance: str, monkeypatch: pytest.MonkeyPatch
+):
+    """No scheduler answers (it is in a long step): the worker goes on after the wait."""
+    monkeypatch.setattr(worker_process, "CORE_WAIT_SECONDS", 0.05)
+    with loop_in_thread(builder, instance) as (requests, _, scheduler, _):
+        requests.send(big(1, "r1"))
+        assert receive(scheduler, EngineRequest).request_id == "r1"
 
 
 def test_the_loop_serves_others_while_a_request_waits(builder: PromptBuilder, instance: str):
@@ -631,4 +667,4 @@ def test_the_loop_answers_a_wait_past_its_timeout_with_a_503(builder: PromptBuil
         requests.send(big(2, "r2"))
         busy = receive(server, RequestError)
         assert (busy.request_id, busy.status, busy.type) == ("r2", 503, "server_busy")
-        assert scheduler.recv(0) is None
+        assert all(isinstance(m, MediaWork) for m in scheduler.drain())  # r2 never went

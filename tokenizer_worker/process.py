@@ -7,6 +7,12 @@ Sockets, all `ipc_address(run_dir, name)`:
     PUSH connect  scheduler        EngineRequest / AbortEngineRequest
     PUSH connect  server           RequestError, WorkerStats
 
+While a request with media is turned into an engine request, the worker tells its
+scheduler so (`MediaWork`, on the scheduler socket, before the request itself): it takes
+a core meanwhile, and on a CPU the steps leave it one. It starts once the scheduler
+answers (`CoreReady`, on the release socket: the step that was running when the notice
+came has ended), or after `CORE_WAIT_SECONDS`.
+
 The loop: wait (bounded, and never past the deadline of a request waiting for arena
 room) for either socket; apply releases first, and between requests (they free arena
 room, and the waiting requests are tried again); handle the queued requests; answer the
@@ -24,7 +30,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +46,13 @@ from ..ipc.messages import (
     SERVER_TO_TOKENIZER,
     TO_SERVER,
     TOKENIZER_TO_SCHEDULER,
+    CoreReady,
     EngineRequest,
+    MediaWork,
     ProcessFailed,
     ProcessReady,
     ReadySink,
+    ReleaseImages,
     RequestError,
     TokenizeRequest,
     WorkerStats,
@@ -56,6 +66,7 @@ logger = logging.getLogger("iris.tokenizer")
 POLL_SECONDS = 0.1
 MAX_BATCH = 32  # requests read ahead (to skip the ones aborted meanwhile)
 STATS_INTERVAL_SECONDS = 0.2
+CORE_WAIT_SECONDS = 0.25  # the longest wait for `CoreReady`: a step that runs longer loses
 
 
 def run_worker(config: WorkerConfig, ready: ReadySink) -> None:
@@ -66,17 +77,13 @@ def run_worker(config: WorkerConfig, ready: ReadySink) -> None:
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop.set)
     signal.signal(signal.SIGINT, stop.set)
-    worker: TokenizerWorker | None = None
-    loop: _Loop | None = None
     try:
-        worker = TokenizerWorker.open(config)
-        loop = _Loop(config, worker, stop)
+        loop = _Loop(config, stop, lambda media_work: TokenizerWorker.open(config, media_work))
     except Exception as e:
         logger.exception("start-up failed")
-        if worker is not None:
-            worker.close()
         ready.put(ProcessFailed.of(config.name, e))
         sys.exit(1)
+    worker = loop.worker
     freeze_startup_heap()
     ready.put(ProcessReady(config.name))
     logger.info(
@@ -110,9 +117,20 @@ class _Stop:
         self.requested = True
 
 
+MediaWorkContext = Callable[[], AbstractContextManager[object]]
+
+
 class _Loop:
-    def __init__(self, config: WorkerConfig, worker: TokenizerWorker, stop: _Stop) -> None:
-        self.worker, self.stop = worker, stop
+    def __init__(
+        self,
+        config: WorkerConfig,
+        stop: _Stop,
+        open_worker: Callable[[MediaWorkContext], TokenizerWorker],
+    ) -> None:
+        """Opens the sockets, then the worker through `open_worker(media_work)`."""
+        self.stop = stop
+        self.worker_id = config.worker_id
+        self._media_work_seq = 0
         run_dir = Path(config.run_dir)
         self.ctx = zmq.Context()
         self.sockets: list[Any] = []
@@ -125,6 +143,7 @@ class _Loop:
                 PushSocket, TOKENIZER_TO_SCHEDULER, run_dir, scheduler_socket(config.replica)
             )
             self.to_server = self._open(PushSocket, TO_SERVER, run_dir, "server")
+            self.worker = open_worker(self.media_work)
         except BaseException:
             self.close()
             raise
@@ -162,6 +181,39 @@ class _Loop:
             socket.close()  # lingers up to a second for unsent replies
         self.ctx.destroy(linger=0)  # also closes a socket whose bind failed
 
+    @contextmanager
+    def media_work(self) -> Iterator[None]:
+        """Tells the scheduler that this worker takes a core until the block ends, and
+        enters it once the scheduler's steps leave it one (see the module)."""
+        self._media_work_seq += 1
+        self._notify(MediaWork(self.worker_id, busy=True, seq=self._media_work_seq))
+        try:
+            self._await_core(self._media_work_seq)
+            yield
+        finally:
+            self._notify(MediaWork(self.worker_id, busy=False, seq=self._media_work_seq))
+
+    def _await_core(self, seq: int) -> None:
+        """Waits up to `CORE_WAIT_SECONDS` for the `CoreReady` of start `seq`, applying the
+        releases that come meanwhile (this request has pinned nothing yet)."""
+        deadline = time.monotonic() + CORE_WAIT_SECONDS
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                message = self.releases.recv(left)
+            except MessageError as e:
+                logger.error("dropped a message: %s", e)
+                continue
+            if message is None or (isinstance(message, CoreReady) and message.seq == seq):
+                return
+            if isinstance(message, ReleaseImages):
+                self.worker.release(message)
+
+    def _notify(self, notice: MediaWork) -> None:
+        try:
+            self.to_scheduler.send(notice)
+        except TimeoutError as e:  # the requests behind it will say so too
+            logger.error("%s", e)
+
     def _poll_ms(self) -> int:
         """The poll's timeout: `POLL_SECONDS`, or less up to a waiting request's deadline."""
         timeout = POLL_SECONDS
@@ -172,7 +224,8 @@ class _Loop:
 
     def _apply_releases(self) -> None:
         for message in self._receive(self.releases, None):
-            self.worker.release(message)
+            if isinstance(message, ReleaseImages):  # a CoreReady here came after its wait
+                self.worker.release(message)
         self._answer(self.worker.retry_waiting())
 
     def _answer(self, replies: Sequence[EngineRequest | RequestError]) -> None:

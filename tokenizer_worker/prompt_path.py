@@ -4,14 +4,17 @@ Chat messages are checked (`chat`), rendered by the chat template and encoded; t
 URLs are fetched in parallel (`media`); the images and videos are pinned in the arena
 (`image_parts`, `video_parts`); the placeholders are expanded to each one's tokens, and
 every image and temporal patch of a video becomes an `ImageRef` at its span, in prompt
-order. A plain prompt (text or token ids) takes no media. Client errors are raised
+order. A plain prompt (text or token ids) takes no media. A request with media URLs is
+turned inside `media_work()`, which the worker process uses to tell the scheduler that
+it takes a core meanwhile (`MediaWork`). Client errors are raised
 (`BadRequest`, `ChatError`, `MediaError`, `EntryTooLarge`), and a full arena raises
 `NoRoom`; whatever fails, the pins this request took are dropped first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 from jinja2 import TemplateError
 
@@ -19,14 +22,13 @@ from ..ipc.codec import pack_token_ids
 from ..ipc.messages import EngineRequest, ImageRef, ImageReport, TokenizeRequest
 from ..ipc.shm_arena import ArenaFull, ShmArena
 from .arena_wait import NoRoom
-from .chat import ImagePart, VideoPart, parse_messages
+from .chat import Chat, ImagePart, VideoPart, parse_messages
 from .config import WorkerConfig
 from .images.parts import ImageParts, LoadedImage
 from .media.fetch import MediaFetcher
 from .prompt import ImageSize, PromptBuilder, Replacement
 from .video.loader import LoadedVideo
 from .video.parts import VideoParts, video_options
-from .video.rules import VideoOptions
 
 
 class BadRequest(ValueError):
@@ -51,6 +53,7 @@ class PromptPath:
         fetcher: MediaFetcher,
         images: ImageParts,
         videos: VideoParts | None,
+        media_work: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         self.config = config
         self.builder = builder
@@ -58,43 +61,45 @@ class PromptPath:
         self.fetcher = fetcher
         self.images = images
         self.videos = videos  # None: the model takes no video
+        self.media_work = media_work
 
     def engine_request(self, request: TokenizeRequest) -> EngineRequest:
         """The request's prompt, its images and videos pinned once each (see the module)."""
         size = self._image_size(request)
-        parts: list[ImagePart] = []
-        video_parts: list[VideoPart] = []
-        if request.messages is not None:
-            chat = parse_messages(request.messages)
-            parts, video_parts = chat.images, chat.videos
-            embeds = next((part for part in parts if part.is_embeds), None)
-            if embeds is not None and not self.config.enable_mm_embeds:
-                raise BadRequest(
-                    f"{embeds.where}: image_embeds parts are off; the server takes them with "
-                    "--enable-mm-embeds (for trusted clients)",
-                    embeds.where,
-                )
-            self._check_limits(parts, video_parts)
-            try:
-                text = self.builder.render_chat(
-                    chat.messages, request.tools, **(request.chat_template_kwargs or {})
-                )
-            except TemplateError as e:
-                raise BadRequest(f"the chat template rejected the messages: {e}") from None
-            ids = self.builder.encode(text)
-            self._check_placeholders(ids, len(parts), len(video_parts), "messages")
-            self.images.check_uuids(parts, size)
-            options = video_options(request)
-            if self.videos is not None:
-                self.videos.check_uuids(video_parts, options)
-            encoded = self.fetcher.fetch_all(chat.image_urls, chat.image_url_parts)
-            encoded_videos = self.fetcher.fetch_all(
-                chat.video_urls, chat.video_url_parts, video=True
-            )
-        else:
+        if request.messages is None:
             assert request.prompt is not None
-            ids = self._prompt_ids(request.prompt)
-            encoded, encoded_videos, options = [], [], VideoOptions()
+            return self._expand(request, self._prompt_ids(request.prompt), [], [], [], [])
+        chat = parse_messages(request.messages)
+        # From here to the pinned pixels, the worker is busy: the notice goes out before
+        # the template and the fetch, so the scheduler's steps have shed the core by the
+        # time decoding starts.
+        with self.media_work() if chat.image_urls or chat.video_urls else nullcontext():
+            return self._chat_request(request, chat, size)
+
+    def _chat_request(self, request: TokenizeRequest, chat: Chat, size: ImageSize) -> EngineRequest:
+        parts, video_parts = chat.images, chat.videos
+        embeds = next((part for part in parts if part.is_embeds), None)
+        if embeds is not None and not self.config.enable_mm_embeds:
+            raise BadRequest(
+                f"{embeds.where}: image_embeds parts are off; the server takes them with "
+                "--enable-mm-embeds (for trusted clients)",
+                embeds.where,
+            )
+        self._check_limits(parts, video_parts)
+        try:
+            text = self.builder.render_chat(
+                chat.messages, request.tools, **(request.chat_template_kwargs or {})
+            )
+        except TemplateError as e:
+            raise BadRequest(f"the chat template rejected the messages: {e}") from None
+        ids = self.builder.encode(text)
+        self._check_placeholders(ids, len(parts), len(video_parts), "messages")
+        self.images.check_uuids(parts, size)
+        options = video_options(request)
+        if self.videos is not None:
+            self.videos.check_uuids(video_parts, options)
+        encoded = self.fetcher.fetch_all(chat.image_urls, chat.image_url_parts)
+        encoded_videos = self.fetcher.fetch_all(chat.video_urls, chat.video_url_parts, video=True)
         images = self.images.load(parts, encoded, size)
         videos: list[LoadedVideo] = []
         try:

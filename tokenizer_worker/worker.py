@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TypeAlias
 
 from ..ipc.messages import (
@@ -62,7 +64,10 @@ class TokenizerWorker:
         builder: PromptBuilder,
         arena: ShmArena,
         fetcher: MediaFetcher | None = None,
+        media_work: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
+        """`media_work()`: entered while a request's fetched media is decoded and resized
+        (`PromptPath`)."""
         self.config = config
         self.builder = builder
         self.arena = arena
@@ -75,7 +80,9 @@ class TokenizerWorker:
         self.fetcher = fetcher or MediaFetcher.from_config(config)
         self.images = ImageParts(config, builder, self.cache, arena)
         self.videos: VideoParts | None = open_video_parts(config, builder, self.cache, arena)
-        self.prompts = PromptPath(config, builder, arena, self.fetcher, self.images, self.videos)
+        self.prompts = PromptPath(
+            config, builder, arena, self.fetcher, self.images, self.videos, media_work
+        )
         self.waiting = WaitingRequests()
         self._room_freed = False  # pins were dropped since the waiting requests' last try
         self.requests_processed = 0
@@ -86,7 +93,11 @@ class TokenizerWorker:
         return self.images.images_processed
 
     @classmethod
-    def open(cls, config: WorkerConfig) -> TokenizerWorker:
+    def open(
+        cls,
+        config: WorkerConfig,
+        media_work: Callable[[], AbstractContextManager[object]] = nullcontext,
+    ) -> TokenizerWorker:
         """Load the tokenizer and processor and create the arena (replacing a stale one
         of the same name, left by a killed predecessor)."""
         builder = PromptBuilder(config.model_path, chat_template=config.chat_template)
@@ -94,7 +105,7 @@ class TokenizerWorker:
         name = segment_name(config.instance_id, config.worker_id)
         (SHM_DIR / name).unlink(missing_ok=True)
         arena = ShmArena(name, config.arena_bytes, worker_id=config.worker_id)
-        return cls(config, builder, arena, fetcher)
+        return cls(config, builder, arena, fetcher, media_work)
 
     def close(self) -> None:
         """Stop fetching and remove the arena (its segment is unlinked)."""

@@ -1,6 +1,13 @@
-"""On a CPU, the cores split between the engine's steps and the encoder thread (on CUDA
-nothing is split): one part of prefill pacing, which `PrefillPacing` (pacing.py) drives
-once per step.
+"""On a CPU, the cores split between the engine's steps, the encoder thread and the
+tokenizer workers decoding media (on CUDA nothing is split): one part of prefill pacing,
+which `PrefillPacing` (pacing.py) drives once per step.
+
+A step's OpenMP threads meet at a barrier after every parallel region, so a step that
+asks for more threads than there are free cores waits at each region for a thread the
+kernel has descheduled: a 1 ms decode step then takes tens of milliseconds. So the steps
+never take a core that another part of the server is busy on: the encoder thread's share
+while a tower call runs, and one core per tokenizer worker while it decodes and resizes a
+request's media (the worker says so, `MediaWork`; `media_work` here).
 
 Splitting suits decodes, not prefill: a decode step barely gains from a second core, but
 a prefill token is several times slower with one thread alongside the tower (whose
@@ -15,6 +22,7 @@ lasted, so a stream of prefill never takes more than half of the tower's time.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -35,8 +43,11 @@ class CoreSharing:
         torch's thread count is per thread, but a thread that never read or used it takes
         the last one set by any thread: reading it here, on the engine's thread, pins the
         steps' own."""
-        self.encoder = encoder if device.type == "cpu" else None
-        self.cpu_threads = torch.get_num_threads() if device.type == "cpu" else 0
+        self.on_cpu = device.type == "cpu"
+        self.encoder = encoder if self.on_cpu else None
+        self.cpu_threads = torch.get_num_threads() if self.on_cpu else 0
+        self.cores = usable_cores() if self.on_cpu else 0
+        self.busy_workers: set[int] = set()  # tokenizer workers decoding media now
         self.hold_for_prefill = hold_for_prefill and self.encoder is not None
         self.holds = 0  # holds asked so far (the tests read it)
         self._hold_started = 0.0
@@ -46,9 +57,20 @@ class CoreSharing:
         """The torch threads the next step runs with (0 on CUDA) while a vision-tower call
         is in flight (`encoding`) or not; also the latency budget's key, as a step's costs
         depend on it."""
-        if self.encoder is None or not encoding or self.encoder.parked:
-            return self.cpu_threads
-        return max(1, self.cpu_threads - self.encoder.num_threads)
+        if not self.on_cpu:
+            return 0
+        encoder = self.encoder
+        tower = 0 if encoder is None or not encoding or encoder.parked else encoder.num_threads
+        free = self.cores - len(self.busy_workers)
+        return max(1, min(self.cpu_threads, free) - tower)
+
+    def media_work(self, worker_id: int, busy: bool) -> None:
+        """Tokenizer worker `worker_id` starts or ends decoding media: while it does, the
+        steps leave it a core."""
+        if busy:
+            self.busy_workers.add(worker_id)
+        else:
+            self.busy_workers.discard(worker_id)
 
     def begin_step(self, encoding: bool, now: float | None = None) -> int:
         """Ends a hold whose call is over or that has lasted `MAX_HOLD_SECONDS` (the next
@@ -100,11 +122,19 @@ class CoreSharing:
 
         More OpenMP threads than cores spin-wait on each other, so the steps and the
         encoder thread never ask for more between them. Setting the count is cheap."""
-        if self.encoder is None:
+        if not self.on_cpu:
             return
-        self.encoder.set_steps_idle(idle)
+        if self.encoder is not None:
+            self.encoder.set_steps_idle(idle)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def _now(now: float | None) -> float:

@@ -222,6 +222,11 @@ class Engine:
         if request is not None:
             self._finish(request, "abort")  # its pins wait in `pop_released_pins`
 
+    def media_work(self, worker_id: int, busy: bool) -> None:
+        """A tokenizer worker starts or ends decoding media (`MediaWork`): on a CPU the steps
+        leave it a core meanwhile (`CoreSharing`)."""
+        self.pacing.cores.media_work(worker_id, busy)
+
     def pop_released_pins(self) -> list[Pin]:
         """Shared-memory pins whose pixels no step will read again, each exactly once: an
         image's as soon as its request holds the embedding, the rest when the request
