@@ -494,6 +494,7 @@ class SchedulerReady(_Message, tag=_SCHEDULER_READY):
     page_size: int  # tokens per KV page
     max_num_seqs: int
     max_num_batched_tokens: int
+    quantization: str | None = None  # the checkpoint's quantized format ("block-fp8")
 
 
 class ProcessReady(_Message, tag=_PROCESS_READY):

@@ -329,6 +329,7 @@ async def _serve_http(
         model_path=str(model_path),
         served_model_names=tuple(args.served_model_name or [args.model or model_path.name]),
         max_model_len=min(scheduler.max_model_len for scheduler in schedulers),
+        quantization=schedulers[0].quantization,
         sampling_defaults=defaults,
         max_logprobs=args.max_logprobs,
         chat_template=args.chat_template,

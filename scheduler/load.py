@@ -13,7 +13,9 @@ import torch
 from .config import EngineConfig
 from .kv.sizing import readable_bytes
 from .models.linear_method import (
+    LinearMethod,
     building_with,
+    linear_layers,
     linear_weight_bytes,
     process_linears_after_loading,
 )
@@ -42,9 +44,19 @@ def load_rank_model(
     say("model loaded in %.1f s", time.monotonic() - started)
     resident, dense = linear_weight_bytes(model)
     say(
-        "linear weights: %s resident per rank, %.2fx their dense size (%s method)",
+        "linear weights: %s resident per rank, %.2fx their dense size (%s)",
         readable_bytes(resident),
         resident / max(dense, 1),
-        method.name,
+        methods_used(model, method),
     )
     return model
+
+
+def methods_used(model: Qwen2VLForCausalLM, method: LinearMethod) -> str:
+    """ "onednn method", or with a quantized checkpoint "onednn method; block-fp8 for 8
+    layers": how the linear layers compute (`method`: the settings' choice)."""
+    fmt = model.quantization
+    if fmt is None:
+        return f"{method.name} method"
+    quantized = sum(layer.method.name == fmt for layer in linear_layers(model))
+    return f"{method.name} method; {fmt} for {quantized} layers"

@@ -274,6 +274,7 @@ def run_scheduler(config: SchedulerProcessConfig, ready: ReadySink) -> None:
             page_size=engine.kv_cache.page_size,
             max_num_seqs=engine.config.max_num_seqs,
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            quantization=engine.model.quantization,
         )
     )
     logger.info(

@@ -43,6 +43,7 @@ class AppSettings:
     model_path: str
     served_model_names: tuple[str, ...]
     max_model_len: int
+    quantization: str | None = None  # the checkpoint's quantized format, if any
     api_key: str | None = None
     version: str = field(default_factory=iris_version)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config
@@ -113,6 +114,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
                     created=created,
                     root=settings.model_path,
                     max_model_len=settings.max_model_len,
+                    quantization=settings.quantization,
                 )
                 for name in settings.served_model_names
             ]
@@ -124,7 +126,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model")
         return ModelCard(
             id=model_id, created=created, root=settings.model_path,
-            max_model_len=settings.max_model_len,
+            max_model_len=settings.max_model_len, quantization=settings.quantization,
         )  # fmt: skip
 
     @app.post("/v1/chat/completions")

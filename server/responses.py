@@ -155,6 +155,7 @@ class ModelCard(BaseModel):
     root: str
     parent: str | None = None
     max_model_len: int
+    quantization: str | None = _omitted_when_none()  # Iris's: the checkpoint's format
 
 
 class ModelList(BaseModel):

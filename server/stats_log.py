@@ -18,9 +18,14 @@ def banner(
     """One line: where, what is served on what, its limits and its caches."""
     first = schedulers[0]
     tokens = first.kv_pages * first.page_size
+    weights = (
+        first.dtype
+        if first.quantization is None
+        else f"{first.quantization} weights, {first.dtype}"
+    )
     return (
         f"Iris {iris_version()} ready at {url}, serving {model!r} "
-        f"({first.architecture}, {first.dtype} on {first.device}): max_model_len "
+        f"({first.architecture}, {weights} on {first.device}): max_model_len "
         f"{first.max_model_len}, up to {first.max_num_seqs} sequences and "
         f"{first.max_num_batched_tokens} tokens per step; KV cache {first.kv_pages} "
         f"pages x {first.page_size} tokens = {tokens} tokens per rank; "

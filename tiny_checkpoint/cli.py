@@ -1,7 +1,8 @@
 """`iris tiny-model`: write a random-weight checkpoint to a folder.
 
 Either a toy checkpoint (`--arch`, `--size`) or a real-size one with a published config
-(`--like Qwen2.5-VL-7B-Instruct`; see `like.py`).
+(`--like Qwen2.5-VL-7B-Instruct`; see `like.py`); `--quant fp8` stores it in the layout of
+Qwen's block-FP8 releases (`fp8.py`).
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from . import ARCHS, DTYPES, SIZES, generate_checkpoint
+from .fp8 import write_fp8
 from .known_configs import KNOWN_CONFIGS
 
 
@@ -58,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --like: keep only the first N vision blocks (NOT the named config any more)",
     )
     parser.add_argument(
+        "--quant",
+        choices=["fp8"],
+        default=None,
+        help="store the decoder's projections quantized: fp8 = block-wise FP8 (e4m3, "
+        "128x128 blocks), the layout of Qwen's -FP8 releases",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         help="with --like: where random values are drawn (cuda is much faster; values differ "
@@ -73,19 +83,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-layers, --vision-depth and --device go with --like")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
+    target = args.out
     try:
-        if args.like:
-            out, what = _like(args), args.like
-        else:
-            out = generate_checkpoint(
-                args.arch,
-                args.out,
-                size=args.size,
-                seed=args.seed,
-                dtype=args.dtype or "float32",
-                max_shard_size=args.max_shard_size,
-            )
-            what = f"{args.arch} ({args.size}, {args.dtype or 'float32'})"
+        with tempfile.TemporaryDirectory(prefix="iris-tiny-model-") as full_precision:
+            if args.quant:  # the full-precision weights first, then their quantized copy
+                args.out = full_precision
+            if args.like:
+                out, what = _like(args), args.like
+            else:
+                out = generate_checkpoint(
+                    args.arch,
+                    args.out,
+                    size=args.size,
+                    seed=args.seed,
+                    dtype=args.dtype or "float32",
+                    max_shard_size=args.max_shard_size,
+                )
+                what = f"{args.arch} ({args.size}, {args.dtype or 'float32'})"
+            if args.quant:
+                out, what = write_fp8(out, target), f"{what}, block FP8"
     except (OSError, ValueError) as exc:
         print(f"iris tiny-model: error: {exc}", file=sys.stderr)
         return 1

@@ -95,6 +95,14 @@ def method_being_built() -> LinearMethod:
     return _BUILDING_WITH.get()
 
 
+def use_method(layer: LinearLayer, method: LinearMethod) -> None:
+    """Re-creates `layer`'s weights with `method`, before any is loaded (on the meta device
+    while the model is built): how a quantized checkpoint's layers take its format, once
+    their tensor-parallel slices are set."""
+    layer.method = method
+    method.create_weights(layer, layer.in_features, layer.out_features, layer.has_bias)
+
+
 def process_linears_after_loading(model: nn.Module) -> None:
     """Lets every linear layer's method process its loaded weights (`process_after_loading`)."""
     for layer in linear_layers(model):

@@ -67,6 +67,19 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, CheckpointTens
                 yield name, CheckpointTensor(f, name)
 
 
+def checkpoint_names(model_dir: str | Path) -> list[str]:
+    """Every tensor name of the checkpoint, no tensor read (the index, else each file's
+    header)."""
+    index = Path(model_dir) / INDEX_FILE
+    if index.exists():
+        return sorted(json.loads(index.read_text())["weight_map"])
+    names: list[str] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names += f.keys()
+    return names
+
+
 Weight = torch.Tensor | CheckpointTensor  # what a weight stream yields
 
 
@@ -107,7 +120,7 @@ def load_named_weights(
         renamed = rename(ckpt_name)
         if renamed is None:
             continue
-        target, shard = _unpack(renamed, packed)
+        target, shard = unpack_name(renamed, packed)
         if target not in params:
             unexpected.append(ckpt_name)
             continue
@@ -165,7 +178,8 @@ def load_parameter(owner: nn.Module, leaf: str, tensor: Weight, shard: int | Non
     return destination.numel() * destination.element_size()
 
 
-def _unpack(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+def unpack_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """(our parameter, its shard) that the renamed checkpoint tensor `name` fills."""
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in packed:
         fused, shard = packed[parts[-2]]

@@ -3,27 +3,109 @@ the settings and the checkpoint for it.
 
 - `dense`: plain `F.linear` over the weights as loaded (GPUs; `--cpu-linear aten`);
 - `onednn`: on a CPU in float32 or bfloat16, weights prepacked for oneDNN after loading,
-  the dense copy freed (`cpu_linear`; `--cpu-linear onednn`, the default there).
+  the dense copy freed (`cpu_linear`; `--cpu-linear onednn`, the default there);
+- `block-fp8`: the layers a block-FP8 checkpoint stores quantized (`block_fp8`).
 
-A quantized checkpoint format (its config.json's `quantization_config`: block FP8, AWQ,
-GPTQ) plugs in here: a `LinearMethod` subclass that creates its packed weights and scales,
-loads them through its `load_weight` (slicing scales as the layer's `tp_splits` slice the
-weight) and applies them, a row in `LINEAR_METHODS`, and a branch in `select_linear_method`.
+A layer is built with the settings' method (`select_linear_method`); a quantized
+checkpoint (its config.json's `quantization_config`) then re-creates the layers it stores
+quantized with its format's method before any weight is loaded (`quantize_layers`). Which
+layers those are is read from the checkpoint's tensors, not from the config's skip list
+(`modules_to_not_convert`, hundreds of names whose spelling varies): a layer is quantized
+where its weight has a scale beside it. A new format (AWQ, GPTQ) is a `LinearMethod`, a
+row in `FORMATS` and its tensor that marks a quantized layer.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from torch import nn
 
+from .block_fp8 import SCALE_SUFFIX, BlockFp8Linear
 from .cpu_linear import OneDNNPackedLinear, can_pack
-from .linear_method import DENSE, LinearMethod
+from .linear_method import DENSE, LinearLayer, LinearMethod, use_method
+from .loader import checkpoint_names
 
 LINEAR_METHODS: dict[str, LinearMethod] = {
     DENSE.name: DENSE,
     OneDNNPackedLinear.name: OneDNNPackedLinear(),
 }
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A checkpoint format whose layers load through `method`: a layer is stored quantized
+    where the checkpoint has `<its weight's name><marker>`."""
+
+    name: str  # as `/v1/models` and the start-up log say it
+    method: Callable[[], LinearMethod]
+    marker: str
+
+
+FORMATS: dict[str, QuantFormat] = {
+    "fp8": QuantFormat("block-fp8", BlockFp8Linear, SCALE_SUFFIX),
+}
+
+
+def checkpoint_format(model_dir: str | Path) -> QuantFormat | None:
+    """The quantized format of the checkpoint in `model_dir` (None: full precision); raises
+    naming what Iris does not read yet."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    quant: dict[str, Any] | None = config.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method not in FORMATS:
+        raise ValueError(
+            f"quantization_config.quant_method {method!r} is not supported yet; "
+            f"supported: {', '.join(sorted(FORMATS))}"
+        )
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        if block != [128, 128] or quant.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(
+                "only block-wise FP8 with e4m3 weights and weight_block_size [128, 128] is "
+                f"supported, got fmt {quant.get('fmt')!r}, weight_block_size {block!r}"
+            )
+    return FORMATS[method]
+
+
+def quantize_layers(
+    model: nn.Module, model_dir: str | Path, target: Callable[[str], str | None]
+) -> QuantFormat | None:
+    """Re-creates, with the checkpoint's format's method, every linear layer of `model`
+    (built on the meta device, its tensor-parallel slices set) that the checkpoint stores
+    quantized; `target(name)` is the parameter a checkpoint tensor fills (None: skipped).
+    Returns the format, None for a full-precision checkpoint."""
+    fmt = checkpoint_format(model_dir)
+    if fmt is None:
+        return None
+    modules = dict(model.named_modules())
+    method = fmt.method()
+    quantized = 0
+    for name in checkpoint_names(model_dir):
+        if not name.endswith(fmt.marker):
+            continue
+        weight = target(name.removesuffix(fmt.marker))
+        if weight is None:
+            continue
+        owner = modules.get(weight.rpartition(".")[0])
+        if not isinstance(owner, LinearLayer):
+            raise ValueError(
+                f"{name}: {fmt.name} weights of this kind of layer (not a linear layer of "
+                "Iris's, e.g. MoE experts) are not supported yet"
+            )
+        if owner.method is not method:
+            use_method(owner, method)
+            quantized += 1
+    if not quantized:
+        raise ValueError(f"a {fmt.name} checkpoint with no quantized layer Iris knows")
+    return fmt
 
 
 def select_linear_method(

@@ -21,7 +21,7 @@ from ..hybrid.linear_state import LinearStepContext
 from .attention_api import AttentionContext
 from .config import VLModelConfig
 from .layers import PACKED_SHARDS
-from .loader import Weight, load_named_weights
+from .loader import Weight, load_named_weights, unpack_name
 from .qwen2_lm import Qwen2Model
 from .qwen3_lm import Qwen3Model
 from .tensor_parallel import vocab_parallel_head
@@ -42,6 +42,7 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
 class Qwen2VLForCausalLM(nn.Module):
     vision_tower: ClassVar[type[nn.Module]] = Qwen2VisionTransformer  # built from config.vision
     language_model: ClassVar[type[Qwen2Model] | type[Qwen3Model] | type[Qwen3_5Model]] = Qwen2Model
+    quantization: str | None = None  # the checkpoint's quantized format (registry.load_model)
 
     def __init__(self, config: VLModelConfig) -> None:
         super().__init__()
@@ -132,6 +133,11 @@ class Qwen2VLForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         load_named_weights(self, weights, rename=self._rename, packed=PACKED_SHARDS)
+
+    def checkpoint_target(self, name: str) -> str | None:
+        """Our parameter that checkpoint tensor `name` fills (None: it is not loaded)."""
+        renamed = self._rename(name)
+        return None if renamed is None else unpack_name(renamed, PACKED_SHARDS)[0]
 
     def _rename(self, name: str) -> str | None:
         if name.endswith(_SKIPPED_SUFFIXES):

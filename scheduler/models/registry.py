@@ -19,6 +19,7 @@ from ...common.architectures import by_name
 from .config import VLModelConfig, architecture_of
 from .layers import RMSNorm
 from .loader import iter_checkpoint
+from .quantization import quantize_layers
 from .tensor_parallel import SINGLE, TPShard
 
 if TYPE_CHECKING:  # imported only when picked (below), so importing the registry is cheap
@@ -47,14 +48,18 @@ def load_model(
     dummy_weights: bool = False,
     tp: TPShard = SINGLE,
 ) -> Qwen2VLForCausalLM:
-    """Builds the model on the meta device, materialises it on `device` in `dtype` and
+    """Builds the model on the meta device (the layers a quantized checkpoint stores
+    quantized re-created with its format's method, `quantization.quantize_layers`; the
+    format's name in `model.quantization`), materialises it on `device` in `dtype` and
     loads the checkpoint's weights (or, with `dummy_weights`, small random ones). `tp`: the
     tensor-parallel shard this process holds (the whole model by default)."""
     config = dataclasses.replace(load_config(model_dir), tp=tp)
     cls = model_class(config.architecture)
     with torch.device("meta"):
-        model = cls(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+        model = cls(config).to(dtype=dtype)
+        fmt = quantize_layers(model, model_dir, model.checkpoint_target)
+    model.quantization = None if fmt is None else fmt.name
+    model = model.to_empty(device=device)
     model.reset_buffers()
     if dummy_weights:
         _init_dummy(model)

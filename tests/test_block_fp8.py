@@ -1,0 +1,216 @@
+"""Block-FP8 checkpoints (Qwen's `-FP8` layout): the loader reads the writer's blocks in
+every slice a layer can hold, and a checkpoint answers exactly as transformers does on
+its dequantized weights, with its weights held at about a quarter of float32's bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from iris_serve.ipc.messages import Sampling
+from iris_serve.scheduler.load import methods_used
+from iris_serve.scheduler.models.block_fp8 import BlockFp8Linear
+from iris_serve.scheduler.models.linear_method import (
+    DENSE,
+    LinearLayer,
+    linear_layers,
+    linear_weight_bytes,
+    use_method,
+)
+from iris_serve.scheduler.models.quantization import checkpoint_format
+from iris_serve.scheduler.models.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPShard,
+)
+from iris_serve.tiny_checkpoint import STAMP_FILE, main_tiny_model
+from iris_serve.tiny_checkpoint.fp8 import dequantize, quantize, write_dequantized, write_fp8
+from iris_serve.tokenizer_worker.prompt import PromptBuilder
+from tests.reference import chat_prompt, cpu_engine, hf_generate, make_image
+
+torch.set_num_threads(2)
+MAX_NEW = 12
+
+
+def stored(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, bf16 scale grid, the float32 weight they hold) of a random layer."""
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    quantized, scale = quantize(weight * (1 + seed), torch.bfloat16)
+    return quantized, scale, dequantize(quantized, scale)
+
+
+def fp8_layer(layer: LinearLayer) -> LinearLayer:
+    use_method(layer, BlockFp8Linear())
+    return layer
+
+
+def held(layer: LinearLayer) -> torch.Tensor:
+    method = layer.method
+    assert isinstance(method, BlockFp8Linear)
+    method.process_after_loading(layer)
+    return method.dequantized(layer, torch.float32).clone()
+
+
+def test_a_whole_layer_holds_the_writers_weights_and_computes_with_them():
+    """300 x 200: partial blocks in both directions; bias in the model's dtype."""
+    q, s, w = stored(300, 200, seed=0)
+    layer = fp8_layer(LinearLayer(200, 300, bias=True))
+    bias = torch.randn(300)
+    for leaf, tensor in (("weight_scale_inv", s), ("weight", q), ("bias", bias)):
+        layer.load_weight(leaf, tensor, None)
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(held(layer), w)
+    x = torch.randn(5, 200)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, bias))
+
+
+def test_a_fused_layers_parts_keep_their_own_grids_in_a_column_slice():
+    """q, k, v of 192, 130 and 130 rows, rank 1 of 2: each part's rows from its own
+    checkpoint tensor and grid, at offsets that are not multiples of 128."""
+    parts = [stored(rows, 96, seed=i) for i, rows in enumerate((192, 130, 130))]
+    pieces = [(96, 96), (65, 65), (65, 65)]  # rank 1's rows of each part
+    layer = fp8_layer(ColumnParallelLinear(96, pieces, bias=False))
+    for shard, (q, s, _) in enumerate(parts):
+        layer.load_weight("weight", q, shard)
+        layer.load_weight("weight_scale_inv", s, shard)
+    expected = torch.cat(
+        [w[start : start + n] for (_, _, w), (start, n) in zip(parts, pieces, strict=True)]
+    )
+    assert torch.equal(held(layer), expected)
+
+
+def test_a_row_parallel_slice_reads_the_blocks_its_columns_fall_in():
+    """Columns 150..299 of 300 on rank 1 of 2: they start inside block 1."""
+    q, s, w = stored(64, 300, seed=3)
+    layer = fp8_layer(RowParallelLinear(300, 64, bias=False, tp=TPShard(rank=1, size=2)))
+    layer.load_weight("weight", q, None)
+    layer.load_weight("weight_scale_inv", s, None)
+    assert layer.weight_scale_inv.shape == (64, 2)  # blocks 1 and 2 only
+    assert torch.equal(held(layer), w[:, 150:])
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])
+def test_a_block_fp8_checkpoint_answers_as_transformers_on_its_dequantized_weights(
+    arch, request, tmp_path
+):
+    """Qwen2.5-VL (biased q/k/v, untied head) and Qwen3.5 (Gated DeltaNet projections
+    beside full attention): greedy tokens with an image equal transformers' on the same
+    weights dequantized; the decoder's projections hold e4m3 weights (the vision tower,
+    the head and Gated DeltaNet's in_proj_a/b stay dense); the answer is not the full-
+    precision checkpoint's, so the FP8 weights were the ones used."""
+    source = request.getfixturevalue(f"{arch}_tiny")
+    fp8 = write_fp8(source, tmp_path / "fp8")
+    twin = write_dequantized(fp8, tmp_path / "twin")
+    assert checkpoint_format(fp8) is not None and checkpoint_format(twin) is None
+    prompt = chat_prompt(PromptBuilder(fp8), "Describe it.", [make_image(64, 48, seed=3)])
+    greedy = Sampling(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine = cpu_engine(fp8)
+    [ours] = engine.generate([prompt], greedy)
+    assert ours == list(hf_generate(twin, prompt, MAX_NEW))
+    assert ours != cpu_engine(source).generate([prompt], greedy)[0]
+
+    model = engine.model
+    assert model.quantization == "block-fp8"
+    quantized = [layer for layer in linear_layers(model) if layer.method.name == "block-fp8"]
+    assert all(layer.weight.dtype == torch.float8_e4m3fn for layer in quantized)
+    assert not any(layer.method.name == "block-fp8" for layer in linear_layers(model.visual))
+    said = methods_used(model, DENSE)  # the start-up line's, with the settings' method
+    assert quantized and said == f"dense method; block-fp8 for {len(quantized)} layers", said
+    fp8_bytes = sum(layer.method.resident_bytes(layer) for layer in quantized)
+    dense_bytes = sum(layer.method.dense_bytes(layer) for layer in quantized)
+    assert fp8_bytes < 0.3 * dense_bytes, (fp8_bytes, dense_bytes)
+    resident, dense = linear_weight_bytes(model)
+    assert resident < dense
+
+
+@pytest.mark.parametrize(
+    ("quantization", "named"),
+    [
+        ({"quant_method": "awq", "bits": 4}, "'awq' is not supported yet"),
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+        ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "e5m2"),
+    ],
+)
+def test_a_format_iris_does_not_read_is_refused_naming_it(tmp_path, quantization, named):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quantization}))
+    with pytest.raises(ValueError, match=named):
+        checkpoint_format(tmp_path)
+
+
+def test_iris_tiny_model_writes_the_fp8_layout_sharded_too(tmp_path):
+    """`iris tiny-model --quant fp8`: Qwen's config fields, e4m3 decoder projections with
+    their bf16 grids, the vision tower and head as they were, the stamp saying so; across
+    shards, the index names every tensor."""
+    from safetensors import safe_open
+
+    out = tmp_path / "fp8"
+    args = ["--arch", "qwen2_vl", "--quant", "fp8", "--max-shard-size", "200KB", "--out", str(out)]
+    assert main_tiny_model(args) == 0
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["weight_block_size"] == [128, 128]
+    assert "visual.blocks.0.attn.qkv" in config["modules_to_not_convert"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    dtypes = {}
+    for name, file in index.items():
+        with safe_open(str(out / file), "pt") as f:
+            dtypes[name] = f.get_tensor(name).dtype
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert dtypes[q] == torch.float8_e4m3fn and dtypes[q + "_scale_inv"] == torch.bfloat16
+    assert dtypes["visual.blocks.0.attn.qkv.weight"] == torch.float32
+    assert json.loads((out / STAMP_FILE).read_text())["quant"] == "fp8"
+
+
+def test_served_fp8_says_its_format_and_answers_as_transformers(qwen2_5_vl_tiny, tmp_path):
+    """`iris serve` on a block-FP8 checkpoint: `/v1/models` and the start-up lines name the
+    format, and a chat answer with an image is transformers' on the dequantized twin."""
+    import httpx
+
+    from tests.server_harness import iris_server
+    from tests.test_tokenizer_worker import data_url
+
+    fp8 = write_fp8(qwen2_5_vl_tiny, tmp_path / "fp8")
+    twin = write_dequantized(fp8, tmp_path / "twin")
+    image = make_image(64, 48, seed=4)
+    builder = PromptBuilder(fp8)
+    expected = builder.tokenizer.decode(
+        hf_generate(twin, chat_prompt(builder, "Describe it.", [image]), MAX_NEW),
+        skip_special_tokens=True,
+    )
+    (tmp_path / "server").mkdir()
+    with iris_server(fp8, "--served-model-name", "fp8", tmp_path=tmp_path / "server") as server:
+        [card] = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]
+        assert card["quantization"] == "block-fp8"
+        content = [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": "Describe it."},
+        ]
+        body = {
+            "model": "fp8", "messages": [{"role": "user", "content": content}],
+            "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+        }  # fmt: skip
+        answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == expected
+        log = server.log
+    assert "(Qwen2_5_VLForConditionalGeneration, block-fp8 weights, float32 on cpu)" in log
+    assert "(onednn method; block-fp8 for 8 layers)" in log  # 2 layers: qkv, o, gate_up, down
+
+
+def test_fp8_moe_experts_are_refused_naming_the_tensor(qwen3_vl_moe_tiny, tmp_path):
+    """Qwen's FP8 MoE releases store each expert's projections with their own grids; the
+    routed experts are not linear layers of Iris's yet, so such a checkpoint is refused
+    before anything loads, naming the tensor, instead of loading wrong weights."""
+    from safetensors.torch import load_file, save_file
+
+    from iris_serve.scheduler.models.registry import load_model
+
+    fp8 = write_fp8(qwen3_vl_moe_tiny, tmp_path / "fp8")
+    tensors = load_file(fp8 / "model.safetensors")
+    expert = "model.language_model.layers.0.mlp.experts.0.gate_proj.weight"
+    q, s, _ = stored(24, 64, seed=5)
+    tensors |= {expert: q, expert + "_scale_inv": s}
+    save_file(tensors, fp8 / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError, match=f"{expert}_scale_inv: block-fp8 weights of this kind"):
+        load_model(fp8, torch.float32, "cpu")
