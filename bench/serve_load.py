@@ -3,7 +3,7 @@ figures against the first's.
 
     python -m bench.serve_load [--size tiny|small] [--arch ARCH | --model DIR] [--quick]
         [--workloads image,text,append,window,agents,decode,video,clips,gaps]
-        [--variant NAME=FLAGS ...]
+        [--variant NAME=FLAGS ...] [--model-variant 'NAME=DIR [FLAGS]' ...]
         [--before-tree [NAME=]DIR ...] [--flags=FLAGS] [--rounds N] [--interleave] [--threads N]
         [--client builtin|vllm] [--vllm PATH] [--num-prompts N] [--concurrency N]
         [--output-len N] [--decode CONTEXTxBATCH,...] [--no-bound] [--name NAME] [--out DIR]
@@ -16,6 +16,9 @@ The servers, on the same checkpoint (generated, `--arch`, Qwen2.5-VL by default,
 - each `--variant NAME=FLAGS`: `iris serve` with FLAGS added; leading `VAR=value` words
   are its environment, e.g. `--variant 'passive=OMP_WAIT_POLICY=PASSIVE'`,
   `--variant 'inline=--mm-encoder-placement inline --max-itl-stretch 0'`;
+- each `--model-variant 'NAME=DIR [FLAGS]'`: `iris serve` of another checkpoint (a
+  quantized copy of the model, `iris tiny-model --quant fp8`) with FLAGS added; the
+  workloads' tokens come from the first checkpoint's tokenizer, so it must share it;
 - `--before-tree [NAME=]DIR` (repeatable): NAME (default `before`), `iris serve` from
   another checkout (`git worktree add DIR COMMIT`) with its own defaults, through this
   venv (`bench.server_process.namespace_shim`): an earlier commit measured in the same run.
@@ -180,16 +183,23 @@ def parse_variant(spec: str) -> tuple[str, list[str], dict[str, str]]:
 
 
 def iris_servers(args: argparse.Namespace, model_dir: Path, logs: Path) -> list[Server]:
-    """`iris`, each `--variant`, and `before` (`--before-tree`), in that order."""
+    """`iris`, each `--variant`, each `--model-variant` and each `--before-tree`, in that
+    order."""
     threads = ["--scheduler-threads", str(args.threads)] if args.threads else []
     common = [*(scenario.QUICK_FLAGS if args.quick else []), *shlex.split(args.flags), *threads]
     common += ["--device", args.device]
-    specs = [("iris", [], {}), *map(parse_variant, args.variant)]
+    specs = [
+        ("iris", None, [], {}),
+        *((name, None, flags, env) for name, flags, env in map(parse_variant, args.variant)),
+        *map(parse_model_variant, args.model_variant),
+    ]
     servers = []
-    for name, flags, env in specs:
+    for name, other_model, flags, env in specs:
         env = {**thread_env(args), **env}
-        server = IrisServer(model_dir, [*common, *flags], env=env, log_path=logs / f"{name}.log")
-        how = shlex.join([*(f"{k}={v}" for k, v in env.items()), "iris", "serve", "MODEL_DIR",
+        served = model_dir if other_model is None else other_model
+        server = IrisServer(served, [*common, *flags], env=env, log_path=logs / f"{name}.log")
+        shown = "MODEL_DIR" if other_model is None else str(other_model)
+        how = shlex.join([*(f"{k}={v}" for k, v in env.items()), "iris", "serve", shown,
                           *common, *flags])  # fmt: skip
         servers.append(Server(name, server, f"`{how}`"))
     for name, tree in map(parse_before_tree, args.before_tree):
@@ -198,6 +208,15 @@ def iris_servers(args: argparse.Namespace, model_dir: Path, logs: Path) -> list[
         how = f"`{shlex.join(['iris', 'serve', 'MODEL_DIR', *common])}`"
         servers.append(Server(name, server, f"{how} from `{tree}`, commit {checkout_commit(tree)}"))
     return servers
+
+
+def parse_model_variant(spec: str) -> tuple[str, Path, list[str], dict[str, str]]:
+    """`NAME=DIR [FLAGS]` -> (name, the checkpoint DIR, flags, environment): this tree's
+    `iris serve` on another checkpoint (a quantized copy of the model, say)."""
+    name, words, env = parse_variant(spec)
+    if not words:
+        raise SystemExit(f"--model-variant {spec!r}: expected NAME=DIR [FLAGS]")
+    return name, Path(words[0]).resolve(), words[1:], env
 
 
 def parse_before_tree(spec: str) -> tuple[str, Path]:
@@ -371,6 +390,9 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_arguments(parser, "image,text")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="another iris serve, with FLAGS added (repeatable)")  # fmt: skip
+    parser.add_argument("--model-variant", action="append", default=[], metavar="NAME=DIR [FLAGS]",
+                        help="another iris serve, of the checkpoint in DIR (e.g. its quantized "
+                        "copy), with FLAGS added (repeatable)")  # fmt: skip
     parser.add_argument("--before-tree", action="append", default=[], metavar="[NAME=]DIR",
                         help="also iris serve from this checkout of another commit, named "
                         "NAME (default: before; repeatable)")  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 
 from bench.drop_fields_proxy import drop_fields
 from bench.load_client import RequestResult, summarize
-from bench.serve_load import parse_before_tree, parse_variant
+from bench.serve_load import parse_before_tree, parse_model_variant, parse_variant
 from bench.serve_load_report import Run, summary_table
 from tests.bench_smoke import REPO, check_provenance, markdown_tables, run_bench
 
@@ -164,3 +164,11 @@ def test_before_trees_are_named_and_repeatable(tmp_path):
     for bad in (f"iris={tmp_path}", f"a b={tmp_path}"):
         with pytest.raises(SystemExit):
             parse_before_tree(bad)
+
+
+def test_a_model_variant_serves_another_checkpoint_with_its_flags(tmp_path):
+    assert parse_model_variant(f"fp8={tmp_path} --dtype bfloat16") == (
+        "fp8", tmp_path.resolve(), ["--dtype", "bfloat16"], {}
+    )  # fmt: skip
+    with pytest.raises(SystemExit):
+        parse_model_variant("fp8=")

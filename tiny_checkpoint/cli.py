@@ -1,8 +1,8 @@
 """`iris tiny-model`: write a random-weight checkpoint to a folder.
 
 Either a toy checkpoint (`--arch`, `--size`) or a real-size one with a published config
-(`--like Qwen2.5-VL-7B-Instruct`; see `like.py`); `--quant fp8` stores it in the layout of
-Qwen's block-FP8 releases (`fp8.py`).
+(`--like Qwen2.5-VL-7B-Instruct`; see `like.py`); `--quant fp8|awq` stores it in the layout
+of Qwen's block-FP8 or AWQ releases (`fp8.py`, `awq.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from . import ARCHS, DTYPES, SIZES, generate_checkpoint
+from .awq import write_awq
 from .fp8 import write_fp8
 from .known_configs import KNOWN_CONFIGS
 
@@ -62,10 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--quant",
-        choices=["fp8"],
+        choices=["fp8", "awq"],
         default=None,
         help="store the decoder's projections quantized: fp8 = block-wise FP8 (e4m3, "
-        "128x128 blocks), the layout of Qwen's -FP8 releases",
+        "128x128 blocks), the layout of Qwen's -FP8 releases; awq = 4-bit AWQ (GEMM "
+        "packing, groups of 32 input rows), the layout of Qwen's -AWQ releases",
     )
     parser.add_argument(
         "--device",
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 what = f"{args.arch} ({args.size}, {args.dtype or 'float32'})"
             if args.quant:
-                out, what = write_fp8(out, target), f"{what}, block FP8"
+                write = {"fp8": write_fp8, "awq": write_awq}[args.quant]
+                out, what = write(out, target), f"{what}, {args.quant}"
     except (OSError, ValueError) as exc:
         print(f"iris tiny-model: error: {exc}", file=sys.stderr)
         return 1

@@ -18,13 +18,14 @@ group is the next step.
 
 from __future__ import annotations
 
-import threading
+import functools
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dequantized import ThreadBuffers, dense_bytes, recreate_bias, registered
 from .linear_method import LinearLayer, LinearMethod
 from .loader import ShapeMismatch, Weight, load_parameter, materialized
 
@@ -40,21 +41,17 @@ class BlockFp8Linear(LinearMethod):
     name: ClassVar[str] = "block-fp8"
 
     def __init__(self) -> None:
-        self._buffers = threading.local()
+        self._buffers = ThreadBuffers()
 
     def create_weights(
         self, layer: LinearLayer, in_features: int, out_features: int, bias: bool
     ) -> None:
         """The e4m3 weight and the row-expanded scale grid (see the module); called once the
         layer's `tp_splits` are known. The bias keeps the model's dtype."""
-        dtype = layer.bias.dtype if layer.bias is not None else torch.get_default_dtype()
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), False)
         _, count = _column_blocks(layer)
         layer.weight_scale_inv = nn.Parameter(torch.empty(out_features, count), False)
-        if bias:
-            layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False)
-        else:
-            layer.register_parameter("bias", None)
+        recreate_bias(layer, out_features, bias)
 
     def load_weight(self, layer: LinearLayer, leaf: str, tensor: Weight, shard: int | None) -> int:
         if leaf != "weight_scale_inv":
@@ -65,7 +62,7 @@ class BlockFp8Linear(LinearMethod):
         if (rows.numel() and int(rows.max()) >= grid.shape[0]) or first + count > grid.shape[1]:
             raise ShapeMismatch(f"a scale grid {tuple(grid.shape)} too small for the weight")
         expanded = grid[rows][:, first : first + count]
-        destination = _tensor(layer.weight_scale_inv).data
+        destination = registered(layer.weight_scale_inv).data
         if shard is not None:
             sizes = layer.shard_sizes
             assert sizes is not None  # a fused layer's
@@ -76,40 +73,48 @@ class BlockFp8Linear(LinearMethod):
         return destination.numel() * destination.element_size()
 
     def process_after_loading(self, layer: LinearLayer) -> None:
-        """Each column's block in the held grid, once (an index on the weight's device)."""
-        columns = torch.arange(layer.in_features, device=layer.weight.device)
+        """Where a slice starts inside a block (row-parallel, unaligned), each column's block
+        in the held grid, once (an index on the weight's device); aligned slices need none."""
         offset, (first, _) = _column_offset(layer), _column_blocks(layer)
-        layer.register_buffer("scale_columns", (offset + columns) // BLOCK - first, False)
+        if offset % BLOCK:
+            columns = torch.arange(layer.in_features, device=layer.weight.device)
+            layer.register_buffer("scale_columns", (offset + columns) // BLOCK - first, False)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.dequantized(layer, x.dtype), bias)
 
     def dequantized(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
-        """The layer's weight in `dtype`, in this thread's buffer (valid until the next call)."""
+        """The layer's weight in `dtype`, in this thread's buffer (valid until the next call).
+
+        e4m3 to `dtype` through a 256-entry table (torch's own conversion is scalar, several
+        times slower), then each block times its scale: one broadcast over the whole
+        blocks, one for a partial last block; a slice starting mid-block gathers instead."""
         weight = layer.weight
-        out = self._buffer(weight.shape, dtype, weight.device)
-        out.copy_(weight)
-        return out.mul_(_tensor(layer.weight_scale_inv)[:, _tensor(layer.scale_columns)])
+        rows, cols = weight.shape
+        out = self._buffers.get("weight", weight.shape, dtype, weight.device)
+        codes = self._buffers.get("codes", torch.Size([weight.numel()]), torch.int32, weight.device)
+        codes.copy_(weight.view(torch.uint8).view(-1))
+        torch.index_select(_e4m3_values(dtype, weight.device), 0, codes, out=out.view(-1))
+        scales = registered(layer.weight_scale_inv).to(dtype)
+        columns = getattr(layer, "scale_columns", None)
+        if columns is not None:
+            return out.mul_(scales[:, columns])
+        whole = cols // BLOCK * BLOCK
+        if whole:
+            out[:, :whole].view(rows, whole // BLOCK, BLOCK).mul_(scales[:, : whole // BLOCK, None])
+        if whole < cols:
+            out[:, whole:].mul_(scales[:, -1:])
+        return out
 
     def dense_bytes(self, layer: LinearLayer) -> int:
-        bias = layer.bias
-        itemsize = bias.element_size() if bias is not None else 4
-        return layer.weight.numel() * itemsize + (0 if bias is None else bias.numel() * itemsize)
-
-    def _buffer(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """This thread's buffer, grown to the largest layer asked for; a view of `shape`."""
-        key = (dtype, device)
-        buffers: dict = self._buffers.__dict__.setdefault("by_key", {})
-        flat = buffers.get(key)
-        if flat is None or flat.numel() < shape.numel():
-            flat = buffers[key] = torch.empty(shape.numel(), dtype=dtype, device=device)
-        return flat[: shape.numel()].view(shape)
+        return dense_bytes(layer)
 
 
-def _tensor(value: torch.Tensor | nn.Module) -> torch.Tensor:
-    """A tensor this method registered on a layer (typed as nn.Module's attributes are)."""
-    assert isinstance(value, torch.Tensor)
-    return value
+@functools.cache
+def _e4m3_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every e4m3 code's value in `dtype` (exact: bf16, fp16 and fp32 hold them all)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return codes.view(FP8).to(dtype).to(device)
 
 
 def _column_offset(layer: LinearLayer) -> int:

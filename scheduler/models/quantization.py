@@ -4,7 +4,8 @@ the settings and the checkpoint for it.
 - `dense`: plain `F.linear` over the weights as loaded (GPUs; `--cpu-linear aten`);
 - `onednn`: on a CPU in float32 or bfloat16, weights prepacked for oneDNN after loading,
   the dense copy freed (`cpu_linear`; `--cpu-linear onednn`, the default there);
-- `block-fp8`: the layers a block-FP8 checkpoint stores quantized (`block_fp8`).
+- `block-fp8`: the layers a block-FP8 checkpoint stores quantized (`block_fp8`);
+- `awq`: the layers an AWQ (4-bit, GEMM packing) checkpoint stores quantized (`awq`).
 
 A layer is built with the settings' method (`select_linear_method`); a quantized
 checkpoint (its config.json's `quantization_config`) then re-creates the layers it stores
@@ -12,7 +13,7 @@ quantized with its format's method before any weight is loaded (`quantize_layers
 layers those are is read from the checkpoint's tensors, not from the config's skip list
 (`modules_to_not_convert`, hundreds of names whose spelling varies): a layer is quantized
 where its weight has a scale beside it. A new format (AWQ, GPTQ) is a `LinearMethod`, a
-row in `FORMATS` and its tensor that marks a quantized layer.
+row in `FORMATS` and the tensor that marks a layer it quantized.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .awq import AwqLinear
 from .block_fp8 import SCALE_SUFFIX, BlockFp8Linear
 from .cpu_linear import OneDNNPackedLinear, can_pack
 from .linear_method import DENSE, LinearLayer, LinearMethod, use_method
@@ -39,16 +41,17 @@ LINEAR_METHODS: dict[str, LinearMethod] = {
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """A checkpoint format whose layers load through `method`: a layer is stored quantized
-    where the checkpoint has `<its weight's name><marker>`."""
+    """A checkpoint format whose layers load through `method(quantization_config)`: a layer
+    `X` is stored quantized where the checkpoint has `X<marker>`."""
 
     name: str  # as `/v1/models` and the start-up log say it
-    method: Callable[[], LinearMethod]
+    method: Callable[[dict[str, Any]], LinearMethod]
     marker: str
 
 
 FORMATS: dict[str, QuantFormat] = {
-    "fp8": QuantFormat("block-fp8", BlockFp8Linear, SCALE_SUFFIX),
+    "fp8": QuantFormat("block-fp8", lambda _: BlockFp8Linear(), ".weight" + SCALE_SUFFIX),
+    "awq": QuantFormat("awq", lambda config: AwqLinear(int(config["group_size"])), ".qweight"),
 }
 
 
@@ -72,6 +75,18 @@ def checkpoint_format(model_dir: str | Path) -> QuantFormat | None:
                 "only block-wise FP8 with e4m3 weights and weight_block_size [128, 128] is "
                 f"supported, got fmt {quant.get('fmt')!r}, weight_block_size {block!r}"
             )
+    if method == "awq":
+        shape = (
+            quant.get("bits"),
+            str(quant.get("version", "gemm")).lower(),
+            quant.get("zero_point", True),
+        )
+        if shape != (4, "gemm", True) or not isinstance(quant.get("group_size"), int):
+            raise ValueError(
+                "only AWQ with bits 4, version gemm, zero_point true and an integer group_size is "
+                f"supported, got bits {shape[0]!r}, version {shape[1]!r}, zero_point {shape[2]!r}, "
+                f"group_size {quant.get('group_size')!r}"
+            )
     return FORMATS[method]
 
 
@@ -85,13 +100,14 @@ def quantize_layers(
     fmt = checkpoint_format(model_dir)
     if fmt is None:
         return None
+    config = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
     modules = dict(model.named_modules())
-    method = fmt.method()
+    method = fmt.method(config)
     quantized = 0
     for name in checkpoint_names(model_dir):
         if not name.endswith(fmt.marker):
             continue
-        weight = target(name.removesuffix(fmt.marker))
+        weight = target(name.removesuffix(fmt.marker) + ".weight")
         if weight is None:
             continue
         owner = modules.get(weight.rpartition(".")[0])

@@ -1,6 +1,7 @@
-"""Block-FP8 checkpoints (Qwen's `-FP8` layout): the loader reads the writer's blocks in
-every slice a layer can hold, and a checkpoint answers exactly as transformers does on
-its dequantized weights, with its weights held at about a quarter of float32's bytes."""
+"""Quantized checkpoints, block FP8 (Qwen's `-FP8` layout) and AWQ (`-AWQ`): the loader
+reads the writers' tensors in every slice a layer can hold, and a checkpoint answers
+exactly as transformers does on its dequantized twin, with its weights held at a
+fraction of float32's bytes (FP8 ~1/4, AWQ ~1/6)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.load import methods_used
+from iris_serve.scheduler.models.awq import AwqLinear
 from iris_serve.scheduler.models.block_fp8 import BlockFp8Linear
 from iris_serve.scheduler.models.linear_method import (
     DENSE,
@@ -25,8 +27,8 @@ from iris_serve.scheduler.models.tensor_parallel import (
     RowParallelLinear,
     TPShard,
 )
-from iris_serve.tiny_checkpoint import STAMP_FILE, main_tiny_model
-from iris_serve.tiny_checkpoint.fp8 import dequantize, quantize, write_dequantized, write_fp8
+from iris_serve.tiny_checkpoint import STAMP_FILE, awq, main_tiny_model
+from iris_serve.tiny_checkpoint.fp8 import dequantize, quantize, write_fp8, write_fp8_twin
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt, cpu_engine, hf_generate, make_image
 
@@ -91,36 +93,102 @@ def test_a_row_parallel_slice_reads_the_blocks_its_columns_fall_in():
     assert torch.equal(held(layer), w[:, 150:])
 
 
+GROUP = awq.GROUP_SIZE
+
+
+def awq_stored(rows: int, cols: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(AWQ's qweight, qzeros, scales; the float32 `W` `[rows, cols]` they hold)."""
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    qweight, qzeros, scales = awq.quantize(weight.t(), GROUP)
+    stored = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    return stored, awq.dequantize(qweight, qzeros, scales, GROUP).t()
+
+
+def awq_held(layer: LinearLayer) -> torch.Tensor:
+    method = layer.method
+    assert isinstance(method, AwqLinear)
+    method.process_after_loading(layer)
+    return method.dequantized_t(layer, torch.float32).t().clone()
+
+
+def test_an_awq_layer_holds_the_writers_weights_and_computes_with_them():
+    stored, w = awq_stored(48, 96, seed=1)
+    layer = LinearLayer(96, 48, bias=True)
+    use_method(layer, AwqLinear(GROUP))
+    bias = torch.randn(48)
+    for leaf, tensor in (*stored.items(), ("bias", bias)):
+        layer.load_weight(leaf, tensor, None)
+    assert layer.qweight.dtype == torch.int32 and not hasattr(layer, "weight")
+    assert torch.equal(awq_held(layer), w)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, bias))
+
+
+def test_awq_slices_keep_whole_words_and_groups():
+    """A fused q/k/v on rank 1 of 2 (its columns in words of 8) and a row-parallel layer
+    (its rows in groups); a slice cutting a word is refused, naming the unit."""
+    parts = [awq_stored(rows, 64, seed=i) for i, rows in enumerate((64, 32, 32))]
+    pieces = [(32, 32), (16, 16), (16, 16)]
+    fused = ColumnParallelLinear(64, pieces, bias=False)
+    use_method(fused, AwqLinear(GROUP))
+    for shard, (stored, _) in enumerate(parts):
+        for leaf, tensor in stored.items():
+            fused.load_weight(leaf, tensor, shard)
+    expected = torch.cat([w[a : a + n] for (_, w), (a, n) in zip(parts, pieces, strict=True)])
+    assert torch.equal(awq_held(fused), expected)
+
+    stored, w = awq_stored(24, 128, seed=4)
+    row = RowParallelLinear(128, 24, bias=False, tp=TPShard(rank=1, size=2))
+    use_method(row, AwqLinear(GROUP))
+    for leaf, tensor in stored.items():
+        row.load_weight(leaf, tensor, None)
+    assert torch.equal(awq_held(row), w[:, 64:])
+
+    cut = ColumnParallelLinear(64, [(4, 8)], bias=False)
+    use_method(cut, AwqLinear(GROUP))
+    with pytest.raises(ValueError, match="units of 8"):
+        cut.load_weight("qweight", parts[0][0]["qweight"], None)
+
+
+FORMATS = {  # --quant: (writer, its twin's writer, the format's name, what a layer holds)
+    "fp8": (write_fp8, write_fp8_twin, "block-fp8", "weight"),
+    "awq": (awq.write_awq, awq.write_awq_twin, "awq", "qweight"),
+}
+
+
+@pytest.mark.parametrize("quant", ["fp8", "awq"])
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])
-def test_a_block_fp8_checkpoint_answers_as_transformers_on_its_dequantized_weights(
-    arch, request, tmp_path
+def test_a_quantized_checkpoint_answers_as_transformers_on_its_dequantized_twin(
+    quant, arch, request, tmp_path
 ):
     """Qwen2.5-VL (biased q/k/v, untied head) and Qwen3.5 (Gated DeltaNet projections
     beside full attention): greedy tokens with an image equal transformers' on the same
-    weights dequantized; the decoder's projections hold e4m3 weights (the vision tower,
+    weights dequantized; the decoder's projections are held quantized (the vision tower,
     the head and Gated DeltaNet's in_proj_a/b stay dense); the answer is not the full-
-    precision checkpoint's, so the FP8 weights were the ones used."""
+    precision checkpoint's, so the quantized weights were the ones used."""
+    write, write_twin, name, held_tensor = FORMATS[quant]
     source = request.getfixturevalue(f"{arch}_tiny")
-    fp8 = write_fp8(source, tmp_path / "fp8")
-    twin = write_dequantized(fp8, tmp_path / "twin")
-    assert checkpoint_format(fp8) is not None and checkpoint_format(twin) is None
-    prompt = chat_prompt(PromptBuilder(fp8), "Describe it.", [make_image(64, 48, seed=3)])
+    checkpoint = write(source, tmp_path / quant)
+    twin = write_twin(checkpoint, tmp_path / "twin")
+    assert checkpoint_format(checkpoint) is not None and checkpoint_format(twin) is None
+    prompt = chat_prompt(PromptBuilder(checkpoint), "Describe it.", [make_image(64, 48, seed=3)])
     greedy = Sampling(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    engine = cpu_engine(fp8)
+    engine = cpu_engine(checkpoint)
     [ours] = engine.generate([prompt], greedy)
     assert ours == list(hf_generate(twin, prompt, MAX_NEW))
     assert ours != cpu_engine(source).generate([prompt], greedy)[0]
 
     model = engine.model
-    assert model.quantization == "block-fp8"
-    quantized = [layer for layer in linear_layers(model) if layer.method.name == "block-fp8"]
-    assert all(layer.weight.dtype == torch.float8_e4m3fn for layer in quantized)
-    assert not any(layer.method.name == "block-fp8" for layer in linear_layers(model.visual))
+    assert model.quantization == name
+    quantized = [layer for layer in linear_layers(model) if layer.method.name == name]
+    small = (torch.float8_e4m3fn, torch.int32)
+    assert all(getattr(layer, held_tensor).dtype in small for layer in quantized)
+    assert not any(layer.method.name == name for layer in linear_layers(model.visual))
     said = methods_used(model, DENSE)  # the start-up line's, with the settings' method
-    assert quantized and said == f"dense method; block-fp8 for {len(quantized)} layers", said
-    fp8_bytes = sum(layer.method.resident_bytes(layer) for layer in quantized)
+    assert quantized and said == f"dense method; {name} for {len(quantized)} layers", said
+    held_bytes = sum(layer.method.resident_bytes(layer) for layer in quantized)
     dense_bytes = sum(layer.method.dense_bytes(layer) for layer in quantized)
-    assert fp8_bytes < 0.3 * dense_bytes, (fp8_bytes, dense_bytes)
+    assert held_bytes < 0.3 * dense_bytes, (held_bytes, dense_bytes)
     resident, dense = linear_weight_bytes(model)
     assert resident < dense
 
@@ -128,7 +196,9 @@ def test_a_block_fp8_checkpoint_answers_as_transformers_on_its_dequantized_weigh
 @pytest.mark.parametrize(
     ("quantization", "named"),
     [
-        ({"quant_method": "awq", "bits": 4}, "'awq' is not supported yet"),
+        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported yet"),
+        ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits 8"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
         ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "e5m2"),
     ],
@@ -171,7 +241,7 @@ def test_served_fp8_says_its_format_and_answers_as_transformers(qwen2_5_vl_tiny,
     from tests.test_tokenizer_worker import data_url
 
     fp8 = write_fp8(qwen2_5_vl_tiny, tmp_path / "fp8")
-    twin = write_dequantized(fp8, tmp_path / "twin")
+    twin = write_fp8_twin(fp8, tmp_path / "twin")
     image = make_image(64, 48, seed=4)
     builder = PromptBuilder(fp8)
     expected = builder.tokenizer.decode(

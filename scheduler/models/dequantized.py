@@ -1,0 +1,56 @@
+"""What the quantized weight formats (`block_fp8`, `awq`) share: they compute through a
+dequantized copy of a layer's weight, made per call into a buffer each thread keeps (the
+encoder runs beside the steps), and re-create a layer's parameters once the model is
+built, the bias in the model's dtype."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from .linear_method import LinearLayer
+
+
+class ThreadBuffers:
+    """Per thread and per (role, dtype, device), one flat buffer grown to the largest size
+    asked for."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(
+        self, role: str, shape: torch.Size, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A view of `shape` into this thread's buffer for `role` (valid until the next
+        `get` of the same role in this thread)."""
+        key = (role, dtype, device)
+        buffers: dict = self._local.__dict__.setdefault("by_key", {})
+        flat = buffers.get(key)
+        if flat is None or flat.numel() < shape.numel():
+            flat = buffers[key] = torch.empty(shape.numel(), dtype=dtype, device=device)
+        return flat[: shape.numel()].view(shape)
+
+
+def recreate_bias(layer: LinearLayer, out_features: int, bias: bool) -> None:
+    """The layer's bias parameter again (or none), in the dtype it was built with."""
+    dtype = layer.bias.dtype if layer.bias is not None else torch.get_default_dtype()
+    if bias:
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False)
+    else:
+        layer.register_parameter("bias", None)
+
+
+def registered(value: torch.Tensor | nn.Module) -> torch.Tensor:
+    """A tensor a method registered on a layer (typed as nn.Module's attributes are)."""
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+def dense_bytes(layer: LinearLayer) -> int:
+    """The layer's weight and bias held dense in the model's dtype (the bias's)."""
+    bias = layer.bias
+    itemsize = bias.element_size() if bias is not None else 4
+    dense = layer.in_features * layer.out_features * itemsize
+    return dense + (0 if bias is None else bias.numel() * itemsize)
