@@ -1,11 +1,12 @@
-"""Quantized checkpoints, block FP8 (Qwen's `-FP8` layout) and AWQ (`-AWQ`): the loader
-reads the writers' tensors in every slice a layer can hold, and a checkpoint answers
-exactly as transformers does on its dequantized twin, with its weights held at a
-fraction of float32's bytes (FP8 ~1/4, AWQ ~1/6)."""
+"""Quantized checkpoints, block FP8 (Qwen's `-FP8` layout), AWQ (`-AWQ`) and GPTQ: the
+loader reads the writers' tensors in every slice a layer can hold, and a checkpoint
+answers exactly as transformers does on its dequantized twin, with its weights held at a
+fraction of float32's bytes (FP8 ~1/4, AWQ and GPTQ ~1/6)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.load import methods_used
 from iris_serve.scheduler.models.awq import AwqLinear
 from iris_serve.scheduler.models.block_fp8 import BlockFp8Linear
+from iris_serve.scheduler.models.gptq import GptqLinear
 from iris_serve.scheduler.models.linear_method import (
     DENSE,
     LinearLayer,
@@ -27,7 +29,7 @@ from iris_serve.scheduler.models.tensor_parallel import (
     RowParallelLinear,
     TPShard,
 )
-from iris_serve.tiny_checkpoint import STAMP_FILE, awq, main_tiny_model
+from iris_serve.tiny_checkpoint import STAMP_FILE, awq, gptq, main_tiny_model
 from iris_serve.tiny_checkpoint.fp8 import dequantize, quantize, write_fp8, write_fp8_twin
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt, cpu_engine, hf_generate, make_image
@@ -150,14 +152,88 @@ def test_awq_slices_keep_whole_words_and_groups():
         cut.load_weight("qweight", parts[0][0]["qweight"], None)
 
 
+def gptq_stored(
+    rows: int, cols: int, seed: int, desc_act: bool
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(GPTQ's qweight, qzeros, scales, g_idx; the float32 `W` `[rows, cols]` they hold)."""
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    g_idx = gptq.row_groups(cols, GROUP, desc_act, seed=7)
+    qweight, qzeros, scales = gptq.quantize(weight.t(), g_idx, GROUP)
+    stored = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+    return stored, gptq.dequantize(qweight, qzeros, scales, g_idx, 1).t()
+
+
+def gptq_held(layer: LinearLayer) -> torch.Tensor:
+    method = layer.method
+    assert isinstance(method, GptqLinear)
+    method.process_after_loading(layer)
+    return method.dequantized_t(layer, torch.float32).t().clone()
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_layers_and_slices_hold_the_writers_weights(desc_act):
+    """A whole layer, a fused q/k/v on rank 1 of 2 and a row-parallel rank 1 of 2 (its rows
+    in words of 8, every group kept), with the rows grouped in input order (a broadcast per
+    group) and in an order of their own (`desc_act`, a gather)."""
+    stored, w = gptq_stored(40, 96, seed=1, desc_act=desc_act)
+    layer = LinearLayer(96, 40, bias=True)
+    use_method(layer, GptqLinear(GROUP, zero_offset=1))
+    bias = torch.randn(40)
+    for leaf, tensor in (*stored.items(), ("bias", bias)):
+        layer.load_weight(leaf, tensor, None)
+    assert torch.equal(gptq_held(layer), w)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, bias))
+
+    parts = [
+        gptq_stored(rows, 64, seed=i, desc_act=desc_act) for i, rows in enumerate((64, 32, 32))
+    ]
+    pieces = [(32, 32), (16, 16), (16, 16)]
+    fused = ColumnParallelLinear(64, pieces, bias=False)
+    use_method(fused, GptqLinear(GROUP, zero_offset=1))
+    for shard, (tensors, _) in enumerate(parts):
+        for leaf, tensor in tensors.items():
+            fused.load_weight(leaf, tensor, shard)
+    expected = torch.cat([w[a : a + n] for (_, w), (a, n) in zip(parts, pieces, strict=True)])
+    assert torch.equal(gptq_held(fused), expected)
+
+    stored, w = gptq_stored(24, 128, seed=4, desc_act=desc_act)
+    row = RowParallelLinear(128, 24, bias=False, tp=TPShard(rank=1, size=2))
+    use_method(row, GptqLinear(GROUP, zero_offset=1))
+    for leaf, tensor in stored.items():
+        row.load_weight(leaf, tensor, None)
+    assert torch.equal(gptq_held(row), w[:, 64:])
+
+
+def test_fused_gptq_parts_ordering_their_rows_apart_are_refused():
+    """q, k and v share their input, so a real checkpoint's g_idx agree; one that does not
+    cannot be held as one layer, and is refused rather than dequantized wrong."""
+    fused = ColumnParallelLinear(64, [(0, 32), (0, 32)], bias=False)
+    use_method(fused, GptqLinear(GROUP, zero_offset=1))
+    for shard in range(2):
+        stored, _ = gptq_stored(32, 64, seed=shard, desc_act=True)
+        stored["g_idx"] = gptq.row_groups(64, GROUP, True, seed=shard)
+        for leaf, tensor in stored.items():
+            fused.load_weight(leaf, tensor, shard)
+    with pytest.raises(ValueError, match="order their input rows differently"):
+        fused.method.process_after_loading(fused)
+
+
+def write_gptq_in_activation_order(src: Path, out: Path) -> Path:
+    return gptq.write_gptq(src, out, desc_act=True)
+
+
 FORMATS = {  # --quant: (writer, its twin's writer, the format's name, what a layer holds)
     "fp8": (write_fp8, write_fp8_twin, "block-fp8", "weight"),
     "awq": (awq.write_awq, awq.write_awq_twin, "awq", "qweight"),
+    "gptq": (write_gptq_in_activation_order, gptq.write_gptq_twin, "gptq", "qweight"),
 }
 
 
-@pytest.mark.parametrize("quant", ["fp8", "awq"])
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize(
+    ("quant", "arch"),
+    [("fp8", "qwen2_5_vl"), ("fp8", "qwen3_5"), ("awq", "qwen2_5_vl"), ("gptq", "qwen3_5")],
+)
 def test_a_quantized_checkpoint_answers_as_transformers_on_its_dequantized_twin(
     quant, arch, request, tmp_path
 ):
@@ -196,7 +272,8 @@ def test_a_quantized_checkpoint_answers_as_transformers_on_its_dequantized_twin(
 @pytest.mark.parametrize(
     ("quantization", "named"),
     [
-        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported yet"),
+        ({"quant_method": "compressed-tensors"}, "'compressed-tensors' is not supported yet"),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits 8"),
         ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits 8"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),

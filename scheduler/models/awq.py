@@ -19,9 +19,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .dequantized import ThreadBuffers, dense_bytes, recreate_bias, registered
+from .dequantized import ThreadBuffers, copy_part, dense_bytes, recreate_bias, registered
 from .linear_method import LinearLayer, LinearMethod
-from .loader import ShapeMismatch, Weight, materialized
+from .loader import Weight, materialized
 from .tensor_parallel import TPSplit
 
 PACK = 8  # nibbles per int32
@@ -69,15 +69,7 @@ class AwqLinear(LinearMethod):
             tensor = split.take(tensor, shard)
         tensor = materialized(tensor)
         destination = registered(getattr(layer, leaf)).data
-        if shard is not None:
-            sizes = layer.shard_sizes
-            assert sizes is not None  # a fused layer's
-            per = PACK if leaf != "scales" else 1
-            destination = destination.narrow(1, sum(sizes[:shard]) // per, sizes[shard] // per)
-        if destination.shape != tensor.shape:
-            raise ShapeMismatch(f"{tuple(tensor.shape)} vs {tuple(destination.shape)}")
-        destination.copy_(tensor)
-        return destination.numel() * destination.element_size()
+        return copy_part(layer, destination, tensor, shard, PACK if leaf != "scales" else 1)
 
     def process_after_loading(self, layer: LinearLayer) -> None:
         """The nibbles of the weight and the zeros put in column order (see the module)."""

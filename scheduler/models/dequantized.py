@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .linear_method import LinearLayer
+from .loader import ShapeMismatch
 
 
 class ThreadBuffers:
@@ -46,6 +47,22 @@ def registered(value: torch.Tensor | nn.Module) -> torch.Tensor:
     """A tensor a method registered on a layer (typed as nn.Module's attributes are)."""
     assert isinstance(value, torch.Tensor)
     return value
+
+
+def copy_part(
+    layer: LinearLayer, destination: torch.Tensor, tensor: torch.Tensor, shard: int | None, per: int
+) -> int:
+    """Copies `tensor` into `destination`, or for part `shard` of a fused layer into its
+    columns (the layer's output rows, `per` to a column: 8 for packed words); returns the
+    bytes written. Raises `loader.ShapeMismatch`."""
+    if shard is not None:
+        sizes = layer.shard_sizes
+        assert sizes is not None  # a fused layer's
+        destination = destination.narrow(1, sum(sizes[:shard]) // per, sizes[shard] // per)
+    if destination.shape != tensor.shape:
+        raise ShapeMismatch(f"{tuple(tensor.shape)} vs {tuple(destination.shape)}")
+    destination.copy_(tensor)
+    return destination.numel() * destination.element_size()
 
 
 def dense_bytes(layer: LinearLayer) -> int:

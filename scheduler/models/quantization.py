@@ -5,7 +5,8 @@ the settings and the checkpoint for it.
 - `onednn`: on a CPU in float32 or bfloat16, weights prepacked for oneDNN after loading,
   the dense copy freed (`cpu_linear`; `--cpu-linear onednn`, the default there);
 - `block-fp8`: the layers a block-FP8 checkpoint stores quantized (`block_fp8`);
-- `awq`: the layers an AWQ (4-bit, GEMM packing) checkpoint stores quantized (`awq`).
+- `awq`: the layers an AWQ (4-bit, GEMM packing) checkpoint stores quantized (`awq`);
+- `gptq`: the layers a GPTQ (4-bit) checkpoint stores quantized (`gptq`).
 
 A layer is built with the settings' method (`select_linear_method`); a quantized
 checkpoint (its config.json's `quantization_config`) then re-creates the layers it stores
@@ -30,6 +31,7 @@ from torch import nn
 from .awq import AwqLinear
 from .block_fp8 import SCALE_SUFFIX, BlockFp8Linear
 from .cpu_linear import OneDNNPackedLinear, can_pack
+from .gptq import GptqLinear
 from .linear_method import DENSE, LinearLayer, LinearMethod, use_method
 from .loader import checkpoint_names
 
@@ -52,7 +54,14 @@ class QuantFormat:
 FORMATS: dict[str, QuantFormat] = {
     "fp8": QuantFormat("block-fp8", lambda _: BlockFp8Linear(), ".weight" + SCALE_SUFFIX),
     "awq": QuantFormat("awq", lambda config: AwqLinear(int(config["group_size"])), ".qweight"),
+    "gptq": QuantFormat("gptq", lambda config: GptqLinear(*_gptq_settings(config)), ".qweight"),
 }
+
+
+def _gptq_settings(config: dict[str, Any]) -> tuple[int, int]:
+    """(group size, the zero offset: 1 for checkpoint_format "gptq", 0 for "gptq_v2")."""
+    fmt = config.get("checkpoint_format", "gptq")
+    return int(config["group_size"]), 1 if fmt == "gptq" else 0
 
 
 def checkpoint_format(model_dir: str | Path) -> QuantFormat | None:
@@ -86,6 +95,20 @@ def checkpoint_format(model_dir: str | Path) -> QuantFormat | None:
                 "only AWQ with bits 4, version gemm, zero_point true and an integer group_size is "
                 f"supported, got bits {shape[0]!r}, version {shape[1]!r}, zero_point {shape[2]!r}, "
                 f"group_size {quant.get('group_size')!r}"
+            )
+    if method == "gptq":
+        fmt = quant.get("checkpoint_format", "gptq")
+        group = quant.get("group_size")
+        if (
+            quant.get("bits") != 4
+            or fmt not in ("gptq", "gptq_v2")
+            or not isinstance(group, int)
+            or group < 1
+        ):
+            raise ValueError(
+                "only GPTQ with bits 4, checkpoint_format gptq or gptq_v2 and a positive group_size "
+                f"is supported, got bits {quant.get('bits')!r}, checkpoint_format {fmt!r}, "
+                f"group_size {group!r}"
             )
     return FORMATS[method]
 
