@@ -1,7 +1,7 @@
-"""Quantized checkpoints, block FP8 (Qwen's `-FP8` layout), AWQ (`-AWQ`) and GPTQ: the
-loader reads the writers' tensors in every slice a layer can hold, and a checkpoint
-answers exactly as transformers does on its dequantized twin, with its weights held at a
-fraction of float32's bytes (FP8 ~1/4, AWQ and GPTQ ~1/6)."""
+"""Quantized checkpoints, block FP8 (Qwen's `-FP8` layout), AWQ (`-AWQ`), GPTQ and
+compressed-tensors W4A16: the loader reads the writers' tensors in every slice a layer can
+hold, and a checkpoint answers exactly as transformers does on its dequantized twin, with
+its weights held at a fraction of float32's bytes (FP8 ~1/4, the 4-bit ones ~1/6)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.load import methods_used
 from iris_serve.scheduler.models.awq import AwqLinear
 from iris_serve.scheduler.models.block_fp8 import BlockFp8Linear
+from iris_serve.scheduler.models.compressed_tensors import PackedW4A16Linear
 from iris_serve.scheduler.models.gptq import GptqLinear
 from iris_serve.scheduler.models.linear_method import (
     DENSE,
     LinearLayer,
+    LinearMethod,
     linear_layers,
     linear_weight_bytes,
     use_method,
@@ -30,12 +32,14 @@ from iris_serve.scheduler.models.tensor_parallel import (
     TPShard,
 )
 from iris_serve.tiny_checkpoint import STAMP_FILE, awq, gptq, main_tiny_model
+from iris_serve.tiny_checkpoint import compressed_tensors as w4a16
 from iris_serve.tiny_checkpoint.fp8 import dequantize, quantize, write_fp8, write_fp8_twin
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.reference import chat_prompt, cpu_engine, hf_generate, make_image
 
 torch.set_num_threads(2)
 MAX_NEW = 12
+GROUP = awq.GROUP_SIZE
 
 
 def stored(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,67 +99,17 @@ def test_a_row_parallel_slice_reads_the_blocks_its_columns_fall_in():
     assert torch.equal(held(layer), w[:, 150:])
 
 
-GROUP = awq.GROUP_SIZE
+Stored = tuple[dict[str, torch.Tensor], torch.Tensor]  # a layer's tensors; the W they hold
 
 
-def awq_stored(rows: int, cols: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(AWQ's qweight, qzeros, scales; the float32 `W` `[rows, cols]` they hold)."""
+def awq_stored(rows: int, cols: int, seed: int) -> Stored:
     weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
     qweight, qzeros, scales = awq.quantize(weight.t(), GROUP)
     stored = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
     return stored, awq.dequantize(qweight, qzeros, scales, GROUP).t()
 
 
-def awq_held(layer: LinearLayer) -> torch.Tensor:
-    method = layer.method
-    assert isinstance(method, AwqLinear)
-    method.process_after_loading(layer)
-    return method.dequantized_t(layer, torch.float32).t().clone()
-
-
-def test_an_awq_layer_holds_the_writers_weights_and_computes_with_them():
-    stored, w = awq_stored(48, 96, seed=1)
-    layer = LinearLayer(96, 48, bias=True)
-    use_method(layer, AwqLinear(GROUP))
-    bias = torch.randn(48)
-    for leaf, tensor in (*stored.items(), ("bias", bias)):
-        layer.load_weight(leaf, tensor, None)
-    assert layer.qweight.dtype == torch.int32 and not hasattr(layer, "weight")
-    assert torch.equal(awq_held(layer), w)
-    x = torch.randn(3, 96)
-    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, bias))
-
-
-def test_awq_slices_keep_whole_words_and_groups():
-    """A fused q/k/v on rank 1 of 2 (its columns in words of 8) and a row-parallel layer
-    (its rows in groups); a slice cutting a word is refused, naming the unit."""
-    parts = [awq_stored(rows, 64, seed=i) for i, rows in enumerate((64, 32, 32))]
-    pieces = [(32, 32), (16, 16), (16, 16)]
-    fused = ColumnParallelLinear(64, pieces, bias=False)
-    use_method(fused, AwqLinear(GROUP))
-    for shard, (stored, _) in enumerate(parts):
-        for leaf, tensor in stored.items():
-            fused.load_weight(leaf, tensor, shard)
-    expected = torch.cat([w[a : a + n] for (_, w), (a, n) in zip(parts, pieces, strict=True)])
-    assert torch.equal(awq_held(fused), expected)
-
-    stored, w = awq_stored(24, 128, seed=4)
-    row = RowParallelLinear(128, 24, bias=False, tp=TPShard(rank=1, size=2))
-    use_method(row, AwqLinear(GROUP))
-    for leaf, tensor in stored.items():
-        row.load_weight(leaf, tensor, None)
-    assert torch.equal(awq_held(row), w[:, 64:])
-
-    cut = ColumnParallelLinear(64, [(4, 8)], bias=False)
-    use_method(cut, AwqLinear(GROUP))
-    with pytest.raises(ValueError, match="units of 8"):
-        cut.load_weight("qweight", parts[0][0]["qweight"], None)
-
-
-def gptq_stored(
-    rows: int, cols: int, seed: int, desc_act: bool
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(GPTQ's qweight, qzeros, scales, g_idx; the float32 `W` `[rows, cols]` they hold)."""
+def gptq_stored(rows: int, cols: int, seed: int, desc_act: bool) -> Stored:
     weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
     g_idx = gptq.row_groups(cols, GROUP, desc_act, seed=7)
     qweight, qzeros, scales = gptq.quantize(weight.t(), g_idx, GROUP)
@@ -163,46 +117,71 @@ def gptq_stored(
     return stored, gptq.dequantize(qweight, qzeros, scales, g_idx, 1).t()
 
 
-def gptq_held(layer: LinearLayer) -> torch.Tensor:
+def w4a16_stored(rows: int, cols: int, seed: int) -> Stored:
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    packed, scale = w4a16.quantize(weight, GROUP)
+    shape = torch.tensor([rows, cols], dtype=torch.int32)
+    stored = {"weight_packed": packed, "weight_scale": scale, "weight_shape": shape}
+    return stored, w4a16.dequantize(packed, scale)
+
+
+PACKED = {  # a 4-bit format: its method, and a layer's tensors as its writer stores them
+    "awq": (lambda: AwqLinear(GROUP), awq_stored),
+    "gptq": (lambda: GptqLinear(GROUP, 1), lambda r, c, s: gptq_stored(r, c, s, False)),
+    "gptq desc_act": (lambda: GptqLinear(GROUP, 1), lambda r, c, s: gptq_stored(r, c, s, True)),
+    "w4a16": (lambda: PackedW4A16Linear(GROUP), w4a16_stored),
+}
+
+
+def packed_held(layer: LinearLayer) -> torch.Tensor:
+    """The weight `[N, K]` a 4-bit layer dequantizes to, once its loading is processed."""
     method = layer.method
-    assert isinstance(method, GptqLinear)
     method.process_after_loading(layer)
+    if isinstance(method, PackedW4A16Linear):
+        return method.dequantized(layer, torch.float32).clone()
+    assert isinstance(method, AwqLinear | GptqLinear)
     return method.dequantized_t(layer, torch.float32).t().clone()
 
 
-@pytest.mark.parametrize("desc_act", [False, True])
-def test_gptq_layers_and_slices_hold_the_writers_weights(desc_act):
-    """A whole layer, a fused q/k/v on rank 1 of 2 and a row-parallel rank 1 of 2 (its rows
-    in words of 8, every group kept), with the rows grouped in input order (a broadcast per
-    group) and in an order of their own (`desc_act`, a gather)."""
-    stored, w = gptq_stored(40, 96, seed=1, desc_act=desc_act)
-    layer = LinearLayer(96, 40, bias=True)
-    use_method(layer, GptqLinear(GROUP, zero_offset=1))
+def loaded(layer: LinearLayer, method: LinearMethod, parts: list[Stored]) -> LinearLayer:
+    use_method(layer, method)
+    for shard, (tensors, _) in enumerate(parts):
+        for leaf, tensor in tensors.items():
+            layer.load_weight(leaf, tensor, shard if len(parts) > 1 else None)
+    return layer
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_4_bit_layers_and_slices_hold_the_writers_weights(fmt):
+    """A whole layer (with a bias, computing), a fused q/k/v on rank 1 of 2 (each part's
+    columns from its own tensors, in words of 8) and a row-parallel rank 1 of 2 (its
+    inputs in words and groups); GPTQ in input order (a broadcast per group) and in an
+    order of its own (`desc_act`, a gather)."""
+    method, make = PACKED[fmt]
+    (tensors, w) = make(40, 96, 1)
+    layer = loaded(LinearLayer(96, 40, bias=True), method(), [(tensors, w)])
     bias = torch.randn(40)
-    for leaf, tensor in (*stored.items(), ("bias", bias)):
-        layer.load_weight(leaf, tensor, None)
-    assert torch.equal(gptq_held(layer), w)
+    layer.load_weight("bias", bias, None)
+    assert torch.equal(packed_held(layer), w)
     x = torch.randn(3, 96)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, bias))
 
-    parts = [
-        gptq_stored(rows, 64, seed=i, desc_act=desc_act) for i, rows in enumerate((64, 32, 32))
-    ]
+    parts = [make(rows, 64, i) for i, rows in enumerate((64, 32, 32))]
     pieces = [(32, 32), (16, 16), (16, 16)]
-    fused = ColumnParallelLinear(64, pieces, bias=False)
-    use_method(fused, GptqLinear(GROUP, zero_offset=1))
-    for shard, (tensors, _) in enumerate(parts):
-        for leaf, tensor in tensors.items():
-            fused.load_weight(leaf, tensor, shard)
+    fused = loaded(ColumnParallelLinear(64, pieces, bias=False), method(), parts)
     expected = torch.cat([w[a : a + n] for (_, w), (a, n) in zip(parts, pieces, strict=True)])
-    assert torch.equal(gptq_held(fused), expected)
+    assert torch.equal(packed_held(fused), expected)
 
-    stored, w = gptq_stored(24, 128, seed=4, desc_act=desc_act)
+    (tensors, w) = make(24, 128, 4)
     row = RowParallelLinear(128, 24, bias=False, tp=TPShard(rank=1, size=2))
-    use_method(row, GptqLinear(GROUP, zero_offset=1))
-    for leaf, tensor in stored.items():
-        row.load_weight(leaf, tensor, None)
-    assert torch.equal(gptq_held(row), w[:, 64:])
+    assert torch.equal(packed_held(loaded(row, method(), [(tensors, w)])), w[:, 64:])
+
+
+def test_an_awq_slice_cutting_a_word_is_refused():
+    cut = ColumnParallelLinear(64, [(4, 8)], bias=False)
+    use_method(cut, AwqLinear(GROUP))
+    with pytest.raises(ValueError, match="units of 8"):
+        cut.load_weight("qweight", awq_stored(64, 64, 0)[0]["qweight"], None)
 
 
 def test_fused_gptq_parts_ordering_their_rows_apart_are_refused():
@@ -219,6 +198,13 @@ def test_fused_gptq_parts_ordering_their_rows_apart_are_refused():
         fused.method.process_after_loading(fused)
 
 
+def test_a_w4a16_weight_shape_naming_other_inputs_is_refused():
+    row = RowParallelLinear(128, 24, bias=False, tp=TPShard(rank=1, size=2))
+    use_method(row, PackedW4A16Linear(GROUP))
+    with pytest.raises(ValueError, match="weight_shape"):
+        row.load_weight("weight_shape", torch.tensor([24, 64]), None)
+
+
 def write_gptq_in_activation_order(src: Path, out: Path) -> Path:
     return gptq.write_gptq(src, out, desc_act=True)
 
@@ -227,12 +213,19 @@ FORMATS = {  # --quant: (writer, its twin's writer, the format's name, what a la
     "fp8": (write_fp8, write_fp8_twin, "block-fp8", "weight"),
     "awq": (awq.write_awq, awq.write_awq_twin, "awq", "qweight"),
     "gptq": (write_gptq_in_activation_order, gptq.write_gptq_twin, "gptq", "qweight"),
+    "w4a16": (w4a16.write_w4a16, w4a16.write_w4a16_twin, "w4a16", "weight_packed"),
 }
 
 
 @pytest.mark.parametrize(
     ("quant", "arch"),
-    [("fp8", "qwen2_5_vl"), ("fp8", "qwen3_5"), ("awq", "qwen2_5_vl"), ("gptq", "qwen3_5")],
+    [
+        ("fp8", "qwen2_5_vl"),
+        ("fp8", "qwen3_5"),
+        ("awq", "qwen2_5_vl"),
+        ("gptq", "qwen3_5"),
+        ("w4a16", "qwen2_5_vl"),
+    ],
 )
 def test_a_quantized_checkpoint_answers_as_transformers_on_its_dequantized_twin(
     quant, arch, request, tmp_path
@@ -272,7 +265,26 @@ def test_a_quantized_checkpoint_answers_as_transformers_on_its_dequantized_twin(
 @pytest.mark.parametrize(
     ("quantization", "named"),
     [
-        ({"quant_method": "compressed-tensors"}, "'compressed-tensors' is not supported yet"),
+        ({"quant_method": "marlin"}, "'marlin' is not supported yet"),
+        ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "float-quantized"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {
+                        "weights": {
+                            "num_bits": 4,
+                            "type": "int",
+                            "symmetric": False,
+                            "strategy": "group",
+                            "group_size": 128,
+                        }
+                    }
+                },
+            },
+            "'symmetric': False",
+        ),
         ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits 8"),
         ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits 8"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),

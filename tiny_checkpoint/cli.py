@@ -1,8 +1,9 @@
 """`iris tiny-model`: write a random-weight checkpoint to a folder.
 
 Either a toy checkpoint (`--arch`, `--size`) or a real-size one with a published config
-(`--like Qwen2.5-VL-7B-Instruct`; see `like.py`); `--quant fp8|awq|gptq` stores it in the
-layout of Qwen's block-FP8 or AWQ releases or of AutoGPTQ (`fp8.py`, `awq.py`, `gptq.py`).
+(`--like Qwen2.5-VL-7B-Instruct`; see `like.py`); `--quant fp8|awq|gptq|w4a16` stores it in
+the layout of Qwen's block-FP8 or AWQ releases, of AutoGPTQ or of llm-compressor's W4A16
+(`fp8.py`, `awq.py`, `gptq.py`, `compressed_tensors.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from . import ARCHS, DTYPES, SIZES, generate_checkpoint
 from .awq import write_awq
+from .compressed_tensors import write_w4a16
 from .fp8 import write_fp8
 from .gptq import write_gptq
 from .known_configs import KNOWN_CONFIGS
@@ -64,12 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--quant",
-        choices=["fp8", "awq", "gptq"],
+        choices=["fp8", "awq", "gptq", "w4a16"],
         default=None,
         help="store the decoder's projections quantized: fp8 = block-wise FP8 (e4m3, "
         "128x128 blocks), the layout of Qwen's -FP8 releases; awq = 4-bit AWQ (GEMM "
         "packing, groups of 32 input rows), the layout of Qwen's -AWQ releases; gptq = 4-bit "
-        "GPTQ (AutoGPTQ's layout, groups of 32 input rows in input order)",
+        "GPTQ (AutoGPTQ's layout, groups of 32 input rows in input order); w4a16 = "
+        "compressed-tensors pack-quantized (4-bit symmetric, groups of 32)",
     )
     parser.add_argument(
         "--device",
@@ -105,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 what = f"{args.arch} ({args.size}, {args.dtype or 'float32'})"
             if args.quant:
-                write = {"fp8": write_fp8, "awq": write_awq, "gptq": write_gptq}[args.quant]
+                write = {
+                    "fp8": write_fp8, "awq": write_awq, "gptq": write_gptq, "w4a16": write_w4a16,
+                }[args.quant]  # fmt: skip
                 out, what = write(out, target), f"{what}, {args.quant}"
     except (OSError, ValueError) as exc:
         print(f"iris tiny-model: error: {exc}", file=sys.stderr)

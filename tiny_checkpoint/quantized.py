@@ -44,10 +44,12 @@ def write_quantized(
     quantize: Callable[[str, torch.Tensor], Tensors],
     config: dict[str, object],
     stamp: str,
+    skip_list: str = "modules_to_not_convert",
 ) -> Path:
     """`src` with every weight `is_quantized` picks replaced by `quantize(name, weight)`'s
     tensors, `config` as its `quantization_config` (with the `modules_to_not_convert` of
-    the linear layers kept dense), and `stamp` in the generator's stamp."""
+    the linear layers kept dense, under the format's `skip_list` key), and `stamp` in the
+    generator's stamp."""
     dense: list[str] = []
 
     def change(name: str, tensor: torch.Tensor) -> Tensors:
@@ -60,7 +62,7 @@ def write_quantized(
     out = rewrite(src, out, change)
     edit_config(
         out,
-        lambda c: c | {"quantization_config": {**config, "modules_to_not_convert": sorted(dense)}},
+        lambda c: c | {"quantization_config": {**config, skip_list: sorted(dense)}},
     )
     add_to_stamp(out, stamp)
     return out

@@ -19,8 +19,15 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .dequantized import ThreadBuffers, copy_part, dense_bytes, recreate_bias, registered
-from .linear_method import LinearLayer, LinearMethod
+from .dequantized import (
+    DequantizingMethod,
+    copy_part,
+    packed_layer,
+    packed_slice,
+    recreate_bias,
+    registered,
+)
+from .linear_method import LinearLayer
 from .loader import Weight, materialized
 from .tensor_parallel import TPSplit
 
@@ -30,29 +37,18 @@ LEAVES = ("qweight", "qzeros", "scales")
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
-class AwqLinear(LinearMethod):
+class AwqLinear(DequantizingMethod):
     """One method object per model (each layer holds its tensors); `group_size` from the
     checkpoint's config."""
 
     name: ClassVar[str] = "awq"
 
-    def __init__(self, group_size: int) -> None:
-        self.group_size = group_size
-        self._buffers = ThreadBuffers()
-
     def create_weights(
         self, layer: LinearLayer, in_features: int, out_features: int, bias: bool
     ) -> None:
         group = self.group_size
-        if in_features % group or out_features % PACK:
-            raise ValueError(
-                f"an AWQ layer of {in_features} inputs and {out_features} outputs on this rank: "
-                f"inputs must be whole groups of {group} and outputs whole words of {PACK} "
-                "(fewer tensor-parallel ranks may divide them)"
-            )
+        packed_layer(layer, "AWQ", group, PACK)
         words, groups = out_features // PACK, in_features // group
-        if hasattr(layer, "weight"):  # the dense weight the layer was built with
-            del layer.weight
         layer.qweight = nn.Parameter(torch.empty(in_features, words, dtype=torch.int32), False)
         layer.qzeros = nn.Parameter(torch.empty(groups, words, dtype=torch.int32), False)
         layer.scales = nn.Parameter(torch.empty(groups, out_features), False)
@@ -95,9 +91,6 @@ class AwqLinear(LinearMethod):
         grouped.mul_(scales.to(dtype).view(groups, 1, cols))
         return out
 
-    def dense_bytes(self, layer: LinearLayer) -> int:
-        return dense_bytes(layer)
-
     def _split(self, layer: LinearLayer, leaf: str) -> TPSplit | None:
         split = layer.tp_splits.get("weight")
         if split is None:
@@ -105,9 +98,7 @@ class AwqLinear(LinearMethod):
         per = {("qweight", 0): PACK, ("qzeros", 0): PACK, ("scales", 0): 1,
                ("qweight", 1): 1, ("qzeros", 1): self.group_size,
                ("scales", 1): self.group_size}[(leaf, split.dim)]  # fmt: skip
-        if any(start % per or length % per for start, length in split.pieces):
-            raise ValueError(f"a tensor-parallel slice {split.pieces} cuts {leaf}'s units of {per}")
-        return TPSplit(1 - split.dim, tuple((s // per, n // per) for s, n in split.pieces))
+        return packed_slice(split, 1 - split.dim, per, leaf)
 
 
 def _unpacked(packed: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dequantized import ThreadBuffers, dense_bytes, recreate_bias, registered
-from .linear_method import LinearLayer, LinearMethod
+from .dequantized import DequantizingMethod, recreate_bias, registered
+from .linear_method import LinearLayer
 from .loader import ShapeMismatch, Weight, load_parameter, materialized
 
 BLOCK = 128
@@ -34,14 +34,11 @@ FP8 = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` beside `X.weight`
 
 
-class BlockFp8Linear(LinearMethod):
+class BlockFp8Linear(DequantizingMethod):
     """One method object for every quantized layer of a model (its state lives on the
     layers); the dequantization buffer is per thread, as the encoder runs beside the steps."""
 
     name: ClassVar[str] = "block-fp8"
-
-    def __init__(self) -> None:
-        self._buffers = ThreadBuffers()
 
     def create_weights(
         self, layer: LinearLayer, in_features: int, out_features: int, bias: bool
@@ -105,9 +102,6 @@ class BlockFp8Linear(LinearMethod):
         if whole < cols:
             out[:, whole:].mul_(scales[:, -1:])
         return out
-
-    def dense_bytes(self, layer: LinearLayer) -> int:
-        return dense_bytes(layer)
 
 
 @functools.cache

@@ -10,8 +10,9 @@ import threading
 import torch
 from torch import nn
 
-from .linear_method import LinearLayer
+from .linear_method import LinearLayer, LinearMethod
 from .loader import ShapeMismatch
+from .tensor_parallel import RowParallelLinear, TPSplit
 
 
 class ThreadBuffers:
@@ -32,6 +33,46 @@ class ThreadBuffers:
         if flat is None or flat.numel() < shape.numel():
             flat = buffers[key] = torch.empty(shape.numel(), dtype=dtype, device=device)
         return flat[: shape.numel()].view(shape)
+
+
+class DequantizingMethod(LinearMethod):
+    """A format's method that computes through a dequantized copy: one object per model
+    (each layer holds its tensors), `group_size` its format's (0 where it has none)."""
+
+    def __init__(self, group_size: int = 0) -> None:
+        self.group_size = group_size
+        self._buffers = ThreadBuffers()
+
+    def dense_bytes(self, layer: LinearLayer) -> int:
+        return dense_bytes(layer)
+
+
+def packed_layer(layer: LinearLayer, fmt: str, in_unit: int, out_unit: int) -> None:
+    """Checks that this rank's inputs and outputs are whole units of the packed format
+    `fmt` (groups, words), and drops the dense weight the layer was built with."""
+    if layer.in_features % in_unit or layer.out_features % out_unit:
+        raise ValueError(
+            f"a {fmt} layer of {layer.in_features} inputs and {layer.out_features} outputs on "
+            f"this rank: inputs must be whole units of {in_unit} and outputs of {out_unit} "
+            "(fewer tensor-parallel ranks may divide them)"
+        )
+    if hasattr(layer, "weight"):
+        del layer.weight
+
+
+def packed_slice(split: TPSplit, dim: int, per: int, leaf: str) -> TPSplit:
+    """`split` moved to axis `dim` of tensor `leaf`, counted in its units of `per` (words of
+    8 values, groups of rows); raises where the slice would cut a unit."""
+    if any(start % per or length % per for start, length in split.pieces):
+        raise ValueError(f"a tensor-parallel slice {split.pieces} cuts {leaf}'s units of {per}")
+    return TPSplit(dim, tuple((start // per, length // per) for start, length in split.pieces))
+
+
+def checkpoint_inputs(layer: LinearLayer) -> int:
+    """The inputs of the whole checkpoint tensor (a row-parallel layer holds a slice)."""
+    if isinstance(layer, RowParallelLinear):
+        return layer.in_features * layer.tp.size
+    return layer.in_features
 
 
 def recreate_bias(layer: LinearLayer, out_features: int, bias: bool) -> None:

@@ -25,38 +25,38 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .dequantized import ThreadBuffers, copy_part, dense_bytes, recreate_bias, registered
-from .linear_method import LinearLayer, LinearMethod
+from .dequantized import (
+    DequantizingMethod,
+    checkpoint_inputs,
+    copy_part,
+    packed_layer,
+    packed_slice,
+    recreate_bias,
+    registered,
+)
+from .linear_method import LinearLayer
 from .loader import Weight, materialized
-from .tensor_parallel import RowParallelLinear, TPSplit
+from .tensor_parallel import TPSplit
 
 PACK = 8  # nibbles per int32
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
-class GptqLinear(LinearMethod):
+class GptqLinear(DequantizingMethod):
     """One method object per model; `groups` and `zero_offset` (1 for `checkpoint_format`
     "gptq", 0 for "gptq_v2") from the checkpoint's config."""
 
     name: ClassVar[str] = "gptq"
 
     def __init__(self, group_size: int, zero_offset: int) -> None:
-        self.group_size = group_size
+        super().__init__(group_size)
         self.zero_offset = zero_offset
-        self._buffers = ThreadBuffers()
 
     def create_weights(
         self, layer: LinearLayer, in_features: int, out_features: int, bias: bool
     ) -> None:
-        if in_features % PACK or out_features % PACK:
-            raise ValueError(
-                f"a GPTQ layer of {in_features} inputs and {out_features} outputs on this rank: "
-                f"both must be whole words of {PACK} (fewer tensor-parallel ranks may divide them)"
-            )
-        total_in = _checkpoint_inputs(layer)
-        groups = -(-total_in // self.group_size)
-        if hasattr(layer, "weight"):  # the dense weight the layer was built with
-            del layer.weight
+        packed_layer(layer, "GPTQ", PACK, PACK)
+        groups = -(-checkpoint_inputs(layer) // self.group_size)
         words = in_features // PACK
         layer.qweight = nn.Parameter(torch.empty(words, out_features, dtype=torch.int32), False)
         zeros = torch.empty(groups, out_features // PACK, dtype=torch.int32)
@@ -128,16 +128,6 @@ class GptqLinear(LinearMethod):
         torch.sub(weights, zeros[row_groups], out=out)
         return out.mul_(scales[row_groups])
 
-    def dense_bytes(self, layer: LinearLayer) -> int:
-        return dense_bytes(layer)
-
-
-def _checkpoint_inputs(layer: LinearLayer) -> int:
-    """The input rows of the whole checkpoint tensor (a row-parallel layer holds a slice)."""
-    if isinstance(layer, RowParallelLinear):
-        return layer.in_features * layer.tp.size
-    return layer.in_features
-
 
 def _row_offset(layer: LinearLayer) -> int:
     split = layer.tp_splits.get("weight")
@@ -161,9 +151,7 @@ def _split(layer: LinearLayer, leaf: str) -> TPSplit | None:
             return None
         per = PACK if leaf == "qweight" else 1
         dim = 0
-    if any(start % per or length % per for start, length in split.pieces):
-        raise ValueError(f"a tensor-parallel slice {split.pieces} cuts {leaf}'s units of {per}")
-    return TPSplit(dim, tuple((s // per, n // per) for s, n in split.pieces))
+    return packed_slice(split, dim, per, leaf)
 
 
 def _unpacked_columns(packed: torch.Tensor) -> torch.Tensor:

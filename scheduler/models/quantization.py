@@ -6,7 +6,9 @@ the settings and the checkpoint for it.
   the dense copy freed (`cpu_linear`; `--cpu-linear onednn`, the default there);
 - `block-fp8`: the layers a block-FP8 checkpoint stores quantized (`block_fp8`);
 - `awq`: the layers an AWQ (4-bit, GEMM packing) checkpoint stores quantized (`awq`);
-- `gptq`: the layers a GPTQ (4-bit) checkpoint stores quantized (`gptq`).
+- `gptq`: the layers a GPTQ (4-bit) checkpoint stores quantized (`gptq`);
+- `w4a16`: the layers a compressed-tensors W4A16 checkpoint stores packed
+  (`compressed_tensors`).
 
 A layer is built with the settings' method (`select_linear_method`); a quantized
 checkpoint (its config.json's `quantization_config`) then re-creates the layers it stores
@@ -30,6 +32,7 @@ from torch import nn
 
 from .awq import AwqLinear
 from .block_fp8 import SCALE_SUFFIX, BlockFp8Linear
+from .compressed_tensors import PackedW4A16Linear
 from .cpu_linear import OneDNNPackedLinear, can_pack
 from .gptq import GptqLinear
 from .linear_method import DENSE, LinearLayer, LinearMethod, use_method
@@ -55,7 +58,36 @@ FORMATS: dict[str, QuantFormat] = {
     "fp8": QuantFormat("block-fp8", lambda _: BlockFp8Linear(), ".weight" + SCALE_SUFFIX),
     "awq": QuantFormat("awq", lambda config: AwqLinear(int(config["group_size"])), ".qweight"),
     "gptq": QuantFormat("gptq", lambda config: GptqLinear(*_gptq_settings(config)), ".qweight"),
+    "compressed-tensors": QuantFormat(
+        "w4a16",
+        lambda config: PackedW4A16Linear(_w4a16_scheme(config)["group_size"]),
+        ".weight_packed",
+    ),
 }
+
+
+def _w4a16_scheme(config: dict[str, Any]) -> dict[str, Any]:
+    """The weights' scheme of a compressed-tensors config, if it is one Iris reads: one
+    config group, "pack-quantized", 4-bit symmetric int weights in groups, no activation
+    quantization or ordering; else raises naming what differs."""
+    groups = list((config.get("config_groups") or {}).values())
+    weights = groups[0].get("weights") or {} if len(groups) == 1 else {}
+    wanted = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+    got = {key: weights.get(key) for key in wanted}
+    if (
+        config.get("format") != "pack-quantized"
+        or got != wanted
+        or not isinstance(weights.get("group_size"), int)
+        or weights.get("actorder")
+        or groups[0].get("input_activations")
+    ):
+        raise ValueError(
+            "only compressed-tensors W4A16 is supported: format pack-quantized, one config "
+            "group of 4-bit symmetric int weights by group, no activation quantization or "
+            f"actorder; got format {config.get('format')!r}, {len(groups)} group(s), "
+            f"weights {weights}"
+        )
+    return weights
 
 
 def _gptq_settings(config: dict[str, Any]) -> tuple[int, int]:
@@ -96,6 +128,8 @@ def checkpoint_format(model_dir: str | Path) -> QuantFormat | None:
                 f"supported, got bits {shape[0]!r}, version {shape[1]!r}, zero_point {shape[2]!r}, "
                 f"group_size {quant.get('group_size')!r}"
             )
+    if method == "compressed-tensors":
+        _w4a16_scheme(quant)
     if method == "gptq":
         fmt = quant.get("checkpoint_format", "gptq")
         group = quant.get("group_size")
