@@ -38,7 +38,8 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Python's JSON reader takes Infinity and NaN: a number field refuses them by name
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # --- chat messages -------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -9,6 +11,7 @@ from iris_serve.server.app import create_app
 from iris_serve.server.engine_client import EngineRequestError
 from tests.fake_engine import (
     MAX_MODEL_LEN,
+    MODEL,
     USER,
     FakeEngine,
     Script,
@@ -66,6 +69,22 @@ def test_chat_request_errors(client, engine, fields, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert error["message"] and error["code"] == 400
     assert engine.requests == []  # refused before reaching the engine
+
+
+@pytest.mark.parametrize(
+    ("field", "literal"),
+    [("temperature", "Infinity"), ("top_p", "NaN"), ("frequency_penalty", "-Infinity")],
+)
+def test_a_non_finite_number_is_refused_naming_its_field(client, engine, field, literal):
+    """Python's JSON reader takes Infinity and NaN, which no client library sends but a
+    hand-written body can: a 400 naming the field, not a sampler fed inf."""
+    body = json.dumps({"model": MODEL, "messages": USER})[:-1] + f', "{field}": {literal}}}'
+    response = client.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+    assert engine.requests == []
 
 
 TEXT = {"type": "text", "text": "What is this?"}
