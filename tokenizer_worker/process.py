@@ -3,8 +3,8 @@
 Sockets, all `ipc_address(run_dir, name)`:
 
     PULL bind     tokenizer-<id>   TokenizeRequest / AbortRequest from the server
-    PULL bind     release-<id>     ReleaseImages from the scheduler
-    PUSH connect  scheduler        EngineRequest / AbortEngineRequest
+    PULL bind     release-<id>     ReleaseImages / CoreReady from the scheduler
+    PUSH connect  scheduler        EngineRequest / AbortEngineRequest / MediaWork
     PUSH connect  server           RequestError, WorkerStats
 
 While a request with media is turned into an engine request, the worker tells its
@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from ..ipc.messages import (
 )
 from ..ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
 from .config import WorkerConfig
+from .prompt_path import MediaWorkContext
 from .worker import Reply, TokenizerWorker, drop_aborted
 
 logger = logging.getLogger("iris.tokenizer")
@@ -115,9 +116,6 @@ class _Stop:
 
     def set(self, *_: object) -> None:
         self.requested = True
-
-
-MediaWorkContext = Callable[[], AbstractContextManager[object]]
 
 
 class _Loop:

@@ -30,6 +30,8 @@ from .prompt import ImageSize, PromptBuilder, Replacement
 from .video.loader import LoadedVideo
 from .video.parts import VideoParts, video_options
 
+MediaWorkContext = Callable[[], AbstractContextManager[object]]  # entered around media work
+
 
 class BadRequest(ValueError):
     """The request cannot be served as sent; it fails with `status`, naming `param`."""
@@ -53,7 +55,7 @@ class PromptPath:
         fetcher: MediaFetcher,
         images: ImageParts,
         videos: VideoParts | None,
-        media_work: Callable[[], AbstractContextManager[object]] = nullcontext,
+        media_work: MediaWorkContext = nullcontext,
     ) -> None:
         self.config = config
         self.builder = builder

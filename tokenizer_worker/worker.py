@@ -21,8 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from typing import TypeAlias
 
 from ..ipc.messages import (
@@ -44,7 +43,7 @@ from .images.parts import ImageParts
 from .images.processor_cache import ProcessorCache
 from .media.fetch import MediaError, MediaFetcher
 from .prompt import PromptBuilder
-from .prompt_path import BadRequest, PromptPath
+from .prompt_path import BadRequest, MediaWorkContext, PromptPath
 from .video.parts import VideoParts, open_video_parts
 
 logger = logging.getLogger("iris.tokenizer")
@@ -64,7 +63,7 @@ class TokenizerWorker:
         builder: PromptBuilder,
         arena: ShmArena,
         fetcher: MediaFetcher | None = None,
-        media_work: Callable[[], AbstractContextManager[object]] = nullcontext,
+        media_work: MediaWorkContext = nullcontext,
     ) -> None:
         """`media_work()`: entered while a request's fetched media is decoded and resized
         (`PromptPath`)."""
@@ -96,7 +95,7 @@ class TokenizerWorker:
     def open(
         cls,
         config: WorkerConfig,
-        media_work: Callable[[], AbstractContextManager[object]] = nullcontext,
+        media_work: MediaWorkContext = nullcontext,
     ) -> TokenizerWorker:
         """Load the tokenizer and processor and create the arena (replacing a stale one
         of the same name, left by a killed predecessor)."""

@@ -65,7 +65,8 @@ class AwqLinear(DequantizingMethod):
             tensor = split.take(tensor, shard)
         tensor = materialized(tensor)
         destination = registered(getattr(layer, leaf)).data
-        return copy_part(layer, destination, tensor, shard, PACK if leaf != "scales" else 1)
+        per = PACK if leaf != "scales" else 1
+        return copy_part(layer, destination, tensor, shard, axis=1, per=per)
 
     def process_after_loading(self, layer: LinearLayer) -> None:
         """The nibbles of the weight and the zeros put in column order (see the module)."""

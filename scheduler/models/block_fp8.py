@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dequantized import DequantizingMethod, recreate_bias, registered
+from .dequantized import DequantizingMethod, copy_part, recreate_bias, registered
 from .linear_method import LinearLayer
 from .loader import ShapeMismatch, Weight, load_parameter, materialized
 
@@ -60,14 +60,7 @@ class BlockFp8Linear(DequantizingMethod):
             raise ShapeMismatch(f"a scale grid {tuple(grid.shape)} too small for the weight")
         expanded = grid[rows][:, first : first + count]
         destination = registered(layer.weight_scale_inv).data
-        if shard is not None:
-            sizes = layer.shard_sizes
-            assert sizes is not None  # a fused layer's
-            destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if destination.shape != expanded.shape:
-            raise ShapeMismatch(f"{tuple(expanded.shape)} vs {tuple(destination.shape)}")
-        destination.copy_(expanded)
-        return destination.numel() * destination.element_size()
+        return copy_part(layer, destination, expanded, shard, axis=0)
 
     def process_after_loading(self, layer: LinearLayer) -> None:
         """Where a slice starts inside a block (row-parallel, unaligned), each column's block

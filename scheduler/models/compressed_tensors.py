@@ -73,7 +73,7 @@ class PackedW4A16Linear(DequantizingMethod):
         if split is not None:
             tensor = split.take(tensor, shard)
         destination = registered(getattr(layer, leaf)).data
-        return _copy_rows(layer, destination, materialized(tensor), shard)
+        return copy_part(layer, destination, materialized(tensor), shard, axis=0)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.dequantized(layer, x.dtype), bias)
@@ -98,14 +98,3 @@ def _split(layer: LinearLayer, leaf: str, group: int) -> TPSplit | None:
     if split is None or split.dim == 0:
         return split
     return packed_slice(split, 1, PACK if leaf == "weight_packed" else group, leaf)
-
-
-def _copy_rows(
-    layer: LinearLayer, destination: torch.Tensor, tensor: torch.Tensor, shard: int | None
-) -> int:
-    """Copies a part's rows (`shard` of a fused layer) or the whole tensor."""
-    if shard is not None:
-        sizes = layer.shard_sizes
-        assert sizes is not None  # a fused layer's
-        destination = destination.narrow(0, sum(sizes[:shard]), sizes[shard])
-    return copy_part(layer, destination, tensor, None, 1)

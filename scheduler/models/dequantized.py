@@ -91,15 +91,22 @@ def registered(value: torch.Tensor | nn.Module) -> torch.Tensor:
 
 
 def copy_part(
-    layer: LinearLayer, destination: torch.Tensor, tensor: torch.Tensor, shard: int | None, per: int
+    layer: LinearLayer,
+    destination: torch.Tensor,
+    tensor: torch.Tensor,
+    shard: int | None,
+    *,
+    axis: int,
+    per: int = 1,
 ) -> int:
-    """Copies `tensor` into `destination`, or for part `shard` of a fused layer into its
-    columns (the layer's output rows, `per` to a column: 8 for packed words); returns the
-    bytes written. Raises `loader.ShapeMismatch`."""
+    """Copies `tensor` into `destination`, or, for part `shard` of a fused layer, into that
+    part's share of `axis`, the one that runs along the layer's outputs (`per` outputs to
+    an element there: 8 for packed words); returns the bytes written. Raises
+    `loader.ShapeMismatch`."""
     if shard is not None:
         sizes = layer.shard_sizes
         assert sizes is not None  # a fused layer's
-        destination = destination.narrow(1, sum(sizes[:shard]) // per, sizes[shard] // per)
+        destination = destination.narrow(axis, sum(sizes[:shard]) // per, sizes[shard] // per)
     if destination.shape != tensor.shape:
         raise ShapeMismatch(f"{tuple(tensor.shape)} vs {tuple(destination.shape)}")
     destination.copy_(tensor)

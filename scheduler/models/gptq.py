@@ -43,7 +43,7 @@ SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
 class GptqLinear(DequantizingMethod):
-    """One method object per model; `groups` and `zero_offset` (1 for `checkpoint_format`
+    """One method object per model; `group_size` and `zero_offset` (1 for `checkpoint_format`
     "gptq", 0 for "gptq_v2") from the checkpoint's config."""
 
     name: ClassVar[str] = "gptq"
@@ -77,8 +77,9 @@ class GptqLinear(DequantizingMethod):
         tensor = materialized(tensor)
         destination = registered(getattr(layer, leaf)).data
         if leaf == "g_idx":  # one row per part of a fused layer
-            return copy_part(layer, destination[shard or 0], tensor, None, 1)
-        return copy_part(layer, destination, tensor, shard, PACK if leaf == "qzeros" else 1)
+            return copy_part(layer, destination[shard or 0], tensor, None, axis=0)
+        per = PACK if leaf == "qzeros" else 1
+        return copy_part(layer, destination, tensor, shard, axis=1, per=per)
 
     def process_after_loading(self, layer: LinearLayer) -> None:
         """Rows whose groups are not in input order keep them as an index (`row_groups`);

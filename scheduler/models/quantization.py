@@ -46,37 +46,58 @@ LINEAR_METHODS: dict[str, LinearMethod] = {
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """A checkpoint format whose layers load through `method(quantization_config)`: a layer
-    `X` is stored quantized where the checkpoint has `X<marker>`."""
+    """A checkpoint format: `method(quantization_config)` checks the config and builds the
+    method its layers load through (raising, naming what differs, for a scheme Iris does
+    not read); a layer `X` is stored quantized where the checkpoint has `X<marker>`."""
 
     name: str  # as `/v1/models` and the start-up log say it
     method: Callable[[dict[str, Any]], LinearMethod]
     marker: str
 
 
-FORMATS: dict[str, QuantFormat] = {
-    "fp8": QuantFormat("block-fp8", lambda _: BlockFp8Linear(), ".weight" + SCALE_SUFFIX),
-    "awq": QuantFormat("awq", lambda config: AwqLinear(int(config["group_size"])), ".qweight"),
-    "gptq": QuantFormat("gptq", lambda config: GptqLinear(*_gptq_settings(config)), ".qweight"),
-    "compressed-tensors": QuantFormat(
-        "w4a16",
-        lambda config: PackedW4A16Linear(_w4a16_scheme(config)["group_size"]),
-        ".weight_packed",
-    ),
-}
+def _fp8(config: dict[str, Any]) -> LinearMethod:
+    block, fmt = config.get("weight_block_size"), config.get("fmt", "e4m3")
+    if block != [128, 128] or fmt != "e4m3":
+        raise ValueError(
+            "only block-wise FP8 with e4m3 weights and weight_block_size [128, 128] is "
+            f"supported, got fmt {fmt!r}, weight_block_size {block!r}"
+        )
+    return BlockFp8Linear()
 
 
-def _w4a16_scheme(config: dict[str, Any]) -> dict[str, Any]:
-    """The weights' scheme of a compressed-tensors config, if it is one Iris reads: one
-    config group, "pack-quantized", 4-bit symmetric int weights in groups, no activation
-    quantization or ordering; else raises naming what differs."""
+def _awq(config: dict[str, Any]) -> LinearMethod:
+    bits, version = config.get("bits"), str(config.get("version", "gemm")).lower()
+    zero_point, group = config.get("zero_point", True), config.get("group_size")
+    if (bits, version, zero_point) != (4, "gemm", True) or not isinstance(group, int):
+        raise ValueError(
+            "only AWQ with bits 4, version gemm, zero_point true and an integer group_size "
+            f"is supported, got bits {bits!r}, version {version!r}, zero_point "
+            f"{zero_point!r}, group_size {group!r}"
+        )
+    return AwqLinear(group)
+
+
+def _gptq(config: dict[str, Any]) -> LinearMethod:
+    bits, group = config.get("bits"), config.get("group_size")
+    fmt = config.get("checkpoint_format", "gptq")  # "gptq" stores zero - 1
+    if bits != 4 or fmt not in ("gptq", "gptq_v2") or not isinstance(group, int) or group < 1:
+        raise ValueError(
+            "only GPTQ with bits 4, checkpoint_format gptq or gptq_v2 and a positive "
+            f"group_size is supported, got bits {bits!r}, checkpoint_format {fmt!r}, "
+            f"group_size {group!r}"
+        )
+    return GptqLinear(group, zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _w4a16(config: dict[str, Any]) -> LinearMethod:
+    """One config group, "pack-quantized", 4-bit symmetric int weights in groups, no
+    activation quantization or ordering."""
     groups = list((config.get("config_groups") or {}).values())
     weights = groups[0].get("weights") or {} if len(groups) == 1 else {}
     wanted = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
-    got = {key: weights.get(key) for key in wanted}
     if (
         config.get("format") != "pack-quantized"
-        or got != wanted
+        or {key: weights.get(key) for key in wanted} != wanted
         or not isinstance(weights.get("group_size"), int)
         or weights.get("actorder")
         or groups[0].get("input_activations")
@@ -87,64 +108,32 @@ def _w4a16_scheme(config: dict[str, Any]) -> dict[str, Any]:
             f"actorder; got format {config.get('format')!r}, {len(groups)} group(s), "
             f"weights {weights}"
         )
-    return weights
+    return PackedW4A16Linear(weights["group_size"])
 
 
-def _gptq_settings(config: dict[str, Any]) -> tuple[int, int]:
-    """(group size, the zero offset: 1 for checkpoint_format "gptq", 0 for "gptq_v2")."""
-    fmt = config.get("checkpoint_format", "gptq")
-    return int(config["group_size"]), 1 if fmt == "gptq" else 0
+FORMATS: dict[str, QuantFormat] = {  # by quantization_config.quant_method
+    "fp8": QuantFormat("block-fp8", _fp8, ".weight" + SCALE_SUFFIX),
+    "awq": QuantFormat("awq", _awq, ".qweight"),
+    "gptq": QuantFormat("gptq", _gptq, ".qweight"),
+    "compressed-tensors": QuantFormat("w4a16", _w4a16, ".weight_packed"),
+}
 
 
-def checkpoint_format(model_dir: str | Path) -> QuantFormat | None:
-    """The quantized format of the checkpoint in `model_dir` (None: full precision); raises
-    naming what Iris does not read yet."""
+def checkpoint_format(model_dir: str | Path) -> tuple[QuantFormat, LinearMethod] | None:
+    """The quantized format of the checkpoint in `model_dir` and the method its layers load
+    through (None: full precision); raises naming what Iris does not read yet."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     quant: dict[str, Any] | None = config.get("quantization_config")
     if not quant:
         return None
-    method = quant.get("quant_method")
-    if method not in FORMATS:
+    method = str(quant.get("quant_method"))
+    fmt = FORMATS.get(method)
+    if fmt is None:
         raise ValueError(
             f"quantization_config.quant_method {method!r} is not supported yet; "
             f"supported: {', '.join(sorted(FORMATS))}"
         )
-    if method == "fp8":
-        block = quant.get("weight_block_size")
-        if block != [128, 128] or quant.get("fmt", "e4m3") != "e4m3":
-            raise ValueError(
-                "only block-wise FP8 with e4m3 weights and weight_block_size [128, 128] is "
-                f"supported, got fmt {quant.get('fmt')!r}, weight_block_size {block!r}"
-            )
-    if method == "awq":
-        shape = (
-            quant.get("bits"),
-            str(quant.get("version", "gemm")).lower(),
-            quant.get("zero_point", True),
-        )
-        if shape != (4, "gemm", True) or not isinstance(quant.get("group_size"), int):
-            raise ValueError(
-                "only AWQ with bits 4, version gemm, zero_point true and an integer group_size is "
-                f"supported, got bits {shape[0]!r}, version {shape[1]!r}, zero_point {shape[2]!r}, "
-                f"group_size {quant.get('group_size')!r}"
-            )
-    if method == "compressed-tensors":
-        _w4a16_scheme(quant)
-    if method == "gptq":
-        fmt = quant.get("checkpoint_format", "gptq")
-        group = quant.get("group_size")
-        if (
-            quant.get("bits") != 4
-            or fmt not in ("gptq", "gptq_v2")
-            or not isinstance(group, int)
-            or group < 1
-        ):
-            raise ValueError(
-                "only GPTQ with bits 4, checkpoint_format gptq or gptq_v2 and a positive group_size "
-                f"is supported, got bits {quant.get('bits')!r}, checkpoint_format {fmt!r}, "
-                f"group_size {group!r}"
-            )
-    return FORMATS[method]
+    return fmt, fmt.method(quant)
 
 
 def quantize_layers(
@@ -154,12 +143,11 @@ def quantize_layers(
     (built on the meta device, its tensor-parallel slices set) that the checkpoint stores
     quantized; `target(name)` is the parameter a checkpoint tensor fills (None: skipped).
     Returns the format, None for a full-precision checkpoint."""
-    fmt = checkpoint_format(model_dir)
-    if fmt is None:
+    found = checkpoint_format(model_dir)
+    if found is None:
         return None
-    config = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
+    fmt, method = found
     modules = dict(model.named_modules())
-    method = fmt.method(config)
     quantized = 0
     for name in checkpoint_names(model_dir):
         if not name.endswith(fmt.marker):

@@ -4,7 +4,7 @@ which `PrefillPacing` (pacing.py) drives once per step.
 
 A step's OpenMP threads meet at a barrier after every parallel region, so a step that
 asks for more threads than there are free cores waits at each region for a thread the
-kernel has descheduled: a 1 ms decode step then takes tens of milliseconds. So the steps
+kernel has descheduled, and a decode step takes many times its own length. So the steps
 never take a core that another part of the server is busy on: the encoder thread's share
 while a tower call runs, and one core per tokenizer worker while it decodes and resizes a
 request's media (the worker says so, `MediaWork`; `media_work` here).
