@@ -142,7 +142,11 @@ class ImageRef(_Frozen, frozen=True):
 
     `kept`: a pruned patch's (`--video-pruning-rate`) token indices into its grid's merged
     tokens, increasing, `length` of them; each keeps its unpruned position, and the patch
-    is still encoded whole (None: every token, `length` is the grid's)."""
+    is still encoded whole (None: every token, `length` is the grid's).
+
+    `routing_hash`: the 64-bit id a cluster router knows this image by, which the KV
+    events name it by (Dynamo's frontend: xxh3_64 of its URL string); None: the first 8
+    bytes of `key` (`scheduler/kv/kv_events.py`)."""
 
     key: Key128
     offset: NonNegative
@@ -154,6 +158,7 @@ class ImageRef(_Frozen, frozen=True):
     rope_time: NonNegative = 0
     continue_block: bool = False
     kept: tuple[NonNegative, ...] | None = None
+    routing_hash: Annotated[int, msgspec.Meta(ge=0)] | None = None  # below 2**64
 
     @property
     def end(self) -> int:
@@ -196,7 +201,14 @@ class TokenizeRequest(_Message, tag=_TOKENIZE):
     `max_pixels`/`min_pixels` override the processor's defaults for this request's images
     (and, where the model's video processor takes them, videos); `fps`, `num_frames`,
     `min_frames` and `max_frames` its video processor's frame sampling;
-    `chat_template_kwargs` (checked by the server) and `tools` go to the chat template."""
+    `chat_template_kwargs` (checked by the server) and `tools` go to the chat template.
+
+    A token-id `prompt` may come with media (a cluster frontend that templated and
+    tokenized the chat itself, `server/dynamo/`): `image_urls` in prompt order, one image
+    placeholder in the prompt each, with the id the frontend's router knows each by
+    (`image_routing_hashes`, see `ImageRef.routing_hash`); `expected_prompt_len` is the
+    prompt's length once expanded as the frontend counted it, and a worker whose
+    expansion differs refuses the request rather than serve other positions."""
 
     request_id: str
     sampling: Sampling
@@ -210,10 +222,18 @@ class TokenizeRequest(_Message, tag=_TOKENIZE):
     num_frames: int | None = None
     min_frames: int | None = None
     max_frames: int | None = None
+    image_urls: list[str] | None = None
+    image_routing_hashes: list[int] | None = None
+    expected_prompt_len: int | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("exactly one of `messages` and `prompt` must be set")
+        if self.image_urls is not None and not isinstance(self.prompt, list):
+            raise ValueError("`image_urls` come with a token-id `prompt` only")
+        hashes = self.image_routing_hashes
+        if hashes is not None and len(hashes) != len(self.image_urls or ()):
+            raise ValueError("one `image_routing_hashes` entry per image URL")
 
 
 class AbortRequest(_Message, tag=_ABORT):

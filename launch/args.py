@@ -125,6 +125,24 @@ class ServeArgs:
     api_key: str | None = field(
         default=None, metadata=_flag("--api-key", "require this bearer token")
     )
+    dynamo: bool = field(
+        default=False,
+        metadata=_flag(
+            "--dynamo",
+            "serve as an NVIDIA Dynamo backend worker instead of an HTTP server: register "
+            "with Dynamo's discovery (DYN_DISCOVERY_BACKEND, DYN_REQUEST_PLANE, "
+            "DYN_EVENT_PLANE, as Dynamo's own workers), take its frontend's requests and "
+            "publish the prefix cache's KV events to its router (needs "
+            "pip install 'iris-serve[dynamo]'; docs/scale-out.md)",
+        ),
+    )
+    dynamo_endpoint: str = field(
+        default="iris.backend.generate",
+        metadata=_flag(
+            "--dynamo-endpoint",
+            "the Dynamo endpoint served with --dynamo, namespace.component.endpoint",
+        ),
+    )
     log_level: str = field(default="info", metadata=_flag("--log-level", "debug, info, ..."))
     startup_timeout: float = field(
         default=600.0,

@@ -20,7 +20,7 @@ import socket
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common.logs import configure_logging
 from ..ipc.messages import READY, ProcessFailed, ProcessReady, ReadyReport, SchedulerReady
@@ -35,6 +35,10 @@ from ..scheduler import (
 from ..server import import_http_side, sampling_defaults
 from ..tokenizer_worker import WorkerConfig, run_worker
 from .args import ServeArgs
+from .dynamo import DynamoMissing, check_dynamo_installed, event_endpoints, with_kv_events
+
+if TYPE_CHECKING:
+    from ..server import AppSettings
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -54,10 +58,13 @@ def serve(args: ServeArgs) -> int:
         # from here on, args.chat_template is the template's text, not its file
         args = dataclasses.replace(args, chat_template=read_chat_template(args.chat_template))
         defaults = sampling_defaults(args.generation_config, model_path)
+        if args.dynamo:
+            check_dynamo_installed()
+            args = with_kv_events(args)
         engine_config(args, model_path)  # its checks (`EngineConfig.__post_init__`), now
         check_port_free(args.host, args.port)
         check_shared_memory(shared_memory_needed(args))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, DynamoMissing) as error:
         logger.error("%s", error)
         return 1
     for name in sweep_orphans():
@@ -79,8 +86,8 @@ def serve(args: ServeArgs) -> int:
         schedulers = _wait_until_ready(children, ready, args.startup_timeout)
         if schedulers is None:
             return 1
-        _LIFECYCLE.http_serving = True
-        return asyncio.run(_serve_http(args, model_path, run_dir, schedulers, children, defaults))
+        _LIFECYCLE.http_serving = True  # the HTTP server, or Dynamo's, announces a stop
+        return asyncio.run(_serve(args, model_path, run_dir, schedulers, children, defaults))
     finally:
         _stop(children)
         ready.close()
@@ -301,7 +308,7 @@ def _wait_until_ready(
     return {name: r for name, r in reports.items() if isinstance(r, SchedulerReady)}
 
 
-async def _serve_http(
+async def _serve(
     args: ServeArgs,
     model_path: Path,
     run_dir: Path,
@@ -309,12 +316,27 @@ async def _serve_http(
     children: list[BaseProcess],
     defaults: dict[str, Any],
 ) -> int:
-    from ..server import AppSettings, HttpServerConfig, serve_http
+    """The server role, over HTTP or (`--dynamo`) as a Dynamo worker, until it stops."""
+    from ..server import DynamoWorkerConfig, HttpServerConfig, serve_dynamo, serve_http
 
     replicas = args.data_parallel_size
     schedulers = [ready[scheduler_name(r, replicas)] for r in range(replicas)]
     first_worker = worker_config(args, 0, model_path, "", Path())
-    config = HttpServerConfig(
+    settings = _app_settings(args, model_path, schedulers, defaults)
+    if args.dynamo:
+        dynamo = DynamoWorkerConfig(
+            endpoint=args.dynamo_endpoint,
+            host=args.host,
+            port=args.port,
+            event_endpoints=event_endpoints(engine_config(args, model_path), replicas),
+            shutdown_timeout=args.shutdown_timeout,
+            run_dir=run_dir,
+            num_workers=tokenizer_workers(args),
+            image_uuids_per_worker=first_worker.max_image_uuids,
+            arena_bytes=first_worker.arena_bytes,
+        )
+        return await serve_dynamo(dynamo, settings, schedulers, lambda: _dead(children))
+    http = HttpServerConfig(
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -325,7 +347,15 @@ async def _serve_http(
         image_uuids_per_worker=first_worker.max_image_uuids,
         arena_bytes=first_worker.arena_bytes,
     )
-    settings = AppSettings(
+    return await serve_http(http, settings, schedulers, lambda: _dead(children))
+
+
+def _app_settings(
+    args: ServeArgs, model_path: Path, schedulers: list[SchedulerReady], defaults: dict[str, Any]
+) -> AppSettings:
+    from ..server import AppSettings
+
+    return AppSettings(
         model_path=str(model_path),
         served_model_names=tuple(args.served_model_name or [args.model or model_path.name]),
         max_model_len=min(scheduler.max_model_len for scheduler in schedulers),
@@ -336,7 +366,6 @@ async def _serve_http(
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         api_key=args.api_key,
     )
-    return await serve_http(config, settings, schedulers, lambda: _dead(children))
 
 
 def _dead(children: list[BaseProcess]) -> str | None:

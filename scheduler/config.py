@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
+    from .kv.event_publisher import KvEventsConfig
+
 _DTYPES = {
     "float32": "float32",
     "fp32": "float32",
@@ -176,6 +178,18 @@ class EngineConfig:
             group=_CACHES,
         ),
     )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--kv-events-config",
+            "publish the prefix cache's KV events for a cluster router, as vLLM does: its "
+            'JSON fields (e.g. \'{"endpoint": "tcp://*:5557", "replay_endpoint": '
+            '"tcp://*:5558"}\'; each data-parallel replica on the next port); image '
+            "blocks carry each image's routing id in extra_keys",
+            metavar="JSON",
+            group=_CACHES,
+        ),
+    )
     # "request": one key over all of a request's images (a new image invalidates them all).
     mm_cache_granularity: Literal["image", "request"] = field(
         default="image",
@@ -283,6 +297,17 @@ class EngineConfig:
         stretch = self.max_itl_stretch
         if stretch is not None and stretch != 0 and not stretch > 1:
             raise ValueError(f"max_itl_stretch must be above 1, or 0 (off); got {stretch}")
+        self.kv_events  # noqa: B018  (parsed now: a bad value refuses to start)
+
+    @property
+    def kv_events(self) -> KvEventsConfig | None:
+        """`--kv-events-config` parsed; None when events are off."""
+        from .kv.event_publisher import KvEventsConfig
+
+        if self.kv_events_config is None:
+            return None
+        config = KvEventsConfig.parse(self.kv_events_config)
+        return config if config.enabled else None
 
     def resolved_itl_stretch(self, device: torch.device) -> float:
         """`max_itl_stretch`, by default 2.5 on a CPU (where prefill is compute-bound, see

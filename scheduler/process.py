@@ -53,6 +53,7 @@ from ..ipc.push_thread import PushThread
 from ..ipc.shm_arena import ShmReader
 from ..ipc.sockets import PullSocket, PushSocket, ipc_address, scheduler_socket
 from .entry import SchedulerProcessConfig
+from .kv.event_publisher import ZmqEventPublisher
 from .kv.pinned_host import cuda_host_registrar
 from .ranks import StepBroadcaster, join_group
 from .step.engine import Engine
@@ -78,6 +79,8 @@ class SchedulerLoop:
             for i in range(num_workers)
         ]
         self.reader = ShmReader(on_map=cuda_host_registrar(engine.device))
+        events = engine.config.kv_events
+        self.kv_events = None if events is None else ZmqEventPublisher(events, replica)
         self.stopping = False
         self._last_stats: EngineStats | None = None
         self._encoder_seconds: list[float] = []
@@ -100,6 +103,8 @@ class SchedulerLoop:
             self._send_stats()
             self._send_outputs(outputs)
             self._send_failures()
+            if self.kv_events is not None:
+                self.kv_events.publish(self.engine.take_kv_events())
 
     def close(self) -> None:
         for request_id in list(self.engine.requests):
@@ -111,6 +116,8 @@ class SchedulerLoop:
         for socket in self.to_workers:
             socket.close()
         self.reader.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # -- messages in ----------------------------------------------------------------------
 

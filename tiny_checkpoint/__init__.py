@@ -48,7 +48,7 @@ ARCHS = model_types()  # `--arch`: the `model_type` of each row of common/archit
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 # Bump when the generator's output changes, so `builtin_checkpoint` rebuilds stale caches.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 STAMP_FILE = "iris_tiny_checkpoint.json"
 
 

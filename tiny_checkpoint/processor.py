@@ -58,6 +58,13 @@ def save_image_processor(out_dir: Path, arch: str = "qwen2_vl", published: bool 
         if published:
             settings["size"] = QWEN3_VL_PUBLISHED_SIZE
     Qwen2VLImageProcessorPil(**settings).save_pretrained(out_dir)
+    # The hub files also name the bounds `min_pixels` / `max_pixels`, which is what other
+    # readers of the file take (Dynamo's frontend counts image tokens from them).
+    path = Path(out_dir) / "preprocessor_config.json"
+    written = json.loads(path.read_text())
+    size = written["size"]
+    written["min_pixels"], written["max_pixels"] = size["shortest_edge"], size["longest_edge"]
+    path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
 
 
 # Video processors' settings with the pixel bounds scaled down as the images' are: Qwen2-VL's

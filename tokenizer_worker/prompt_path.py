@@ -4,7 +4,8 @@ Chat messages are checked (`chat`), rendered by the chat template and encoded; t
 URLs are fetched in parallel (`media`); the images and videos are pinned in the arena
 (`image_parts`, `video_parts`); the placeholders are expanded to each one's tokens, and
 every image and temporal patch of a video becomes an `ImageRef` at its span, in prompt
-order. A plain prompt (text or token ids) takes no media. A request with media URLs is
+order. A plain prompt (text or token ids) takes no media, unless a cluster frontend
+tokenized the chat itself and sends its image URLs beside the ids (`image_urls`). A request with media URLs is
 turned inside `media_work()`, which the worker process uses to tell the scheduler that
 it takes a core meanwhile (`MediaWork`). Client errors are raised
 (`BadRequest`, `ChatError`, `MediaError`, `EntryTooLarge`), and a full arena raises
@@ -70,6 +71,9 @@ class PromptPath:
         size = self._image_size(request)
         if request.messages is None:
             assert request.prompt is not None
+            if request.image_urls:
+                with self.media_work():
+                    return self._prompt_with_images(request, size)
             return self._expand(request, self._prompt_ids(request.prompt), [], [], [], [])
         chat = parse_messages(request.messages)
         # From here to the pinned pixels, the worker is busy: the notice goes out before
@@ -118,6 +122,23 @@ class PromptPath:
                 self.videos.release(videos)
             raise
 
+    def _prompt_with_images(self, request: TokenizeRequest, size: ImageSize) -> EngineRequest:
+        """A token-id prompt that a cluster frontend templated, one image placeholder per
+        URL of `image_urls`: the images go the way of a chat's (media rules, keys,
+        processor cache, arena), each named `image_url[i]` in errors."""
+        assert isinstance(request.prompt, list) and request.image_urls is not None
+        urls = request.image_urls
+        parts = [ImagePart(url, None, f"image_url[{i}]") for i, url in enumerate(urls)]
+        self._check_limits(parts, [])
+        ids = self._prompt_ids(request.prompt, len(parts))
+        encoded = self.fetcher.fetch_all(urls, [part.where for part in parts])
+        images = self.images.load(parts, encoded, size)
+        try:
+            return self._expand(request, ids, parts, images, [], [])
+        except BaseException:
+            self.images.release(images)
+            raise
+
     def _expand(
         self,
         request: TokenizeRequest,
@@ -137,10 +158,29 @@ class PromptPath:
             builder.video_tokens(v.layout.token_counts, v.layout.timestamps) for v in videos
         ]
         token_ids, (image_spans, video_spans) = builder.splice(ids, image_tokens, video_tokens)
+        expected = request.expected_prompt_len
+        if expected is not None and len(token_ids) != expected:
+            counts = ", ".join(str(image.num_tokens) for image in images)
+            raise BadRequest(
+                f"the prompt expands to {len(token_ids)} tokens here (images of {counts} "
+                f"tokens) but to {expected} in the frontend's count: the frontend sizes "
+                "images otherwise than this checkpoint's image processor (its "
+                "preprocessor_config.json)",
+                "messages",
+            )
+        hashes = request.image_routing_hashes or [None] * len(images)
         items: list[tuple[ImageRef, ImageReport]] = []
-        for part, image, spans in zip(parts, images, image_spans, strict=True):
+        for part, image, spans, routing in zip(parts, images, image_spans, hashes, strict=True):
             offset, length = spans[0]
-            ref = ImageRef(image.key, offset, length, image.grid, image.pointer, image.embeds)
+            ref = ImageRef(
+                image.key,
+                offset,
+                length,
+                image.grid,
+                image.pointer,
+                image.embeds,
+                routing_hash=routing,
+            )
             cache = "processor" if image.cached else "none"
             items.append((ref, ImageReport(part.where, part.uuid, cache)))
         for video_part, video, spans in zip(video_parts, videos, video_spans, strict=True):
@@ -179,7 +219,7 @@ class PromptPath:
         except ValueError as e:
             raise BadRequest(str(e), "min_pixels") from None
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int], num_images: int = 0) -> list[int]:
         if isinstance(prompt, str):
             ids = self.builder.encode(prompt, add_special_tokens=True)
         else:
@@ -190,7 +230,7 @@ class PromptPath:
             ids = list(prompt)
         if not ids:
             raise BadRequest("the prompt is empty", "prompt")
-        self._check_placeholders(ids, 0, 0, "prompt")
+        self._check_placeholders(ids, num_images, 0, "prompt")
         return ids
 
     def _check_placeholders(

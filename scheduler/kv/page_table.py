@@ -30,6 +30,8 @@ class PageTable:
         self._num_computed_tokens = 0
         self._keys: list[bytes] = []
         self._num_registered_pages = 0
+        self._event_ids: list[int] = []
+        self._num_announced_pages = 0
         self._epoch = 0
 
     @property
@@ -69,6 +71,18 @@ class PageTable:
         """How many leading pages are registered in the prefix cache (or found there)."""
         return self._num_registered_pages
 
+    @property
+    def event_ids(self) -> Sequence[int]:
+        """The ids KV events name the first full pages by (`kv_events.py`), a chain like
+        `keys` that survives preemption."""
+        return self._event_ids
+
+    @property
+    def num_announced_pages(self) -> int:
+        """How many leading registered pages the KV events have announced since the table
+        last held pages."""
+        return self._num_announced_pages
+
     # -- the planner --------------------------------------------------------------------
 
     def admit(self, cached: list[int], num_cached_tokens: int, new: list[int]) -> None:
@@ -80,6 +94,7 @@ class PageTable:
         self._epoch += 1
         self._num_computed_tokens = num_cached_tokens
         self._num_registered_pages = len(cached)
+        self._num_announced_pages = 0
 
     def extend(self, pages: list[int]) -> None:
         self._pages.extend(pages)
@@ -104,6 +119,7 @@ class PageTable:
         self._epoch += 1
         self._num_computed_tokens = 0
         self._num_registered_pages = 0
+        self._num_announced_pages = 0
         return pages
 
     # -- the prefix cache ---------------------------------------------------------------
@@ -116,6 +132,15 @@ class PageTable:
         """Records that the first `num_pages` pages are now registered."""
         assert num_pages >= self._num_registered_pages, "registration only grows"
         self._num_registered_pages = num_pages
+
+    # -- the KV events ------------------------------------------------------------------
+
+    def add_event_id(self, block_id: int) -> None:
+        self._event_ids.append(block_id)
+
+    def mark_announced(self, num_pages: int) -> None:
+        assert num_pages <= self._num_registered_pages, "only registered pages are announced"
+        self._num_announced_pages = num_pages
 
 
 def page_runs(pages: Iterable[int]) -> list[PageRun]:

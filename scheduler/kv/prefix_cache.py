@@ -35,6 +35,7 @@ from .kv_cache import PagePool
 
 if TYPE_CHECKING:
     from .host_tier import HostTier
+    from .kv_events import KvEventLog
 
 assert array("i").itemsize == 4, "token ids are hashed as int32"
 
@@ -91,6 +92,7 @@ class PrefixCache:
         self.pool = pool
         self.page_size = page_size
         self.host = host  # where evicted pages went (None: nowhere; wiring.py sends them)
+        self.events: KvEventLog | None = None  # KV events for a router (wiring.py)
         # a hybrid model's: whether a page's key has a state snapshot (state_slots.py)
         self._restorable: Callable[[bytes], bool] | None = None
         self.hit_tokens = 0  # tokens found cached at requests' first admission
@@ -154,16 +156,18 @@ class PrefixCache:
 
     def register(self, request: Request) -> None:
         """Caches the request's pages that its computed tokens have filled since the last
-        call. A page whose content is already cached elsewhere stays private."""
+        call. A page whose content is already cached elsewhere stays private. With KV
+        events, the pages registered or found cached are announced."""
         table = request.page_table
         full = min(table.num_computed_tokens // self.page_size, len(table.pages))
         first = table.num_registered_pages
-        if full <= first:
-            return
-        keys = self.page_keys(request, full)
-        for index in range(first, full):
-            self.pool.cache(table.pages[index], keys[index], self._page_tokens(request, index))
-        table.mark_registered(full)
+        if full > first:
+            keys = self.page_keys(request, full)
+            for index in range(first, full):
+                self.pool.cache(table.pages[index], keys[index], self._page_tokens(request, index))
+            table.mark_registered(full)
+        if self.events is not None:
+            self.events.announce(request)
 
     def page_keys(self, request: Request, num_pages: int) -> Sequence[bytes]:
         """The keys of the request's first `num_pages` full pages (or more), extending

@@ -33,6 +33,7 @@ from ..encoder.given_images import hold_given_images
 from ..encoder.manager import EncoderManager, request_scoped_keys
 from ..encoder.patches import PatchMaker
 from ..encoder.pixels import Pin, PixelStore
+from ..kv.kv_events import KvEvent
 from ..models.mrope import mrope_positions
 from ..models.tensor_parallel import SINGLE, TPShard
 from ..sampling.sampler import check_sampling
@@ -95,6 +96,7 @@ class Engine:
         caches = build_caches(config, state, record_copies=followers is not None)
         self.host_tier, self.prefix_cache = caches.host_tier, caches.prefix_cache
         self.embedding_cache, self.state_slots = caches.embedding_cache, caches.state_slots
+        self.kv_events = caches.kv_events
         self.pixels = PixelStore()
         self.patches = PatchMaker.from_checkpoint(config.model, self.device, self.dtype)
         self.tower = Tower(self.model, self.patches)
@@ -286,6 +288,10 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.planner.has_work()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The KV events since the last call (none without `--kv-events-config`)."""
+        return [] if self.kv_events is None else self.kv_events.take()
 
     def step(self) -> list[RequestOutput]:
         self._collect_images()  # the encoder thread's finished calls in, the next ones out

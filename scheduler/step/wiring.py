@@ -7,6 +7,8 @@ what it calls, and the two cross-owner links are made here.
   each evicted page to host memory before its new owner writes it.
 - A hybrid model's prefix matches end at a page whose linear-state snapshot the state
   slots can restore (`PrefixCache.require_snapshots`).
+- With KV events (`--kv-events-config`), the prefix cache announces what it registers
+  (`PrefixCache.events`) and the pool's evictions remove it (`KvEventLog.removed`).
 
 What the caches decide for the device during planning (slot clears and copies, host
 copies) they record for the planner, which hands it over in the step plan.
@@ -14,6 +16,7 @@ copies) they record for the planner, which hands it over in the step plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import EngineConfig
@@ -21,6 +24,7 @@ from ..device_state import DeviceState
 from ..encoder.embedding_cache import EmbeddingCache
 from ..hybrid.state_slots import StateSlots
 from ..kv.host_tier import HostTier
+from ..kv.kv_events import KvEventLog
 from ..kv.prefix_cache import PrefixCache
 
 
@@ -30,6 +34,7 @@ class Caches:
     prefix_cache: PrefixCache | None
     embedding_cache: EmbeddingCache
     state_slots: StateSlots | None  # a hybrid model's linear-attention state
+    kv_events: KvEventLog | None = None  # what a cluster router hears of the prefix cache
 
 
 def build_caches(config: EngineConfig, state: DeviceState, record_copies: bool) -> Caches:
@@ -53,8 +58,30 @@ def build_caches(config: EngineConfig, state: DeviceState, record_copies: bool) 
         if state.linear_states is None
         else StateSlots.for_pool(config, state.linear_states, prefix_cache, host_tier)
     )
+    kv_events = (
+        KvEventLog(config.page_size)
+        if config.kv_events is not None and prefix_cache is not None
+        else None
+    )
+    evictions: list[Callable[[int, bytes, bytes], None]] = []
     if host_tier is not None and prefix_cache is not None:
-        pool.on_evict = host_tier.spill_page
+        evictions.append(host_tier.spill_page)
+    if kv_events is not None:
+        assert prefix_cache is not None
+        prefix_cache.events = kv_events
+        evictions.append(lambda page, key, tokens: kv_events.removed(key))
+    if evictions:
+        pool.on_evict = evictions[0] if len(evictions) == 1 else _each(evictions)
     if state_slots is not None and prefix_cache is not None:
         prefix_cache.require_snapshots(state_slots.has_snapshot)
-    return Caches(host_tier, prefix_cache, embedding_cache, state_slots)
+    return Caches(host_tier, prefix_cache, embedding_cache, state_slots, kv_events)
+
+
+def _each(
+    callbacks: list[Callable[[int, bytes, bytes], None]],
+) -> Callable[[int, bytes, bytes], None]:
+    def call(page: int, key: bytes, tokens: bytes) -> None:
+        for callback in callbacks:
+            callback(page, key, tokens)
+
+    return call

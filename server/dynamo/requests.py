@@ -1,0 +1,181 @@
+"""A Dynamo frontend's preprocessed request → an Iris `TokenizeRequest`, and Iris's
+outputs → the chunks the frontend reads (`docs/scale-out.md`, "A fleet").
+
+Dynamo's frontend templates and tokenizes the chat itself: a request carries `token_ids`
+(one image placeholder per image), the images' URLs (`multi_modal_data.image_url`), the
+id its router keyed each image by (`extra_args.mm_hashes`: xxh3_64 of the URL string),
+the prompt's length once its images are expanded as the frontend counted them
+(`mm_routing_info.expanded_prompt_len`), and the sampling and stop options, null where
+the client left them out. The tokenizer worker takes it from there, as for a chat
+request of `iris serve` (media rules, keys, processor cache, arena), and refuses a prompt
+whose expansion differs from the frontend's count.
+
+Every option is either served or refused by name (`RefusedField`): a silently ignored
+option would hand an agent an answer to another question.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ...ipc.messages import RequestOutput, Sampling, StructuredOutput, TokenizeRequest
+
+# The options a request may set, and what Iris calls them; any other non-null, non-default
+# option is refused. Stop strings are the frontend's: it detokenizes and cuts the text.
+_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+}
+_STOP = {"max_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids_hidden"}
+_IGNORED_DEFAULTS: Mapping[str, object] = {"n": 1, "best_of": 1, "use_beam_search": False}
+_OUTPUT_OFF: Mapping[str, object] = {"skip_special_tokens": None, "formatted_prompt": None}
+
+
+class RefusedField(ValueError):
+    """The request asks for something Iris does not serve this way; names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def image_urls(request: Mapping[str, Any]) -> list[str]:
+    """The request's image URLs in prompt order; a video or other media is refused."""
+    media = request.get("multi_modal_data") or {}
+    urls = []
+    for kind, items in media.items():
+        if kind != "image_url":
+            raise RefusedField(f"multi_modal_data.{kind}", "Iris takes images from Dynamo")
+        for index, item in enumerate(items or ()):
+            url = item.get("Url") if isinstance(item, dict) else None
+            if not isinstance(url, str):
+                raise RefusedField(f"multi_modal_data.image_url[{index}]", "no image URL")
+            urls.append(url)
+    return urls
+
+
+def routing_hashes(request: Mapping[str, Any], count: int) -> list[int] | None:
+    """The frontend router's id of each image (`extra_args.mm_hashes`, hex), or None."""
+    hashes = (request.get("extra_args") or {}).get("mm_hashes")
+    if not hashes:
+        return None
+    if len(hashes) != count:
+        raise RefusedField("extra_args.mm_hashes", f"{len(hashes)} hashes for {count} images")
+    try:
+        return [int(value, 16) for value in hashes]
+    except (TypeError, ValueError):
+        raise RefusedField("extra_args.mm_hashes", "not hexadecimal") from None
+
+
+def sampling(request: Mapping[str, Any], defaults: Mapping[str, Any]) -> Sampling:
+    """The request's sampling: its options, else the model's generation defaults."""
+    options = dict(request.get("sampling_options") or {})
+    stop = dict(request.get("stop_conditions") or {})
+    output = dict(request.get("output_options") or {})
+    chosen: dict[str, Any] = {}
+    for name, field in _SAMPLING.items():
+        value = options.pop(name, None)
+        chosen[field] = defaults.get(field) if value is None else value
+    guided = options.pop("guided_decoding", None)
+    _refuse_set("sampling_options", options, _IGNORED_DEFAULTS)
+    for name in list(stop):
+        if name in _STOP:
+            continue
+        _refuse_set("stop_conditions", {name: stop.pop(name)}, {})
+    logprobs = output.pop("logprobs", None)
+    if logprobs is not None:
+        raise RefusedField("output_options.logprobs", "not served through Dynamo yet")
+    _refuse_set("output_options", output, _OUTPUT_OFF)
+    values = {name: value for name, value in chosen.items() if value is not None}
+    if values.get("top_k", 0) < 0:
+        values["top_k"] = 0  # -1 and 0 both mean "off"
+    try:
+        return Sampling(
+            max_tokens=stop.get("max_tokens") or 0,  # 0: as many as the context allows
+            min_tokens=stop.get("min_tokens") or 0,
+            ignore_eos=bool(stop.get("ignore_eos")),
+            structured=_constraint(guided),
+            **values,
+        )
+    except TypeError as error:
+        raise RefusedField("sampling_options", str(error)) from None
+
+
+def tokenize_request(
+    request: Mapping[str, Any],
+    request_id: str,
+    defaults: Mapping[str, Any],
+) -> TokenizeRequest:
+    """The Iris request for a Dynamo one (see the module); `RefusedField` if it cannot be."""
+    token_ids = request.get("token_ids")
+    if not isinstance(token_ids, list) or not token_ids:
+        raise RefusedField("token_ids", "the prompt is empty")
+    urls = image_urls(request)
+    expected = (request.get("mm_routing_info") or {}).get("expanded_prompt_len")
+    return TokenizeRequest(
+        request_id,
+        sampling(request, defaults),
+        prompt=list(token_ids),
+        image_urls=urls or None,
+        image_routing_hashes=routing_hashes(request, len(urls)) if urls else None,
+        expected_prompt_len=expected if urls else None,
+    )
+
+
+def output_chunk(output: RequestOutput) -> dict[str, Any]:
+    """What the frontend reads of one output: the new tokens, and on the last one the
+    finish reason and the usage (cached tokens included)."""
+    chunk: dict[str, Any] = {"token_ids": output.new_token_ids, "index": 0}
+    if output.finished:
+        reason = output.finish_reason
+        chunk["finish_reason"] = "cancelled" if reason == "abort" else reason
+        cached: dict[str, int] = {"cached_tokens": output.cached_tokens}
+        chunk["completion_usage"] = {
+            "prompt_tokens": output.prompt_tokens,
+            "completion_tokens": output.completion_tokens,
+            "total_tokens": output.prompt_tokens + output.completion_tokens,
+            "prompt_tokens_details": cached,
+        }
+    return chunk
+
+
+def _constraint(guided: object) -> StructuredOutput | None:
+    """Dynamo's `guided_decoding` (vLLM's fields) as Iris's constraint."""
+    if not guided:
+        return None
+    if not isinstance(guided, dict):
+        raise RefusedField("sampling_options.guided_decoding", "must be an object")
+    given = {name: value for name, value in guided.items() if value not in (None, False)}
+    given.pop("backend", None)
+    given.pop("whitespace_pattern", None)
+    if len(given) != 1:
+        raise RefusedField("sampling_options.guided_decoding", f"one constraint, got {given}")
+    ((kind, value),) = given.items()
+    if kind == "json":
+        spec = value if isinstance(value, str) else json.dumps(value)
+        return StructuredOutput("json_schema", spec)
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind in ("regex", "grammar"):
+        return StructuredOutput(kind, str(value))
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(value)))
+    raise RefusedField(f"sampling_options.guided_decoding.{kind}", "not served")
+
+
+def _refuse_set(where: str, options: Mapping[str, Any], allowed: Mapping[str, object]) -> None:
+    """Refuses the first option set to something else than null (or its allowed value)."""
+    for name, value in options.items():
+        if value is None or (name in allowed and value == allowed[name]):
+            continue
+        if name in allowed and allowed[name] is None:
+            continue
+        raise RefusedField(f"{where}.{name}", f"Iris does not serve it through Dynamo ({value!r})")
