@@ -127,24 +127,13 @@ def dynamo_fleet(
     run_dir.mkdir(parents=True, exist_ok=True)
     marker = uuid.uuid4().hex
     env = fleet_env(run_dir, marker)
-    port = free_port()
-    frontend = _start(
-        "frontend",
-        [sys.executable, "-m", "dynamo.frontend", "--router-mode", router_mode,
-         "--discovery-backend", "file", "--event-plane", "zmq",
-         "--http-host", "127.0.0.1", "--http-port", str(port)],
-        f"http://127.0.0.1:{port}", run_dir, env,
-    )  # fmt: skip
+    frontend = start_frontend(router_mode, run_dir, env)
     fleet = DynamoFleet(frontend, [], marker, env)
     try:
         for index in range(workers):
-            status = free_port()
-            command = [sys.executable, "-m", "iris_serve.launch.cli", "serve", str(model_dir),
-                       "--dynamo", "--port", str(status), "--tokenizer-workers", "1",
-                       "--kv-cache-memory", "64MiB", "--mm-shm-arena-bytes", "128MiB",
-                       *worker_args]  # fmt: skip
-            url = f"http://127.0.0.1:{status}"
-            fleet.workers.append(_start(f"iris-{index}", command, url, run_dir, env))
+            fleet.workers.append(
+                start_worker(f"iris-{index}", model_dir, worker_args, run_dir, env)
+            )
         fleet.wait_for_instances(workers)
         yield fleet
     finally:
@@ -165,7 +154,31 @@ def stop(fleet: DynamoFleet) -> None:
             process.process.wait(timeout=STOP_TIMEOUT_SECONDS)
 
 
-def _start(name: str, command: list[str], url: str, run_dir: Path, env: dict) -> FleetProcess:
+def start_frontend(
+    router_mode: str, run_dir: Path, env: dict, name: str = "frontend"
+) -> FleetProcess:
+    """Dynamo's frontend on a free loopback port (`--router-mode kv|round-robin|random`)."""
+    port = free_port()
+    command = [sys.executable, "-m", "dynamo.frontend", "--router-mode", router_mode,
+               "--discovery-backend", "file", "--event-plane", "zmq",
+               "--http-host", "127.0.0.1", "--http-port", str(port)]  # fmt: skip
+    return start_process(name, command, f"http://127.0.0.1:{port}", run_dir, env)
+
+
+def start_worker(
+    name: str, model_dir: Path, args: Sequence[str], run_dir: Path, env: dict
+) -> FleetProcess:
+    """One `iris serve --dynamo` node, its /health and /metrics on a free port."""
+    status = free_port()
+    command = [sys.executable, "-m", "iris_serve.launch.cli", "serve", str(model_dir),
+               "--dynamo", "--port", str(status), "--tokenizer-workers", "1",
+               "--kv-cache-memory", "64MiB", "--mm-shm-arena-bytes", "128MiB", *args]  # fmt: skip
+    return start_process(name, command, f"http://127.0.0.1:{status}", run_dir, env)
+
+
+def start_process(
+    name: str, command: list[str], url: str, run_dir: Path, env: dict
+) -> FleetProcess:
     log_path = run_dir / f"{name}.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
