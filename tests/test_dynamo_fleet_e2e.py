@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.dynamo_fleet import DynamoFleet, dynamo_fleet
+from bench.dynamo_fleet import DynamoFleet, FleetProcess, dynamo_fleet
 from iris_serve.ipc.shm_names import sweep_orphans
 from tests.reference import make_image
 from tests.server_harness import RunningServer, iris_server
@@ -185,6 +185,19 @@ def test_what_iris_refuses_is_an_error_naming_it_and_costs_nothing(fleet: Dynamo
     assert ok.status_code == 200, ok.text
 
 
+def running_worker(fleet: DynamoFleet) -> FleetProcess:
+    """The one worker whose /metrics shows a request running (its stats come a step or a
+    stats interval after the stream's first line; bounded)."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < deadline:
+        running = [w for w in fleet.workers if w.metric("iris_num_requests_running") > 0]
+        if running:
+            assert len(running) == 1, "one stream runs on one worker"
+            return running[0]
+        time.sleep(0.05)  # polling other processes' gauges, bounded above
+    raise AssertionError(f"no worker shows the stream running in {WAIT_SECONDS} s")
+
+
 def test_a_killed_worker_fails_only_its_requests(fleet: DynamoFleet) -> None:
     body = {"model": MODEL, "max_tokens": 4000, "temperature": 0, "stream": True,
             "ignore_eos": True, "messages": [{"role": "user", "content": "Count slowly."}]}  # fmt: skip
@@ -193,9 +206,7 @@ def test_a_killed_worker_fails_only_its_requests(fleet: DynamoFleet) -> None:
     ) as response:
         lines = response.iter_lines()
         next(lines)
-        running = [w for w in fleet.workers if w.metric("iris_num_requests_running") > 0]
-        assert len(running) == 1, "the stream runs on one worker"
-        victim = running[0]
+        victim = running_worker(fleet)
         fleet.kill(victim)
         with pytest.raises((httpx.HTTPError, StopIteration, AssertionError)):
             for line in lines:  # the stream ends without its [DONE], or with an error

@@ -124,6 +124,28 @@ def test_an_option_iris_does_not_serve_is_refused_by_name(builder, section, opti
         tokenize_request(request, "d4", {})
 
 
+@pytest.mark.parametrize(
+    ("section", "options", "field"),
+    [
+        ("sampling_options", {"temperature": "hot"}, "sampling_options.temperature"),
+        ("stop_conditions", {"max_tokens": 2.5}, "stop_conditions.max_tokens"),
+        ("extra_args", {"mm_hashes": ["f" * 17]}, "extra_args.mm_hashes"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_by_name(builder, section, options, field) -> None:
+    request = frontend_request(builder, [data_url(make_image(56, 56))])
+    request[section] = {**(request.get(section) or {}), **options}
+    with pytest.raises(RefusedField, match=field.replace(".", r"\.")):
+        tokenize_request(request, "d6", {})
+
+
+def test_no_max_tokens_means_as_many_as_the_context_allows_and_eos_ids_stop(builder) -> None:
+    request = frontend_request(builder, [])
+    request["stop_conditions"] = {"stop": ["\n\n"], "stop_token_ids_hidden": [151645]}
+    sampling = tokenize_request(request, "d7", {}).sampling
+    assert sampling.max_tokens == 0 and sampling.stop_token_ids == (151645,)
+
+
 def test_guided_decoding_becomes_iris_constraints(builder) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     cases = [

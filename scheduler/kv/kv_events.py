@@ -31,6 +31,7 @@ routing hash, the first 8 bytes of the content key stand in for it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -136,7 +137,7 @@ class KvEventLog:
         events, self._events = self._events, []
         return events
 
-    def _block_ids(self, request: Request, count: int) -> list[int]:
+    def _block_ids(self, request: Request, count: int) -> Sequence[int]:
         """The request's first `count` block ids, extending the chain its table keeps."""
         table = request.page_table
         ids, keys, size = table.event_ids, table.keys, self.page_size
@@ -148,9 +149,9 @@ class KvEventLog:
             for image in self._images(request, index * size, (index + 1) * size):
                 hasher.update(routing_hash(image).to_bytes(8, "little"))
             table.add_event_id(hasher.intdigest() & BLOCK_ID_MASK)
-        return list(ids)
+        return ids
 
-    def _store(self, request: Request, ids: list[int], start: int, end: int) -> None:
+    def _store(self, request: Request, ids: Sequence[int], start: int, end: int) -> None:
         """One `BlockStored` for the request's pages `start..end`, all new."""
         size = self.page_size
         extra: list[list[tuple[str, int]] | None] = []
@@ -173,7 +174,7 @@ class KvEventLog:
             self._ids_by_key.setdefault(keys[index], []).append(ids[index])
         self._events.append(
             BlockStored(
-                block_hashes=ids[start:end],
+                block_hashes=list(ids[start:end]),
                 parent_block_hash=ids[start - 1] if start else None,
                 token_ids=request.token_ids(start * size, end * size),
                 block_size=size,

@@ -1,7 +1,7 @@
 """One request's KV state: its pages, how many of its tokens they hold, its prefix keys.
 
-The `BatchPlanner` and the `PrefixCache` are the only writers, through the methods
-below; the model runner and the attention code only read `pages`. A page's references
+The `BatchPlanner`, the `PrefixCache` and, for the ids it names pages by, the
+`KvEventLog` are the only writers, through the methods below; the model runner and the attention code only read `pages`. A page's references
 are the `PagePool`'s; the table lists the pages this request holds one on.
 
 `num_computed_tokens` counts the tokens whose KV is in the pages *once the planned step

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .dequantized import (
+    NIBBLES_PER_WORD,
     DequantizingMethod,
     copy_part,
     packed_layer,
@@ -31,7 +32,6 @@ from .linear_method import LinearLayer
 from .loader import Weight, materialized
 from .tensor_parallel import TPSplit
 
-PACK = 8  # nibbles per int32
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of nibble i, within its word
 LEAVES = ("qweight", "qzeros", "scales")
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -47,8 +47,8 @@ class AwqLinear(DequantizingMethod):
         self, layer: LinearLayer, in_features: int, out_features: int, bias: bool
     ) -> None:
         group = self.group_size
-        packed_layer(layer, "AWQ", group, PACK)
-        words, groups = out_features // PACK, in_features // group
+        packed_layer(layer, "AWQ", group, NIBBLES_PER_WORD)
+        words, groups = out_features // NIBBLES_PER_WORD, in_features // group
         layer.qweight = nn.Parameter(torch.empty(in_features, words, dtype=torch.int32), False)
         layer.qzeros = nn.Parameter(torch.empty(groups, words, dtype=torch.int32), False)
         layer.scales = nn.Parameter(torch.empty(groups, out_features), False)
@@ -65,7 +65,7 @@ class AwqLinear(DequantizingMethod):
             tensor = split.take(tensor, shard)
         tensor = materialized(tensor)
         destination = registered(getattr(layer, leaf)).data
-        per = PACK if leaf != "scales" else 1
+        per = NIBBLES_PER_WORD if leaf != "scales" else 1
         return copy_part(layer, destination, tensor, shard, axis=1, per=per)
 
     def process_after_loading(self, layer: LinearLayer) -> None:
@@ -96,7 +96,7 @@ class AwqLinear(DequantizingMethod):
         split = layer.tp_splits.get("weight")
         if split is None:
             return None
-        per = {("qweight", 0): PACK, ("qzeros", 0): PACK, ("scales", 0): 1,
+        per = {("qweight", 0): NIBBLES_PER_WORD, ("qzeros", 0): NIBBLES_PER_WORD, ("scales", 0): 1,
                ("qweight", 1): 1, ("qzeros", 1): self.group_size,
                ("scales", 1): self.group_size}[(leaf, split.dim)]  # fmt: skip
         return packed_slice(split, 1 - split.dim, per, leaf)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .dequantized import (
+    NIBBLES_PER_WORD,
     DequantizingMethod,
     checkpoint_inputs,
     copy_part,
@@ -33,7 +34,6 @@ from .linear_method import LinearLayer
 from .loader import ShapeMismatch, Weight, materialized
 from .tensor_parallel import TPSplit
 
-PACK = 8  # values per int32
 OFFSET = 8  # a stored value is the signed one plus 8
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
@@ -47,9 +47,9 @@ class PackedW4A16Linear(DequantizingMethod):
         self, layer: LinearLayer, in_features: int, out_features: int, bias: bool
     ) -> None:
         group = self.group_size
-        packed_layer(layer, "W4A16", math.lcm(group, PACK), 1)
+        packed_layer(layer, "W4A16", math.lcm(group, NIBBLES_PER_WORD), 1)
         layer.weight_packed = nn.Parameter(
-            torch.empty(out_features, in_features // PACK, dtype=torch.int32), False
+            torch.empty(out_features, in_features // NIBBLES_PER_WORD, dtype=torch.int32), False
         )
         layer.weight_scale = nn.Parameter(torch.empty(out_features, in_features // group), False)
         parts = len(layer.shard_sizes) if layer.shard_sizes else 1
@@ -81,7 +81,7 @@ class PackedW4A16Linear(DequantizingMethod):
     def dequantized(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         """`W` `[N, K]` in `dtype`, in this thread's buffer (valid until the next call)."""
         packed, scales = registered(layer.weight_packed), registered(layer.weight_scale)
-        rows, cols = packed.shape[0], packed.shape[1] * PACK
+        rows, cols = packed.shape[0], packed.shape[1] * NIBBLES_PER_WORD
         groups = scales.shape[1]
         out = self._buffers.get("weight", torch.Size([rows, cols]), dtype, packed.device)
         values = (packed.unsqueeze(-1) >> SHIFTS.to(packed.device)) & 0xF  # [N, K/8, 8]
@@ -97,4 +97,4 @@ def _split(layer: LinearLayer, leaf: str, group: int) -> TPSplit | None:
     split = layer.tp_splits.get("weight")
     if split is None or split.dim == 0:
         return split
-    return packed_slice(split, 1, PACK if leaf == "weight_packed" else group, leaf)
+    return packed_slice(split, 1, NIBBLES_PER_WORD if leaf == "weight_packed" else group, leaf)

@@ -14,6 +14,8 @@ from .linear_method import LinearLayer, LinearMethod
 from .loader import ShapeMismatch
 from .tensor_parallel import RowParallelLinear, TPSplit
 
+NIBBLES_PER_WORD = 8  # 4-bit values packed in an int32 (AWQ, GPTQ, W4A16)
+
 
 class ThreadBuffers:
     """Per thread and per (role, dtype, device), one flat buffer grown to the largest size

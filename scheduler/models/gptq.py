@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .dequantized import (
+    NIBBLES_PER_WORD,
     DequantizingMethod,
     checkpoint_inputs,
     copy_part,
@@ -38,7 +39,6 @@ from .linear_method import LinearLayer
 from .loader import Weight, materialized
 from .tensor_parallel import TPSplit
 
-PACK = 8  # nibbles per int32
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
@@ -55,11 +55,11 @@ class GptqLinear(DequantizingMethod):
     def create_weights(
         self, layer: LinearLayer, in_features: int, out_features: int, bias: bool
     ) -> None:
-        packed_layer(layer, "GPTQ", PACK, PACK)
+        packed_layer(layer, "GPTQ", NIBBLES_PER_WORD, NIBBLES_PER_WORD)
         groups = -(-checkpoint_inputs(layer) // self.group_size)
-        words = in_features // PACK
+        words = in_features // NIBBLES_PER_WORD
         layer.qweight = nn.Parameter(torch.empty(words, out_features, dtype=torch.int32), False)
-        zeros = torch.empty(groups, out_features // PACK, dtype=torch.int32)
+        zeros = torch.empty(groups, out_features // NIBBLES_PER_WORD, dtype=torch.int32)
         layer.qzeros = nn.Parameter(zeros, False)
         layer.scales = nn.Parameter(torch.empty(groups, out_features), False)
         parts = len(layer.shard_sizes) if layer.shard_sizes else 1  # a fused layer's, each
@@ -78,7 +78,7 @@ class GptqLinear(DequantizingMethod):
         destination = registered(getattr(layer, leaf)).data
         if leaf == "g_idx":  # one row per part of a fused layer
             return copy_part(layer, destination[shard or 0], tensor, None, axis=0)
-        per = PACK if leaf == "qzeros" else 1
+        per = NIBBLES_PER_WORD if leaf == "qzeros" else 1
         return copy_part(layer, destination, tensor, shard, axis=1, per=per)
 
     def process_after_loading(self, layer: LinearLayer) -> None:
@@ -92,7 +92,9 @@ class GptqLinear(DequantizingMethod):
             )
         g_idx = parts[0]
         rows = torch.arange(g_idx.numel(), device=g_idx.device) + _row_offset(layer)
-        in_order = torch.equal(g_idx, rows // self.group_size) and not rows.numel() % PACK
+        in_order = (
+            torch.equal(g_idx, rows // self.group_size) and not rows.numel() % NIBBLES_PER_WORD
+        )
         if (
             not in_order
             or layer.in_features % self.group_size
@@ -108,7 +110,7 @@ class GptqLinear(DequantizingMethod):
         """`Wt` `[K, N]` in `dtype`, in this thread's buffer (valid until the next call)."""
         qweight, qzeros = registered(layer.qweight), registered(layer.qzeros)
         scales = registered(layer.scales).to(dtype)
-        rows, cols = qweight.shape[0] * PACK, qweight.shape[1]
+        rows, cols = qweight.shape[0] * NIBBLES_PER_WORD, qweight.shape[1]
         out = self._buffers.get("weight", torch.Size([rows, cols]), dtype, qweight.device)
         weights = ((qweight.unsqueeze(1) >> SHIFTS.to(qweight.device)[None, :, None]) & 0xF).view(
             rows, cols
@@ -145,12 +147,12 @@ def _split(layer: LinearLayer, leaf: str) -> TPSplit | None:
     if split.dim == 0:  # output columns
         if leaf == "g_idx":
             return None
-        per = PACK if leaf == "qzeros" else 1
+        per = NIBBLES_PER_WORD if leaf == "qzeros" else 1
         dim = 1
     else:  # input rows
         if leaf in ("qzeros", "scales"):
             return None
-        per = PACK if leaf == "qweight" else 1
+        per = NIBBLES_PER_WORD if leaf == "qweight" else 1
         dim = 0
     return packed_slice(split, dim, per, leaf)
 

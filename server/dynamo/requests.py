@@ -20,23 +20,20 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from ...ipc.messages import RequestOutput, Sampling, StructuredOutput, TokenizeRequest
 
-# The options a request may set, and what Iris calls them; any other non-null, non-default
-# option is refused. Stop strings are the frontend's: it detokenizes and cuts the text.
-_SAMPLING = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty",
-}
-_STOP = {"max_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids_hidden"}
-_IGNORED_DEFAULTS: Mapping[str, object] = {"n": 1, "best_of": 1, "use_beam_search": False}
-_OUTPUT_OFF: Mapping[str, object] = {"skip_special_tokens": None, "formatted_prompt": None}
+# The options a request may set, by Iris's names; any other option set to anything but
+# null (or the default below) is refused. The frontend owns stop strings and how the text
+# is detokenized, so those pass whatever they say.
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
+             "presence_penalty", "repetition_penalty")  # fmt: skip
+_STOP = ("max_tokens", "min_tokens", "ignore_eos")
+_FRONTEND = {"stop_conditions": {"stop"}, "output_options": {"skip_special_tokens",
+                                                             "formatted_prompt"}}  # fmt: skip
+_DEFAULTS: Mapping[str, object] = {"n": 1, "best_of": 1, "use_beam_search": False}
+_TYPES = {field.name: field.type for field in msgspec.structs.fields(Sampling)}
 
 
 class RefusedField(ValueError):
@@ -70,43 +67,50 @@ def routing_hashes(request: Mapping[str, Any], count: int) -> list[int] | None:
     if len(hashes) != count:
         raise RefusedField("extra_args.mm_hashes", f"{len(hashes)} hashes for {count} images")
     try:
-        return [int(value, 16) for value in hashes]
+        values = [int(value, 16) for value in hashes]
     except (TypeError, ValueError):
         raise RefusedField("extra_args.mm_hashes", "not hexadecimal") from None
+    if any(value >= 1 << 64 for value in values):
+        raise RefusedField("extra_args.mm_hashes", "a hash has more than 64 bits")
+    return values
 
 
 def sampling(request: Mapping[str, Any], defaults: Mapping[str, Any]) -> Sampling:
-    """The request's sampling: its options, else the model's generation defaults."""
+    """The request's sampling: its options, else the model's generation defaults; each
+    checked against Iris's type for it (the scheduler checks the ranges at admission)."""
     options = dict(request.get("sampling_options") or {})
     stop = dict(request.get("stop_conditions") or {})
     output = dict(request.get("output_options") or {})
-    chosen: dict[str, Any] = {}
-    for name, field in _SAMPLING.items():
+    given: dict[str, tuple[str, Any]] = {}  # Iris's name -> (the request's field, value)
+    for name in _SAMPLING:
         value = options.pop(name, None)
-        chosen[field] = defaults.get(field) if value is None else value
+        value = defaults.get(name) if value is None else value
+        if value is not None:
+            given[name] = (f"sampling_options.{name}", value)
+    for name in _STOP:
+        value = stop.pop(name, None)
+        if value is not None:
+            given[name] = (f"stop_conditions.{name}", value)
+    # the EOS ids the frontend hides from the text: Iris stops on them too
+    hidden = stop.pop("stop_token_ids_hidden", None)
+    if hidden:
+        given["stop_token_ids"] = ("stop_conditions.stop_token_ids_hidden", hidden)
     guided = options.pop("guided_decoding", None)
-    _refuse_set("sampling_options", options, _IGNORED_DEFAULTS)
-    for name in list(stop):
-        if name in _STOP:
-            continue
-        _refuse_set("stop_conditions", {name: stop.pop(name)}, {})
-    logprobs = output.pop("logprobs", None)
-    if logprobs is not None:
+    if output.pop("logprobs", None) is not None:
         raise RefusedField("output_options.logprobs", "not served through Dynamo yet")
-    _refuse_set("output_options", output, _OUTPUT_OFF)
-    values = {name: value for name, value in chosen.items() if value is not None}
-    if values.get("top_k", 0) < 0:
-        values["top_k"] = 0  # -1 and 0 both mean "off"
-    try:
-        return Sampling(
-            max_tokens=stop.get("max_tokens") or 0,  # 0: as many as the context allows
-            min_tokens=stop.get("min_tokens") or 0,
-            ignore_eos=bool(stop.get("ignore_eos")),
-            structured=_constraint(guided),
-            **values,
-        )
-    except TypeError as error:
-        raise RefusedField("sampling_options", str(error)) from None
+    for where, rest in (("sampling_options", options), ("stop_conditions", stop),
+                        ("output_options", output)):  # fmt: skip
+        _refuse_set(where, rest, _FRONTEND.get(where, set()))
+    fields: dict[str, Any] = {}
+    for name, (where, value) in given.items():
+        try:
+            fields[name] = msgspec.convert(value, _TYPES[name])
+        except msgspec.ValidationError as error:
+            raise RefusedField(where, str(error)) from None
+    fields.setdefault("max_tokens", 0)  # none given: as many as the context allows
+    if fields.get("top_k", 0) < 0:
+        fields["top_k"] = 0  # -1 and 0 both mean "off"
+    return Sampling(**fields, structured=_constraint(guided))
 
 
 def tokenize_request(
@@ -171,11 +175,10 @@ def _constraint(guided: object) -> StructuredOutput | None:
     raise RefusedField(f"sampling_options.guided_decoding.{kind}", "not served")
 
 
-def _refuse_set(where: str, options: Mapping[str, Any], allowed: Mapping[str, object]) -> None:
-    """Refuses the first option set to something else than null (or its allowed value)."""
+def _refuse_set(where: str, options: Mapping[str, Any], frontends: set[str]) -> None:
+    """Refuses the first option set to anything but null or its default, unless the
+    frontend serves it itself (`frontends`)."""
     for name, value in options.items():
-        if value is None or (name in allowed and value == allowed[name]):
-            continue
-        if name in allowed and allowed[name] is None:
+        if value is None or name in frontends or _DEFAULTS.get(name, object()) == value:
             continue
         raise RefusedField(f"{where}.{name}", f"Iris does not serve it through Dynamo ({value!r})")

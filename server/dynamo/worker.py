@@ -139,7 +139,7 @@ async def serve_dynamo(
     runtime_config.enable_local_indexer = True  # a restarted router learns what we hold
     runtime_config.data_parallel_size = len(schedulers)
     image_token_id = _image_token_id(settings.model_path)
-    publishers = [
+    relays = [  # held while serving: each relays one replica's KV events
         KvEventPublisher(
             endpoint,
             kv_block_size=first.page_size,
@@ -167,6 +167,7 @@ async def serve_dynamo(
     failure: list[str] = []
     watchdog = asyncio.create_task(_watch(dead_child, stop, failure))
     serving = asyncio.ensure_future(endpoint.serve_endpoint(handler.generate))
+    logger.info("relaying the KV events of %d replica(s) to Dynamo's router", len(relays))
     model = settings.served_model_names[0]
     where = f"Dynamo endpoint {config.endpoint}"
     logger.info(banner(model, where, schedulers, config.num_workers, config.arena_bytes))
@@ -199,7 +200,6 @@ async def serve_dynamo(
         runtime.shutdown()
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
-        del publishers
         await client.close()
     return 1 if failure else 0
 
