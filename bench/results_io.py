@@ -6,6 +6,7 @@ import argparse
 import datetime as _dt
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -170,7 +171,7 @@ def write_result(name: str, title: str, body: str, results_dir: Path | None = No
     """Prints `body` and saves it as `<results_dir>/<name>.md` with its provenance."""
     results_dir = results_dir or RESULTS_DIR
     results_dir.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", *_invocation(), *sys.argv[1:]])
+    command = shlex.join(["python", *_invocation(), *sys.argv[1:]])  # pasteable as it is
     text = (
         f"# {title}\n\n"
         f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n"

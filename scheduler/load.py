@@ -12,6 +12,7 @@ import torch
 
 from .config import EngineConfig
 from .kv.sizing import readable_bytes
+from .models.int4_cpu import Int4PackedCpuLinear
 from .models.linear_method import (
     LinearMethod,
     building_with,
@@ -54,9 +55,13 @@ def load_rank_model(
 
 def methods_used(model: Qwen2VLForCausalLM, method: LinearMethod) -> str:
     """ "onednn method", or with a quantized checkpoint "onednn method; block-fp8 for 8
-    layers": how the linear layers compute (`method`: the settings' choice)."""
+    layers" (", through int4-cpu" where a kernel took them once loaded): how the linear
+    layers compute (`method`: the settings' choice)."""
     fmt = model.quantization
     if fmt is None:
         return f"{method.name} method"
-    quantized = sum(layer.method.name == fmt for layer in linear_layers(model))
-    return f"{method.name} method; {fmt} for {quantized} layers"
+    names = (fmt, Int4PackedCpuLinear.name)
+    quantized = [layer for layer in linear_layers(model) if layer.method.name in names]
+    kernels = sorted({layer.method.name for layer in quantized} - {fmt})
+    through = f", through {', '.join(kernels)}" if kernels else ""
+    return f"{method.name} method; {fmt} for {len(quantized)} layers{through}"

@@ -20,10 +20,10 @@ from iris_serve.scheduler.step.engine import Engine
 
 
 @functools.lru_cache(maxsize=4)
-def hf_model(model_dir: str):
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype)
     return model.eval()
 
 
@@ -55,7 +55,17 @@ def hf_prompt_pixel_values(model_dir: str | Path, prompt: PromptInput) -> torch.
 def hf_generate(model_dir: str | Path, prompt: PromptInput, max_new_tokens: int) -> list[int]:
     """Greedy `generate` on exactly the engine's token ids and pixels (the processor's
     `pixel_values` of the same resized images)."""
-    model = hf_model(str(model_dir))
+    return hf_generate_with_margins(model_dir, prompt, max_new_tokens)[0]
+
+
+def hf_generate_with_margins(
+    model_dir: str | Path,
+    prompt: PromptInput,
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[list[int], list[float]]:
+    """`hf_generate` in `dtype`, with each step's margin: its top logit minus the next."""
+    model = hf_model(str(model_dir), dtype)
     input_ids = torch.tensor([prompt.token_ids])
     inputs: dict[str, torch.Tensor] = {
         "input_ids": input_ids,
@@ -66,7 +76,7 @@ def hf_generate(model_dir: str | Path, prompt: PromptInput, max_new_tokens: int)
     if images:
         inputs["pixel_values"] = torch.cat(
             [hf_pixel_values(model_dir, prompt.pixels[i]) for i in images]
-        )
+        ).to(dtype)
         inputs["image_grid_thw"] = torch.tensor([prompt.images[i].grid_thw for i in images])
     if patches:  # each temporal patch a video of its own: Qwen3-VL's blocks (see below)
         inputs["pixel_values_videos"] = hf_video_pixel_values(
@@ -79,9 +89,16 @@ def hf_generate(model_dir: str | Path, prompt: PromptInput, max_new_tokens: int)
         inputs["mm_token_type_ids"] = (input_ids == config.image_token_id).int() + 2 * is_video
     with torch.inference_mode():
         output = model.generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    return output[0, input_ids.shape[1] :].tolist()
+    top2 = [torch.topk(step[0].float(), 2).values for step in output.logits]
+    margins = [float(values[0] - values[1]) for values in top2]
+    return output.sequences[0, input_ids.shape[1] :].tolist(), margins
 
 
 def hf_video_pixel_values(
@@ -144,14 +161,15 @@ def make_image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Ima
 
 
 def cpu_engine(model_dir: str | Path, **overrides) -> Engine:
-    """An fp32 CPU engine; 16 MiB of KV (32k tiny-model tokens) unless told otherwise,
+    """An fp32 CPU engine (unless `dtype` says otherwise); 16 MiB of KV (32k tiny-model tokens) unless told otherwise,
     since zero-filling the default 1 GiB per engine dominates a test's time. Prefill is
     not paced (`max_itl_stretch` 0) unless told: the latency budget sizes chunks from
     measured step times, so plans (chunks, preemptions) would depend on the machine's
     speed; its own tests turn it on (test_latency_budget.py)."""
     overrides.setdefault("kv_cache_memory", 16 << 20)
     overrides.setdefault("max_itl_stretch", 0)
-    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **overrides))
+    overrides.setdefault("dtype", "float32")
+    return Engine(EngineConfig(model=str(model_dir), device="cpu", **overrides))
 
 
 def numbered_prompts(

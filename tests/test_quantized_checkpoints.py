@@ -13,6 +13,7 @@ import torch
 
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.load import methods_used
+from iris_serve.scheduler.models import int4_cpu
 from iris_serve.scheduler.models.awq import AwqLinear
 from iris_serve.scheduler.models.block_fp8 import BlockFp8Linear
 from iris_serve.scheduler.models.compressed_tensors import PackedW4A16Linear
@@ -35,7 +36,13 @@ from iris_serve.tiny_checkpoint import STAMP_FILE, awq, gptq, main_tiny_model
 from iris_serve.tiny_checkpoint import compressed_tensors as w4a16
 from iris_serve.tiny_checkpoint.fp8 import dequantize, quantize, write_fp8, write_fp8_twin
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
-from tests.reference import chat_prompt, cpu_engine, hf_generate, make_image
+from tests.reference import (
+    chat_prompt,
+    cpu_engine,
+    hf_generate,
+    hf_generate_with_margins,
+    make_image,
+)
 
 torch.set_num_threads(2)
 MAX_NEW = 12
@@ -72,6 +79,23 @@ def test_a_whole_layer_holds_the_writers_weights_and_computes_with_them():
     assert torch.equal(held(layer), w)
     x = torch.randn(5, 200)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_e4m3_code_dequantizes_as_torch_converts_it(dtype):
+    """All 254 finite codes (subnormals, both zeros, the largest) in 128x128 blocks, each
+    block's scale its own: the bit moves (bf16, fp32) and the table (others) give torch's
+    own value times the scale, rounded once in the model's dtype."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)
+    weight = finite.repeat(128 * 256 // finite.numel() + 1)[: 128 * 256].view(128, 256)
+    scale = torch.tensor([[0.75, 3e-3]], dtype=torch.bfloat16)
+    layer = fp8_layer(LinearLayer(256, 128, bias=False))
+    layer.load_weight("weight", weight, None)
+    layer.load_weight("weight_scale_inv", scale, None)
+    layer.method.process_after_loading(layer)
+    expected = weight.float() * scale.float().repeat_interleave(128, dim=1)
+    assert torch.equal(layer.method.dequantized(layer, dtype), expected.to(dtype))
 
 
 def test_a_fused_layers_parts_keep_their_own_grids_in_a_column_slice():
@@ -125,11 +149,18 @@ def w4a16_stored(rows: int, cols: int, seed: int) -> Stored:
     return stored, w4a16.dequantize(packed, scale)
 
 
-PACKED = {  # a 4-bit format: its method, and a layer's tensors as its writer stores them
-    "awq": (lambda: AwqLinear(GROUP), awq_stored),
-    "gptq": (lambda: GptqLinear(GROUP, 1), lambda r, c, s: gptq_stored(r, c, s, False)),
-    "gptq desc_act": (lambda: GptqLinear(GROUP, 1), lambda r, c, s: gptq_stored(r, c, s, True)),
-    "w4a16": (lambda: PackedW4A16Linear(GROUP), w4a16_stored),
+FP32 = torch.float32
+PACKED = {  # a 4-bit format: its method in a dtype, and a layer's tensors as its writer stores
+    "awq": (lambda dtype=FP32: AwqLinear(GROUP, dtype), awq_stored),
+    "gptq": (
+        lambda dtype=FP32: GptqLinear(GROUP, 1, dtype),
+        lambda r, c, s: gptq_stored(r, c, s, False),
+    ),
+    "gptq desc_act": (
+        lambda dtype=FP32: GptqLinear(GROUP, 1, dtype),
+        lambda r, c, s: gptq_stored(r, c, s, True),
+    ),
+    "w4a16": (lambda dtype=FP32: PackedW4A16Linear(GROUP, dtype), w4a16_stored),
 }
 
 
@@ -175,6 +206,47 @@ def test_4_bit_layers_and_slices_hold_the_writers_weights(fmt):
     (tensors, w) = make(24, 128, 4)
     row = RowParallelLinear(128, 24, bias=False, tp=TPShard(rank=1, size=2))
     assert torch.equal(packed_held(loaded(row, method(), [(tensors, w)])), w[:, 64:])
+
+
+def test_this_torch_packs_4_bit_weights_as_iris_reads_them_back():
+    """Iris dequantizes a prefill's weights from PyTorch's CPU int4 packing; a torch that
+    packs otherwise would leave every bfloat16 4-bit layer on the slow path unseen."""
+    assert int4_cpu.packing_is_known()
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_in_bfloat16_a_4_bit_layer_runs_through_torchs_int4_kernel(fmt):
+    """A whole layer with a bias and a row-parallel rank 1 of 2 (its groups from the
+    middle of the checkpoint's): handed to `int4_cpu` holding half a byte per weight, a
+    decode's rows through the fused kernel and a prefill's through the dequantized weight
+    both equal the writer's weights' product within bfloat16's rounding. GPTQ in an order
+    of its own stays with its format (the kernel reads groups in input order)."""
+    method, make = PACKED[fmt]
+    bf16 = torch.bfloat16
+    for layer, w in (
+        (LinearLayer(96, 128, bias=True), make(128, 96, 1)),
+        (RowParallelLinear(128, 64, bias=False, tp=TPShard(rank=1, size=2)), make(64, 128, 2)),
+    ):
+        (tensors, weight) = w
+        loaded(layer, method(bf16), [(tensors, weight)])
+        weight = weight[:, -layer.in_features :]
+        bias = None
+        if layer.has_bias:
+            bias = torch.randn(layer.out_features)
+            layer.load_weight("bias", bias.to(bf16), None)
+            layer.bias = torch.nn.Parameter(layer.bias.to(bf16), False)
+        layer.method.process_after_loading(layer)
+        if fmt == "gptq desc_act":
+            assert layer.method.name == "gptq"
+            continue
+        assert isinstance(layer.method, int4_cpu.Int4PackedCpuLinear), layer.method
+        assert layer.int4_weight.numel() == layer.in_features * layer.out_features // 2
+        for rows in (3, int4_cpu.FUSED_ROWS + 9):
+            x = torch.randn(rows, layer.in_features)
+            expected = torch.nn.functional.linear(x, weight, bias)
+            got = layer.method.apply(layer, x.to(bf16), layer.bias).float()  # this rank's part
+            scale = expected.abs().max()
+            torch.testing.assert_close(got / scale, expected / scale, rtol=0, atol=2e-2)
 
 
 def test_an_awq_slice_cutting_a_word_is_refused():
@@ -260,6 +332,25 @@ def test_a_quantized_checkpoint_answers_as_transformers_on_its_dequantized_twin(
     assert held_bytes < 0.3 * dense_bytes, (held_bytes, dense_bytes)
     resident, dense = linear_weight_bytes(model)
     assert resident < dense
+
+
+def test_a_4_bit_checkpoint_in_bf16_answers_through_the_int4_kernel(qwen2_5_vl_tiny, tmp_path):
+    """AWQ in bfloat16: every quantized layer runs through PyTorch's int4 kernel (the
+    start-up line says so), a prefill chunk's rows through the weights dequantized from
+    its packing, and the greedy answer with an image equals transformers' in bf16 on the
+    dequantized twin wherever transformers' choice is clear of bf16's rounding."""
+    checkpoint = awq.write_awq(qwen2_5_vl_tiny, tmp_path / "awq")
+    twin = awq.write_awq_twin(checkpoint, tmp_path / "twin")
+    prompt = chat_prompt(PromptBuilder(checkpoint), "Describe it.", [make_image(64, 48, seed=3)])
+    engine = cpu_engine(checkpoint, dtype="bfloat16", max_num_batched_tokens=96)
+    kernel = [layer for layer in linear_layers(engine.model) if layer.method.name == "int4-cpu"]
+    said = methods_used(engine.model, DENSE)
+    assert kernel and said == f"dense method; awq for {len(kernel)} layers, through int4-cpu"
+    greedy = Sampling(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    [ours] = engine.generate([prompt], greedy)
+    theirs, margins = hf_generate_with_margins(twin, prompt, MAX_NEW, torch.bfloat16)
+    clear = next((i for i, m in enumerate(margins) if m < 0.05), len(margins))
+    assert clear >= 3 and ours[:clear] == theirs[:clear], (ours, theirs, margins)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """AWQ 4-bit weights (Qwen's `-AWQ` releases, `quantization_config.quant_method` "awq",
 `version` "gemm"): a `LinearMethod` that keeps a layer's weight packed eight to an int32
 with a scale and a zero point per group of input rows, and computes through a dequantized
-copy made per call into a buffer the layers share.
+copy made per call into a buffer the layers share; in bfloat16 on a CPU it hands the layer to PyTorch's
+int4 kernel once loaded (`int4_cpu`).
 
 On disk a quantized layer `X` has `X.qweight` (int32 `[K, N/8]`: nibble i of word j is
 column 8j + ORDER[i]), `X.qzeros` (int32 `[K/G, N/8]`, packed alike) and `X.scales`
@@ -28,6 +29,7 @@ from .dequantized import (
     recreate_bias,
     registered,
 )
+from .int4_cpu import Int4PackedCpuLinear, can_use
 from .linear_method import LinearLayer
 from .loader import Weight, materialized
 from .tensor_parallel import TPSplit
@@ -69,10 +71,18 @@ class AwqLinear(DequantizingMethod):
         return copy_part(layer, destination, tensor, shard, axis=1, per=per)
 
     def process_after_loading(self, layer: LinearLayer) -> None:
-        """The nibbles of the weight and the zeros put in column order (see the module)."""
+        """The nibbles of the weight and the zeros put in column order (see the module);
+        in bfloat16 on a CPU, the layer handed to PyTorch's 4-bit kernel (`int4_cpu`)."""
         for leaf in ("qweight", "qzeros"):
             packed = registered(getattr(layer, leaf))
             packed.data.copy_(_repack_in_column_order(packed.data))
+        qweight = registered(layer.qweight)
+        if can_use(
+            qweight.device, self.dtype, self.group_size, layer.out_features, layer.in_features
+        ):
+            values, zeros = _unpacked(qweight).t(), _unpacked(registered(layer.qzeros))
+            scales = registered(layer.scales)
+            Int4PackedCpuLinear.adopt(layer, self.group_size, values, scales, zeros)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.matmul(x, self.dequantized_t(layer, x.dtype))

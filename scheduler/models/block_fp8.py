@@ -76,16 +76,24 @@ class BlockFp8Linear(DequantizingMethod):
     def dequantized(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         """The layer's weight in `dtype`, in this thread's buffer (valid until the next call).
 
-        e4m3 to `dtype` through a 256-entry table (torch's own conversion is scalar, several
-        times slower), then each block times its scale: one broadcast over the whole
-        blocks, one for a partial last block; a slice starting mid-block gathers instead."""
+        e4m3 to `dtype` by moving its bits (`_e4m3_bits`) or, in other dtypes, through a
+        256-entry table (torch's own conversion is scalar, several times slower), then each
+        block times its scale: one broadcast over the whole blocks, one for a partial last
+        block; a slice starting mid-block gathers instead."""
         weight = layer.weight
         rows, cols = weight.shape
         out = self._buffers.get("weight", weight.shape, dtype, weight.device)
-        codes = self._buffers.get("codes", torch.Size([weight.numel()]), torch.int32, weight.device)
-        codes.copy_(weight.view(torch.uint8).view(-1))
-        torch.index_select(_e4m3_values(dtype, weight.device), 0, codes, out=out.view(-1))
         scales = registered(layer.weight_scale_inv).to(dtype)
+        if dtype in BIT_LAYOUTS:
+            sign = self._buffers.get("sign", weight.shape, BIT_LAYOUTS[dtype][0], weight.device)
+            _e4m3_bits(weight, out, sign)
+            scales = scales * 2.0**120  # the bits' power of two, exact (see `_e4m3_bits`)
+        else:
+            codes = self._buffers.get(
+                "codes", torch.Size([weight.numel()]), torch.int32, weight.device
+            )
+            codes.copy_(weight.view(torch.uint8).view(-1))
+            torch.index_select(_e4m3_values(dtype, weight.device), 0, codes, out=out.view(-1))
         columns = getattr(layer, "scale_columns", None)
         if columns is not None:
             return out.mul_(scales[:, columns])
@@ -95,6 +103,25 @@ class BlockFp8Linear(DequantizingMethod):
         if whole < cols:
             out[:, whole:].mul_(scales[:, -1:])
         return out
+
+
+BIT_LAYOUTS = {  # dtype: (its integer twin, where e4m3's exponent+mantissa bits go, sign's)
+    torch.bfloat16: (torch.int16, 4, 8),
+    torch.float32: (torch.int32, 20, 24),
+}
+
+
+def _e4m3_bits(weight: torch.Tensor, out: torch.Tensor, sign: torch.Tensor) -> None:
+    """`out` (bf16 or fp32) = `weight` (e4m3) · 2^-120, exactly, by bit moves alone.
+
+    e4m3's 4 exponent and 3 mantissa bits, placed at the bottom of `out`'s exponent and at
+    the top of its mantissa, read as `2^(e-bias) · 1.m` with `out`'s bias of 127 where
+    e4m3's is 7 (and as the same subnormal where e = 0), so the value is off by 2^-120
+    only, which the block scale takes back. NaN codes (none in a checkpoint) are not kept."""
+    bits, (_, shift, sign_shift) = out.view(BIT_LAYOUTS[out.dtype][0]), BIT_LAYOUTS[out.dtype]
+    bits.copy_(weight.view(torch.uint8))
+    torch.bitwise_and(bits, 0x80, out=sign).bitwise_left_shift_(sign_shift)
+    bits.bitwise_and_(0x7F).bitwise_left_shift_(shift).bitwise_or_(sign)
 
 
 @functools.cache

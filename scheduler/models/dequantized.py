@@ -1,7 +1,8 @@
-"""What the quantized weight formats (`block_fp8`, `awq`) share: they compute through a
-dequantized copy of a layer's weight, made per call into a buffer each thread keeps (the
-encoder runs beside the steps), and re-create a layer's parameters once the model is
-built, the bias in the model's dtype."""
+"""What the quantized weight formats (`block_fp8`, `awq`, `gptq`, `compressed_tensors`)
+share: they compute through a dequantized copy of a layer's weight, made per call into a
+buffer each thread keeps (the encoder runs beside the steps), unless a faster kernel takes
+the layer once it is loaded (`int4_cpu` for the 4-bit formats in bfloat16 on a CPU), and
+re-create a layer's parameters once the model is built, the bias in the model's dtype."""
 
 from __future__ import annotations
 
@@ -39,14 +40,16 @@ class ThreadBuffers:
 
 class DequantizingMethod(LinearMethod):
     """A format's method that computes through a dequantized copy: one object per model
-    (each layer holds its tensors), `group_size` its format's (0 where it has none)."""
+    (each layer holds its tensors), `group_size` its format's (0 where it has none),
+    `dtype` the one the model computes in."""
 
-    def __init__(self, group_size: int = 0) -> None:
+    def __init__(self, group_size: int = 0, dtype: torch.dtype = torch.float32) -> None:
         self.group_size = group_size
+        self.dtype = dtype
         self._buffers = ThreadBuffers()
 
     def dense_bytes(self, layer: LinearLayer) -> int:
-        return dense_bytes(layer)
+        return dense_bytes(layer, self.dtype)
 
 
 def packed_layer(layer: LinearLayer, fmt: str, in_unit: int, out_unit: int) -> None:
@@ -115,9 +118,7 @@ def copy_part(
     return destination.numel() * destination.element_size()
 
 
-def dense_bytes(layer: LinearLayer) -> int:
-    """The layer's weight and bias held dense in the model's dtype (the bias's)."""
-    bias = layer.bias
-    itemsize = bias.element_size() if bias is not None else 4
-    dense = layer.in_features * layer.out_features * itemsize
-    return dense + (0 if bias is None else bias.numel() * itemsize)
+def dense_bytes(layer: LinearLayer, dtype: torch.dtype) -> int:
+    """The layer's weight and bias held dense in `dtype`, the model's."""
+    dense = layer.in_features * layer.out_features * dtype.itemsize
+    return dense + (0 if layer.bias is None else layer.bias.numel() * dtype.itemsize)

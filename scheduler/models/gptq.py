@@ -1,7 +1,8 @@
 """GPTQ 4-bit weights (`quantization_config.quant_method` "gptq": AutoGPTQ / GPTQModel
 checkpoints): a `LinearMethod` that keeps a layer's weight packed eight to an int32 along
 its inputs, with a scale and a zero point per group, and computes through a dequantized
-copy made per call into a buffer the layers share.
+copy made per call into a buffer the layers share; in bfloat16 on a CPU it hands the layer to PyTorch's
+int4 kernel once loaded (`int4_cpu`).
 
 On disk a quantized layer `X` has `X.qweight` (int32 `[K/8, N]`: nibble i of word r is
 input row 8r + i), `X.qzeros` (int32 `[G, N/8]`: nibble i of word j is column 8j + i;
@@ -35,6 +36,7 @@ from .dequantized import (
     recreate_bias,
     registered,
 )
+from .int4_cpu import Int4PackedCpuLinear, can_use
 from .linear_method import LinearLayer
 from .loader import Weight, materialized
 from .tensor_parallel import TPSplit
@@ -44,12 +46,14 @@ SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 class GptqLinear(DequantizingMethod):
     """One method object per model; `group_size` and `zero_offset` (1 for `checkpoint_format`
-    "gptq", 0 for "gptq_v2") from the checkpoint's config."""
+    "gptq", 0 for "gptq_v2") from the checkpoint's config, `dtype` the model's."""
 
     name: ClassVar[str] = "gptq"
 
-    def __init__(self, group_size: int, zero_offset: int) -> None:
-        super().__init__(group_size)
+    def __init__(
+        self, group_size: int, zero_offset: int, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__(group_size, dtype)
         self.zero_offset = zero_offset
 
     def create_weights(
@@ -83,7 +87,8 @@ class GptqLinear(DequantizingMethod):
 
     def process_after_loading(self, layer: LinearLayer) -> None:
         """Rows whose groups are not in input order keep them as an index (`row_groups`);
-        in order, a dequantization is one broadcast per group."""
+        in order, a dequantization is one broadcast per group, and in bfloat16 on a CPU the
+        layer is handed to PyTorch's 4-bit kernel (`int4_cpu`)."""
         parts = registered(layer.g_idx).long()
         if not bool((parts == parts[0]).all()):
             raise ValueError(
@@ -101,6 +106,17 @@ class GptqLinear(DequantizingMethod):
             or _row_offset(layer) % self.group_size
         ):
             layer.register_buffer("row_groups", g_idx, False)
+            return
+        qweight = registered(layer.qweight)
+        if can_use(
+            qweight.device, self.dtype, self.group_size, layer.out_features, layer.in_features
+        ):
+            first = _row_offset(layer) // self.group_size
+            groups = slice(first, first + layer.in_features // self.group_size)
+            zeros = (_unpacked_columns(registered(layer.qzeros)) + self.zero_offset)[groups]
+            values = _unpacked_rows(qweight).t()
+            scales = registered(layer.scales)[groups]
+            Int4PackedCpuLinear.adopt(layer, self.group_size, values, scales, zeros)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.matmul(x, self.dequantized_t(layer, x.dtype))
@@ -112,9 +128,7 @@ class GptqLinear(DequantizingMethod):
         scales = registered(layer.scales).to(dtype)
         rows, cols = qweight.shape[0] * NIBBLES_PER_WORD, qweight.shape[1]
         out = self._buffers.get("weight", torch.Size([rows, cols]), dtype, qweight.device)
-        weights = ((qweight.unsqueeze(1) >> SHIFTS.to(qweight.device)[None, :, None]) & 0xF).view(
-            rows, cols
-        )
+        weights = _unpacked_rows(qweight)
         zeros = _unpacked_columns(qzeros) + self.zero_offset
         row_groups = getattr(layer, "row_groups", None)
         if row_groups is None:
@@ -155,6 +169,12 @@ def _split(layer: LinearLayer, leaf: str) -> TPSplit | None:
         per = NIBBLES_PER_WORD if leaf == "qweight" else 1
         dim = 0
     return packed_slice(split, dim, per, leaf)
+
+
+def _unpacked_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 `[W, C]` (nibble i of word r: row 8r + i) -> int32 `[8W, C]`."""
+    shifts = SHIFTS.to(packed.device)[None, :, None]
+    return ((packed.unsqueeze(1) >> shifts) & 0xF).view(-1, packed.shape[1])
 
 
 def _unpacked_columns(packed: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ the settings and the checkpoint for it.
 - `awq`: the layers an AWQ (4-bit, GEMM packing) checkpoint stores quantized (`awq`);
 - `gptq`: the layers a GPTQ (4-bit) checkpoint stores quantized (`gptq`);
 - `w4a16`: the layers a compressed-tensors W4A16 checkpoint stores packed
-  (`compressed_tensors`).
+  (`compressed_tensors`);
+- `int4-cpu`: what the three 4-bit methods hand their layers to in bfloat16 on a CPU once
+  loaded (`int4_cpu`), so the start-up line names it.
 
 A layer is built with the settings' method (`select_linear_method`); a quantized
 checkpoint (its config.json's `quantization_config`) then re-creates the layers it stores
@@ -46,26 +48,27 @@ LINEAR_METHODS: dict[str, LinearMethod] = {
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """A checkpoint format: `method(quantization_config)` checks the config and builds the
-    method its layers load through (raising, naming what differs, for a scheme Iris does
-    not read); a layer `X` is stored quantized where the checkpoint has `X<marker>`."""
+    """A checkpoint format: `method(quantization_config, dtype)` checks the config and builds
+    the method its layers load through for a model computing in `dtype` (raising, naming
+    what differs, for a scheme Iris does not read); a layer `X` is stored quantized where
+    the checkpoint has `X<marker>`."""
 
     name: str  # as `/v1/models` and the start-up log say it
-    method: Callable[[dict[str, Any]], LinearMethod]
+    method: Callable[[dict[str, Any], torch.dtype], LinearMethod]
     marker: str
 
 
-def _fp8(config: dict[str, Any]) -> LinearMethod:
+def _fp8(config: dict[str, Any], dtype: torch.dtype) -> LinearMethod:
     block, fmt = config.get("weight_block_size"), config.get("fmt", "e4m3")
     if block != [128, 128] or fmt != "e4m3":
         raise ValueError(
             "only block-wise FP8 with e4m3 weights and weight_block_size [128, 128] is "
             f"supported, got fmt {fmt!r}, weight_block_size {block!r}"
         )
-    return BlockFp8Linear()
+    return BlockFp8Linear(dtype=dtype)
 
 
-def _awq(config: dict[str, Any]) -> LinearMethod:
+def _awq(config: dict[str, Any], dtype: torch.dtype) -> LinearMethod:
     bits, version = config.get("bits"), str(config.get("version", "gemm")).lower()
     zero_point, group = config.get("zero_point", True), config.get("group_size")
     if (bits, version, zero_point) != (4, "gemm", True) or not isinstance(group, int):
@@ -74,10 +77,10 @@ def _awq(config: dict[str, Any]) -> LinearMethod:
             f"is supported, got bits {bits!r}, version {version!r}, zero_point "
             f"{zero_point!r}, group_size {group!r}"
         )
-    return AwqLinear(group)
+    return AwqLinear(group, dtype)
 
 
-def _gptq(config: dict[str, Any]) -> LinearMethod:
+def _gptq(config: dict[str, Any], dtype: torch.dtype) -> LinearMethod:
     bits, group = config.get("bits"), config.get("group_size")
     fmt = config.get("checkpoint_format", "gptq")  # "gptq" stores zero - 1
     if bits != 4 or fmt not in ("gptq", "gptq_v2") or not isinstance(group, int) or group < 1:
@@ -86,10 +89,10 @@ def _gptq(config: dict[str, Any]) -> LinearMethod:
             f"group_size is supported, got bits {bits!r}, checkpoint_format {fmt!r}, "
             f"group_size {group!r}"
         )
-    return GptqLinear(group, zero_offset=1 if fmt == "gptq" else 0)
+    return GptqLinear(group, 1 if fmt == "gptq" else 0, dtype)
 
 
-def _w4a16(config: dict[str, Any]) -> LinearMethod:
+def _w4a16(config: dict[str, Any], dtype: torch.dtype) -> LinearMethod:
     """One config group, "pack-quantized", 4-bit symmetric int weights in groups, no
     activation quantization or ordering."""
     groups = list((config.get("config_groups") or {}).values())
@@ -108,7 +111,7 @@ def _w4a16(config: dict[str, Any]) -> LinearMethod:
             f"actorder; got format {config.get('format')!r}, {len(groups)} group(s), "
             f"weights {weights}"
         )
-    return PackedW4A16Linear(weights["group_size"])
+    return PackedW4A16Linear(weights["group_size"], dtype)
 
 
 FORMATS: dict[str, QuantFormat] = {  # by quantization_config.quant_method
@@ -119,9 +122,12 @@ FORMATS: dict[str, QuantFormat] = {  # by quantization_config.quant_method
 }
 
 
-def checkpoint_format(model_dir: str | Path) -> tuple[QuantFormat, LinearMethod] | None:
+def checkpoint_format(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[QuantFormat, LinearMethod] | None:
     """The quantized format of the checkpoint in `model_dir` and the method its layers load
-    through (None: full precision); raises naming what Iris does not read yet."""
+    through for a model computing in `dtype` (None: full precision); raises naming what
+    Iris does not read yet."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     quant: dict[str, Any] | None = config.get("quantization_config")
     if not quant:
@@ -133,17 +139,20 @@ def checkpoint_format(model_dir: str | Path) -> tuple[QuantFormat, LinearMethod]
             f"quantization_config.quant_method {method!r} is not supported yet; "
             f"supported: {', '.join(sorted(FORMATS))}"
         )
-    return fmt, fmt.method(quant)
+    return fmt, fmt.method(quant, dtype)
 
 
 def quantize_layers(
-    model: nn.Module, model_dir: str | Path, target: Callable[[str], str | None]
+    model: nn.Module,
+    model_dir: str | Path,
+    target: Callable[[str], str | None],
+    dtype: torch.dtype,
 ) -> QuantFormat | None:
     """Re-creates, with the checkpoint's format's method, every linear layer of `model`
-    (built on the meta device, its tensor-parallel slices set) that the checkpoint stores
-    quantized; `target(name)` is the parameter a checkpoint tensor fills (None: skipped).
+    (built on the meta device in `dtype`, its tensor-parallel slices set) that the
+    checkpoint stores quantized; `target(name)` is the parameter a checkpoint tensor fills (None: skipped).
     Returns the format, None for a full-precision checkpoint."""
-    found = checkpoint_format(model_dir)
+    found = checkpoint_format(model_dir, dtype)
     if found is None:
         return None
     fmt, method = found

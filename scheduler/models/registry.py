@@ -57,7 +57,7 @@ def load_model(
     cls = model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config).to(dtype=dtype)
-        fmt = quantize_layers(model, model_dir, model.checkpoint_target)
+        fmt = quantize_layers(model, model_dir, model.checkpoint_target, dtype)
     model.quantization = None if fmt is None else fmt.name
     model = model.to_empty(device=device)
     model.reset_buffers()
