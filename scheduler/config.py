@@ -48,7 +48,11 @@ class EngineConfig:
     )
     dtype: str = field(
         default="auto",
-        metadata=_flag("--dtype", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"),
+        metadata=_flag(
+            "--dtype",
+            "auto (bf16 on CUDA; on a CPU a bf16/fp16 checkpoint runs in bf16 where the CPU "
+            "computes bf16 natively, AVX512-BF16 or AMX, else fp32), float32, bfloat16, float16",
+        ),
     )
     page_size: int = field(default=16, metadata=_flag("--block-size", "tokens per KV page"))
     attention_backend: Literal["auto", "sdpa", "triton"] = field(
@@ -340,11 +344,16 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+    def resolved_dtype(
+        self, device: torch.device, checkpoint_dtype: str | None = None
+    ) -> torch.dtype:
+        """`dtype`; "auto" by the device and the checkpoint's dtype (`auto_dtype`)."""
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            from .auto_dtype import auto_dtype
+
+            return auto_dtype(device, checkpoint_dtype)[0]
         try:
             return getattr(torch, _DTYPES[self.dtype])
         except KeyError:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import AttentionBackend, create_backend
+from .auto_dtype import auto_dtype
 from .config import EngineConfig
 from .hybrid.linear_state import LinearStates
 from .hybrid.state_pool import linear_state_pool, say_hybrid
@@ -20,6 +21,7 @@ from .kv.host_tier import HostMemory
 from .kv.kv_cache import KVCache, KVLayout
 from .kv.sizing import host_tier, kv_budget_bytes, kv_page_count, say_kv_cache
 from .load import load_rank_model
+from .models.registry import load_config
 from .models.tensor_parallel import SINGLE, TPShard
 from .step.decode_graphs import DecodeGraphs
 from .step.graph_capture import capture_decode_graphs
@@ -51,8 +53,11 @@ class DeviceState:
         same on all. `replica` picks the GPU. On CUDA the decode graphs are captured last, on
         every rank in the same order (their collectives are recorded too)."""
         device = rank_device(config.resolved_device(), replica * tp.size + tp.rank)
-        dtype = config.resolved_dtype(device)
         say = logger.info if tp.rank == 0 else logger.debug  # once per replica
+        checkpoint_dtype = load_config(config.model).dtype
+        dtype = config.resolved_dtype(device, checkpoint_dtype)
+        if config.dtype == "auto":
+            say("--dtype auto: %s", auto_dtype(device, checkpoint_dtype)[1])
         model = load_rank_model(config, device, dtype, tp, say)
         layout = KVLayout.of(model.config, config.page_size, dtype)
         budget = None if config.num_kv_pages else kv_budget_bytes(config, device, model, layout, tp)
