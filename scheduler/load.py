@@ -20,6 +20,7 @@ from .models.linear_method import (
     linear_weight_bytes,
     process_linears_after_loading,
 )
+from .models.moe import RoutedExperts
 from .models.quantization import select_linear_method
 from .models.registry import load_model
 from .models.tensor_parallel import TPShard
@@ -55,8 +56,9 @@ def load_rank_model(
 
 def methods_used(model: Qwen2VLForCausalLM, method: LinearMethod) -> str:
     """ "onednn method", or with a quantized checkpoint "onednn method; block-fp8 for 8
-    layers" (", through int4-cpu" where a kernel took them once loaded): how the linear
-    layers compute (`method`: the settings' choice)."""
+    layers" (", through int4-cpu" where a kernel took them once loaded; ", the routed
+    experts of 2 layers" where those are held quantized too): how the linear layers
+    compute (`method`: the settings' choice)."""
     fmt = model.quantization
     if fmt is None:
         return f"{method.name} method"
@@ -64,4 +66,6 @@ def methods_used(model: Qwen2VLForCausalLM, method: LinearMethod) -> str:
     quantized = [layer for layer in linear_layers(model) if layer.method.name in names]
     kernels = sorted({layer.method.name for layer in quantized} - {fmt})
     through = f", through {', '.join(kernels)}" if kernels else ""
-    return f"{method.name} method; {fmt} for {len(quantized)} layers{through}"
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.quantization]
+    routed = f", the routed experts of {len(experts)} layers" if experts else ""
+    return f"{method.name} method; {fmt} for {len(quantized)} layers{through}{routed}"

@@ -2,9 +2,10 @@
 per-format writers (`fp8`, `awq`) share.
 
 Which tensors a release stores quantized is the same for every format here: each decoder
-layer's 2-D projection weight; the vision tower, embeddings, norms, `lm_head`, MoE routers
-and experts (not written quantized here) and Gated DeltaNet's `in_proj_a`/`in_proj_b`
-stay in full precision, as Qwen's releases keep them. A twin (`write_dequantized`) holds
+layer's 2-D projection weight (and, for FP8, each MoE expert's, as Qwen's FP8 MoE releases
+store them: `experts`); the vision tower, embeddings, norms, `lm_head`, MoE routers (and
+experts in the other formats) and Gated DeltaNet's `in_proj_a`/`in_proj_b` stay in full
+precision, as Qwen's releases keep them. A twin (`write_dequantized`) holds
 float32 weights equal to what the quantized checkpoint stores, without
 `quantization_config`: transformers on the twin is the reference a parity test compares
 Iris on the quantized checkpoint with.
@@ -17,6 +18,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from . import experts
 
 if TYPE_CHECKING:
     import torch
@@ -45,14 +48,19 @@ def write_quantized(
     config: dict[str, object],
     stamp: str,
     skip_list: str = "modules_to_not_convert",
+    split_experts: Change | None = None,
 ) -> Path:
     """`src` with every weight `is_quantized` picks replaced by `quantize(name, weight)`'s
     tensors, `config` as its `quantization_config` (with the `modules_to_not_convert` of
     the linear layers kept dense, under the format's `skip_list` key), and `stamp` in the
-    generator's stamp."""
+    generator's stamp. With `split_experts` (a format whose releases quantize MoE experts),
+    each expert's projection too, per expert as `split_experts(name, tensor)` gives them."""
     dense: list[str] = []
 
     def change(name: str, tensor: torch.Tensor) -> Tensors:
+        if split_experts is not None and experts.is_expert_weight(name):
+            pieces = split_experts(name, tensor).items()
+            return {k: v for piece, weight in pieces for k, v in quantize(piece, weight).items()}
         if is_quantized(name, tuple(tensor.shape)):
             return quantize(name, tensor)
         if tensor.dim() == 2 and name.endswith(".weight") and "embed" not in name:
@@ -136,7 +144,9 @@ def _source(name: str, files: dict[str, str]) -> str:
     if name in files:
         return name
     stem = name.removesuffix(".weight")
-    return next(k for k in files if k.rpartition(".")[0] == stem)
+    same = next((k for k in files if k.rpartition(".")[0] == stem), None)
+    # a fused experts tensor (`experts.fuse`) stands for its experts' own
+    return same or next(k for k in files if k.startswith(stem.rpartition(".")[0] + "."))
 
 
 def _save(out: Path, tensors: Tensors, files: dict[str, str]) -> None:

@@ -25,7 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dequantized import DequantizingMethod, copy_part, recreate_bias, registered
+from .dequantized import (
+    DequantizingMethod,
+    ThreadBuffers,
+    copy_part,
+    recreate_bias,
+    registered,
+)
 from .linear_method import LinearLayer
 from .loader import ShapeMismatch, Weight, load_parameter, materialized
 
@@ -74,35 +80,47 @@ class BlockFp8Linear(DequantizingMethod):
         return F.linear(x, self.dequantized(layer, x.dtype), bias)
 
     def dequantized(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
-        """The layer's weight in `dtype`, in this thread's buffer (valid until the next call).
-
-        e4m3 to `dtype` by moving its bits (`_e4m3_bits`) or, in other dtypes, through a
-        256-entry table (torch's own conversion is scalar, several times slower), then each
-        block times its scale: one broadcast over the whole blocks, one for a partial last
-        block; a slice starting mid-block gathers instead."""
-        weight = layer.weight
-        rows, cols = weight.shape
-        out = self._buffers.get("weight", weight.shape, dtype, weight.device)
-        scales = registered(layer.weight_scale_inv).to(dtype)
-        if dtype in BIT_LAYOUTS:
-            sign = self._buffers.get("sign", weight.shape, BIT_LAYOUTS[dtype][0], weight.device)
-            _e4m3_bits(weight, out, sign)
-            scales = scales * 2.0**120  # the bits' power of two, exact (see `_e4m3_bits`)
-        else:
-            codes = self._buffers.get(
-                "codes", torch.Size([weight.numel()]), torch.int32, weight.device
-            )
-            codes.copy_(weight.view(torch.uint8).view(-1))
-            torch.index_select(_e4m3_values(dtype, weight.device), 0, codes, out=out.view(-1))
+        """The layer's weight in `dtype`, in this thread's buffer (valid until the next call)."""
         columns = getattr(layer, "scale_columns", None)
-        if columns is not None:
-            return out.mul_(scales[:, columns])
-        whole = cols // BLOCK * BLOCK
-        if whole:
-            out[:, :whole].view(rows, whole // BLOCK, BLOCK).mul_(scales[:, : whole // BLOCK, None])
-        if whole < cols:
-            out[:, whole:].mul_(scales[:, -1:])
-        return out
+        return dequantized_blocks(
+            layer.weight, registered(layer.weight_scale_inv), columns, dtype, self._buffers
+        )
+
+
+def dequantized_blocks(
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    columns: torch.Tensor | None,
+    dtype: torch.dtype,
+    buffers: ThreadBuffers,
+) -> torch.Tensor:
+    """e4m3 `weight` `[R, C]` times its row-expanded scale grid `scales` `[R, blocks]`
+    (`columns`: each column's block, where a slice starts mid-block) in `dtype`, in this
+    thread's buffer of `buffers` (valid until the next call).
+
+    e4m3 to `dtype` by moving its bits (`_e4m3_bits`) or, in other dtypes, through a
+    256-entry table (torch's own conversion is scalar, several times slower), then each
+    block times its scale: one broadcast over the whole blocks, one for a partial last
+    block; a slice starting mid-block gathers instead."""
+    rows, cols = weight.shape
+    out = buffers.get("weight", weight.shape, dtype, weight.device)
+    scales = scales.to(dtype)
+    if dtype in BIT_LAYOUTS:
+        sign = buffers.get("sign", weight.shape, BIT_LAYOUTS[dtype][0], weight.device)
+        _e4m3_bits(weight, out, sign)
+        scales = scales * 2.0**120  # the bits' power of two, exact (see `_e4m3_bits`)
+    else:
+        codes = buffers.get("codes", torch.Size([weight.numel()]), torch.int32, weight.device)
+        codes.copy_(weight.view(torch.uint8).view(-1))
+        torch.index_select(_e4m3_values(dtype, weight.device), 0, codes, out=out.view(-1))
+    if columns is not None:
+        return out.mul_(scales[:, columns])
+    whole = cols // BLOCK * BLOCK
+    if whole:
+        out[:, :whole].view(rows, whole // BLOCK, BLOCK).mul_(scales[:, : whole // BLOCK, None])
+    if whole < cols:
+        out[:, whole:].mul_(scales[:, -1:])
+    return out
 
 
 BIT_LAYOUTS = {  # dtype: (its integer twin, where e4m3's exponent+mantissa bits go, sign's)

@@ -16,16 +16,17 @@ Weights are kept in transformers 5's in-memory layout (also vLLM's `w13`/`w2`):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fp8_experts
 from .config import MoEConfig, VLModelConfig
 from .layers import GatedMLP
-from .loader import Weight, materialized
+from .loader import Weight, load_parameter, materialized
 from .tensor_parallel import SINGLE, ReplicatedLinear, TPShard, TPSplit
 
 
@@ -47,13 +48,32 @@ class RoutedExperts(nn.Module):
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
         start, width = tp.split(intermediate_size, "moe_intermediate_size")
+        self.share = (start, width)  # this rank's columns of the expert width
+        self.fp8: fp8_experts.Fp8ExpertScales | None = None  # held in block FP8: its grids
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, width))
         self.tp_splits = {
             "gate_up_proj": TPSplit(1, ((start, width), (intermediate_size + start, width))),
             "down_proj": TPSplit(2, ((start, width),)),
         }
+
+    @property
+    def quantization(self) -> str | None:
+        """The format the experts are held in (None: the model's dtype)."""
+        return None if self.fp8 is None else "block-fp8"
+
+    def use_block_fp8(self) -> None:
+        """Holds the experts in block FP8 (`fp8_experts`), before loading."""
+        fp8_experts.use_block_fp8(self, *self.share, self.intermediate_size)
+
+    def load_weight(self, leaf: str, tensor: Weight, shard: int | None) -> int:
+        """The loader's way in: a block-FP8 scale grid through `fp8_experts`, the rest as
+        parameters are loaded."""
+        if leaf.endswith(fp8_experts.SCALE):
+            return fp8_experts.load_scale(self, leaf, tensor)
+        return load_parameter(self, leaf, tensor, shard)
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -64,10 +84,23 @@ class RoutedExperts(nn.Module):
         token = order // top_k  # the token of each (token, slot) pair, sorted by expert
         rows_per_expert = _count_rows(experts.flatten(), self.num_experts)
         sorted_x = x[token]
-        gate, up = _grouped_linear(sorted_x, self.gate_up_proj, rows_per_expert).chunk(2, dim=-1)
-        sorted_y = _grouped_linear(F.silu(gate) * up, self.down_proj, rows_per_expert)
+        gate, up = self._grouped(sorted_x, "gate_up_proj", rows_per_expert).chunk(2, dim=-1)
+        sorted_y = self._grouped(F.silu(gate) * up, "down_proj", rows_per_expert)
         sorted_y = sorted_y * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, sorted_y)
+
+    def _grouped(self, x: torch.Tensor, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """`_grouped_linear` over projection `name`. In block FP8 on a CPU only the experts
+        with rows are dequantized, one at a time (the loop reads the counts anyway);
+        elsewhere every expert at once, so no count is read back (CUDA graphs)."""
+        weight = getattr(self, name)
+        if weight.dtype != fp8_experts.FP8:
+            return _grouped_linear(x, weight, rows)
+        if x.device.type == "cpu":
+            return _looped_linear(
+                x, rows, weight.shape[1], lambda e: fp8_experts.dequantized(self, name, e, x.dtype)
+            )
+        return _grouped_linear(x, fp8_experts.dequantized(self, name, None, x.dtype), rows)
 
 
 class SparseMoEBlock(nn.Module):
@@ -110,11 +143,19 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -
     if _grouped_mm_works(x.device.type, x.dtype) and _aligned(x, weight):
         ends = torch.cumsum(rows, 0, dtype=torch.int32)
         return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
-    out = x.new_empty(x.shape[0], weight.shape[1])
+    return _looped_linear(x, rows, weight.shape[1], weight.__getitem__)
+
+
+def _looped_linear(
+    x: torch.Tensor, rows: torch.Tensor, out_features: int, weight_of: Callable[[int], torch.Tensor]
+) -> torch.Tensor:
+    """`_grouped_linear` as a loop over the groups with rows (one `.tolist()` of the
+    counts): group e's rows times `weight_of(e).T`, `[out_features, in]`."""
+    out = x.new_empty(x.shape[0], out_features)
     start = 0
     for expert, count in enumerate(rows.tolist()):
         if count:
-            out[start : start + count] = F.linear(x[start : start + count], weight[expert])
+            out[start : start + count] = F.linear(x[start : start + count], weight_of(expert))
             start += count
     return out
 
@@ -143,8 +184,9 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 # ------------------------------------------------------------------ checkpoint layouts
 
 _FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(
-    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$"
+_PER_EXPERT = re.compile(  # an expert's weight, or a block-FP8 checkpoint's scale grid of it
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)"
+    r"\.weight(?P<suffix>_scale_inv)?$"
 )
 
 
@@ -173,7 +215,9 @@ def expert_weights_in_our_layout(
     """Passes every tensor through, with expert tensors turned into `[E, 2I, H]` / `[E, H, I]`.
     Fused tensors are oriented by shape against H and I (when H == 2I or H == I both layouts
     have one shape: this raises rather than guess). Per-expert tensors are stacked once all
-    E of a layer's projection have arrived; a layer still missing experts at the end raises."""
+    E of a layer's projection have arrived (a block-FP8 expert's scale grids likewise, into
+    `gate_up_proj_scale_inv` / `down_proj_scale_inv`: `fp8_experts`); a layer still missing
+    experts at the end raises."""
     h, i = hidden_size, intermediate_size
     ours = {"gate_up_proj": (num_experts, 2 * i, h), "down_proj": (num_experts, h, i)}
     hub = {"gate_up_proj": (num_experts, h, 2 * i), "down_proj": (num_experts, i, h)}
@@ -192,7 +236,7 @@ def expert_weights_in_our_layout(
         elif per_expert := _PER_EXPERT.match(name):
             kind = per_expert["kind"]
             group = "down_proj" if kind == "down_proj" else "gate_up_proj"
-            key = (f"{per_expert['prefix']}.{group}", kind)
+            key = (f"{per_expert['prefix']}.{group}{per_expert['suffix'] or ''}", kind)
             pending.setdefault(key, {})[int(per_expert["expert"])] = materialized(tensor)
             yield from _stack_complete(pending, key[0], num_experts)
         else:
@@ -209,7 +253,8 @@ def _stack_complete(
     pending: dict[tuple[str, str], dict[int, torch.Tensor]], fused_name: str, num_experts: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields `fused_name` stacked once every projection it is made of has all experts."""
-    kinds = ("down_proj",) if fused_name.endswith("down_proj") else ("gate_proj", "up_proj")
+    is_down = fused_name.removesuffix(fp8_experts.SCALE).endswith("down_proj")
+    kinds = ("down_proj",) if is_down else ("gate_proj", "up_proj")
     groups = [pending.get((fused_name, kind), {}) for kind in kinds]
     if any(sorted(group) != list(range(num_experts)) for group in groups):
         return

@@ -24,6 +24,7 @@ row in `FORMATS` and the tensor that marks a layer it quantized.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +34,13 @@ import torch
 from torch import nn
 
 from .awq import AwqLinear
-from .block_fp8 import SCALE_SUFFIX, BlockFp8Linear
+from .block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Linear
 from .compressed_tensors import PackedW4A16Linear
 from .cpu_linear import OneDNNPackedLinear, can_pack
 from .gptq import GptqLinear
 from .linear_method import DENSE, LinearLayer, LinearMethod, use_method
 from .loader import checkpoint_names
+from .moe import RoutedExperts
 
 LINEAR_METHODS: dict[str, LinearMethod] = {
     DENSE.name: DENSE,
@@ -165,10 +167,16 @@ def quantize_layers(
         if weight is None:
             continue
         owner = modules.get(weight.rpartition(".")[0])
+        experts = _routed_experts(modules, weight)
+        if experts is not None and isinstance(method, BlockFp8Linear):
+            if experts.gate_up_proj.dtype != FP8:
+                experts.use_block_fp8()
+                quantized += 1
+            continue
         if not isinstance(owner, LinearLayer):
             raise ValueError(
                 f"{name}: {fmt.name} weights of this kind of layer (not a linear layer of "
-                "Iris's, e.g. MoE experts) are not supported yet"
+                "Iris's, e.g. MoE experts outside block FP8) are not supported yet"
             )
         if owner.method is not method:
             use_method(owner, method)
@@ -176,6 +184,17 @@ def quantize_layers(
     if not quantized:
         raise ValueError(f"a {fmt.name} checkpoint with no quantized layer Iris knows")
     return fmt
+
+
+def _routed_experts(modules: dict[str, nn.Module], weight: str) -> RoutedExperts | None:
+    """The routed experts whose expert's projection `weight` names (`...experts.3.up_proj.
+    weight`, Qwen's FP8 MoE layout, as the model renames it), if it names one."""
+    match = _PER_EXPERT_WEIGHT.match(weight)
+    experts = modules.get(match["experts"]) if match else None
+    return experts if isinstance(experts, RoutedExperts) else None
+
+
+_PER_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.*\.experts)\.\d+\.\w+\.weight$")  # (renamed)
 
 
 def select_linear_method(
