@@ -13,6 +13,7 @@ import torch
 from .config import EngineConfig
 from .kv.sizing import readable_bytes
 from .models.int4_cpu import Int4PackedCpuLinear
+from .models.int4_kernel import Int4TritonLinear
 from .models.linear_method import (
     LinearMethod,
     building_with,
@@ -62,7 +63,7 @@ def methods_used(model: Qwen2VLForCausalLM, method: LinearMethod) -> str:
     fmt = model.quantization
     if fmt is None:
         return f"{method.name} method"
-    names = (fmt, Int4PackedCpuLinear.name)
+    names = (fmt, Int4PackedCpuLinear.name, Int4TritonLinear.name)
     quantized = [layer for layer in linear_layers(model) if layer.method.name in names]
     kernels = sorted({layer.method.name for layer in quantized} - {fmt})
     through = f", through {', '.join(kernels)}" if kernels else ""

@@ -1,8 +1,9 @@
 """AWQ 4-bit weights (Qwen's `-AWQ` releases, `quantization_config.quant_method` "awq",
 `version` "gemm"): a `LinearMethod` that keeps a layer's weight packed eight to an int32
 with a scale and a zero point per group of input rows, and computes through a dequantized
-copy made per call into a buffer the layers share; in bfloat16 on a CPU it hands the layer to PyTorch's
-int4 kernel once loaded (`int4_cpu`).
+copy made per call into a buffer the layers share, unless a kernel takes the layer once
+loaded (`int4_kernel`: PyTorch's int4 kernel in bfloat16 on a CPU, our Triton GEMM on
+CUDA).
 
 On disk a quantized layer `X` has `X.qweight` (int32 `[K, N/8]`: nibble i of word j is
 column 8j + ORDER[i]), `X.qzeros` (int32 `[K/G, N/8]`, packed alike) and `X.scales`
@@ -23,13 +24,14 @@ from torch import nn
 from .dequantized import (
     NIBBLES_PER_WORD,
     DequantizingMethod,
+    FourBitForm,
     copy_part,
     packed_layer,
     packed_slice,
     recreate_bias,
     registered,
 )
-from .int4_cpu import Int4PackedCpuLinear, can_use
+from .int4_kernel import hand_to_kernel
 from .linear_method import LinearLayer
 from .loader import Weight, materialized
 from .tensor_parallel import TPSplit
@@ -72,17 +74,17 @@ class AwqLinear(DequantizingMethod):
 
     def process_after_loading(self, layer: LinearLayer) -> None:
         """The nibbles of the weight and the zeros put in column order (see the module);
-        in bfloat16 on a CPU, the layer handed to PyTorch's 4-bit kernel (`int4_cpu`)."""
+        then the layer handed to a kernel where one runs it (`int4_kernel`)."""
         for leaf in ("qweight", "qzeros"):
             packed = registered(getattr(layer, leaf))
             packed.data.copy_(_repack_in_column_order(packed.data))
         qweight = registered(layer.qweight)
-        if can_use(
-            qweight.device, self.dtype, self.group_size, layer.out_features, layer.in_features
-        ):
-            values, zeros = _unpacked(qweight).t(), _unpacked(registered(layer.qzeros))
-            scales = registered(layer.scales)
-            Int4PackedCpuLinear.adopt(layer, self.group_size, values, scales, zeros)
+        zeros = registered(layer.qzeros)
+
+        def common_form() -> FourBitForm:
+            return FourBitForm(_unpacked(qweight).t(), registered(layer.scales), _unpacked(zeros))
+
+        hand_to_kernel(layer, qweight.device, self.dtype, self.group_size, common_form)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.matmul(x, self.dequantized_t(layer, x.dtype))

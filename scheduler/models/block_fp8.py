@@ -12,8 +12,9 @@ own grid and a tensor-parallel slice needs no 128-aligned boundary. Weights stay
 a quarter of float32's bytes; the buffer holds one layer dequantized.
 
 Activations stay in the model's dtype (weight-only): on a CPU this is what transformers
-runs for these checkpoints; a GPU kernel of our own that quantizes activations per token
-group is the next step.
+runs for these checkpoints; on CUDA our Triton GEMM (`triton_quant.block_fp8_linear`)
+dequantizes tile by tile instead of into a buffer. Quantizing the activations per token
+group for FP8 tensor cores is the next step.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class BlockFp8Linear(DequantizingMethod):
             layer.register_buffer("scale_columns", (offset + columns) // BLOCK - first, False)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:  # our Triton GEMM, dequantizing tile by tile (`triton_quant`)
+            from .triton_quant import block_fp8_linear
+
+            scales = registered(layer.weight_scale_inv)
+            out = block_fp8_linear(x, layer.weight, scales, _column_offset(layer) % BLOCK)
+            return out if bias is None else out + bias
         return F.linear(x, self.dequantized(layer, x.dtype), bias)
 
     def dequantized(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:

@@ -2,8 +2,8 @@
 `quantization_config.quant_method` "compressed-tensors"): a `LinearMethod` that keeps a
 layer's weight as signed 4-bit values packed eight to an int32 along its inputs, with a
 scale per group of inputs (symmetric), and computes through a dequantized copy made per
-call into a buffer the layers share; in bfloat16 on a CPU it hands the layer to PyTorch's
-int4 kernel once loaded (`int4_cpu`).
+call into a buffer the layers share, unless a kernel takes the layer once loaded
+(`int4_kernel`: PyTorch's int4 kernel in bfloat16 on a CPU, our Triton GEMM on CUDA).
 
 On disk a quantized layer `X` has `X.weight_packed` (int32 `[N, K/8]`: value i of word j
 is input 8j + i, stored plus 8), `X.weight_scale` (`[N, K/G]`) and `X.weight_shape`
@@ -24,6 +24,7 @@ from torch import nn
 from .dequantized import (
     NIBBLES_PER_WORD,
     DequantizingMethod,
+    FourBitForm,
     checkpoint_inputs,
     copy_part,
     packed_layer,
@@ -31,7 +32,7 @@ from .dequantized import (
     recreate_bias,
     registered,
 )
-from .int4_cpu import Int4PackedCpuLinear, can_use
+from .int4_kernel import hand_to_kernel
 from .linear_method import LinearLayer
 from .loader import ShapeMismatch, Weight, materialized
 from .tensor_parallel import TPSplit
@@ -78,15 +79,15 @@ class PackedW4A16Linear(DequantizingMethod):
         return copy_part(layer, destination, materialized(tensor), shard, axis=0)
 
     def process_after_loading(self, layer: LinearLayer) -> None:
-        """In bfloat16 on a CPU, the layer handed to PyTorch's 4-bit kernel (`int4_cpu`)."""
+        """The layer handed to a kernel where one runs it (`int4_kernel`)."""
         packed = registered(layer.weight_packed)
-        if can_use(
-            packed.device, self.dtype, self.group_size, layer.out_features, layer.in_features
-        ):
+
+        def common_form() -> FourBitForm:
             values = ((packed.unsqueeze(-1) >> SHIFTS.to(packed.device)) & 0xF).flatten(1)
             scales = registered(layer.weight_scale).t()
-            zeros = torch.full_like(scales, OFFSET)
-            Int4PackedCpuLinear.adopt(layer, self.group_size, values, scales, zeros)
+            return FourBitForm(values, scales, torch.full_like(scales, OFFSET))
+
+        hand_to_kernel(layer, packed.device, self.dtype, self.group_size, common_form)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.dequantized(layer, x.dtype), bias)

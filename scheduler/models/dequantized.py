@@ -1,12 +1,13 @@
 """What the quantized weight formats (`block_fp8`, `awq`, `gptq`, `compressed_tensors`)
 share: they compute through a dequantized copy of a layer's weight, made per call into a
 buffer each thread keeps (the encoder runs beside the steps), unless a faster kernel takes
-the layer once it is loaded (`int4_cpu` for the 4-bit formats in bfloat16 on a CPU), and
+the layer once it is loaded (`int4_kernel` for the 4-bit formats), and
 re-create a layer's parameters once the model is built, the bias in the model's dtype."""
 
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -87,6 +88,23 @@ def recreate_bias(layer: LinearLayer, out_features: int, bias: bool) -> None:
         layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False)
     else:
         layer.register_parameter("bias", None)
+
+
+class FourBitForm(NamedTuple):
+    """A 4-bit layer in the form every 4-bit format reduces to, as kernels take it:
+    `W[n, k] = (values[n, k] - zeros[g, n]) · scales[g, n]`, g = k // group."""
+
+    values: torch.Tensor  # int [N, K], 0..15
+    scales: torch.Tensor  # [K/group, N]
+    zeros: torch.Tensor  # [K/group, N]
+
+
+def drop_format_tensors(layer: LinearLayer) -> None:
+    """Drops every tensor a format's method registered on `layer` but the bias: a kernel's
+    method taking the layer over holds the weight in its own form."""
+    for name in [*layer._parameters, *layer._buffers]:
+        if name != "bias":
+            delattr(layer, name)
 
 
 def registered(value: torch.Tensor | nn.Module) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """GPTQ 4-bit weights (`quantization_config.quant_method` "gptq": AutoGPTQ / GPTQModel
 checkpoints): a `LinearMethod` that keeps a layer's weight packed eight to an int32 along
 its inputs, with a scale and a zero point per group, and computes through a dequantized
-copy made per call into a buffer the layers share; in bfloat16 on a CPU it hands the layer to PyTorch's
-int4 kernel once loaded (`int4_cpu`).
+copy made per call into a buffer the layers share, unless a kernel takes the layer once
+loaded (`int4_kernel`: PyTorch's int4 kernel in bfloat16 on a CPU, our Triton GEMM on
+CUDA).
 
 On disk a quantized layer `X` has `X.qweight` (int32 `[K/8, N]`: nibble i of word r is
 input row 8r + i), `X.qzeros` (int32 `[G, N/8]`: nibble i of word j is column 8j + i;
@@ -29,6 +30,7 @@ from torch import nn
 from .dequantized import (
     NIBBLES_PER_WORD,
     DequantizingMethod,
+    FourBitForm,
     checkpoint_inputs,
     copy_part,
     packed_layer,
@@ -36,7 +38,7 @@ from .dequantized import (
     recreate_bias,
     registered,
 )
-from .int4_cpu import Int4PackedCpuLinear, can_use
+from .int4_kernel import hand_to_kernel
 from .linear_method import LinearLayer
 from .loader import Weight, materialized
 from .tensor_parallel import TPSplit
@@ -87,8 +89,8 @@ class GptqLinear(DequantizingMethod):
 
     def process_after_loading(self, layer: LinearLayer) -> None:
         """Rows whose groups are not in input order keep them as an index (`row_groups`);
-        in order, a dequantization is one broadcast per group, and in bfloat16 on a CPU the
-        layer is handed to PyTorch's 4-bit kernel (`int4_cpu`)."""
+        in order, a dequantization is one broadcast per group, and the layer is handed to a
+        kernel where one runs it (`int4_kernel`)."""
         parts = registered(layer.g_idx).long()
         if not bool((parts == parts[0]).all()):
             raise ValueError(
@@ -108,15 +110,14 @@ class GptqLinear(DequantizingMethod):
             layer.register_buffer("row_groups", g_idx, False)
             return
         qweight = registered(layer.qweight)
-        if can_use(
-            qweight.device, self.dtype, self.group_size, layer.out_features, layer.in_features
-        ):
-            first = _row_offset(layer) // self.group_size
-            groups = slice(first, first + layer.in_features // self.group_size)
+        first = _row_offset(layer) // self.group_size
+        groups = slice(first, first + layer.in_features // self.group_size)
+
+        def common_form() -> FourBitForm:
             zeros = (_unpacked_columns(registered(layer.qzeros)) + self.zero_offset)[groups]
-            values = _unpacked_rows(qweight).t()
-            scales = registered(layer.scales)[groups]
-            Int4PackedCpuLinear.adopt(layer, self.group_size, values, scales, zeros)
+            return FourBitForm(_unpacked_rows(qweight).t(), registered(layer.scales)[groups], zeros)
+
+        hand_to_kernel(layer, qweight.device, self.dtype, self.group_size, common_form)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.matmul(x, self.dequantized_t(layer, x.dtype))

@@ -28,7 +28,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .dequantized import ThreadBuffers, dense_bytes, registered
+from .dequantized import (
+    FourBitForm,
+    ThreadBuffers,
+    dense_bytes,
+    drop_format_tensors,
+    registered,
+)
 from .linear_method import LinearLayer, LinearMethod
 
 BLOCK_N = 64  # output rows per block of the kernel's packing
@@ -63,27 +69,17 @@ class Int4PackedCpuLinear(LinearMethod):
         self._buffers = ThreadBuffers()
 
     @classmethod
-    def adopt(
-        cls,
-        layer: LinearLayer,
-        group_size: int,
-        values: torch.Tensor,
-        scales: torch.Tensor,
-        zeros: torch.Tensor,
-    ) -> None:
-        """Moves `layer` to this method: `values` int `[N, K]` in 0..15, `scales` and `zeros`
-        `[K/G, N]` (`W = (values - zeros) · scales` per group); the format's own tensors are
-        dropped (the bias stays)."""
+    def adopt(cls, layer: LinearLayer, group_size: int, form: FourBitForm) -> None:
+        """Moves `layer` to this method; the format's own tensors are dropped (the bias
+        stays)."""
         method = cls(group_size)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            values.to(torch.int32).contiguous(), 1
+            form.values.to(torch.int32).contiguous(), 1
         )
-        scales = scales.float()
-        offsets = (8 - zeros.float()) * scales
+        scales = form.scales.float()
+        offsets = (8 - form.zeros.float()) * scales
         scales_offsets = torch.stack([scales, offsets], dim=-1).to(DTYPE).contiguous()
-        for name in [*layer._parameters, *layer._buffers]:
-            if name != "bias":
-                delattr(layer, name)
+        drop_format_tensors(layer)
         layer.int4_weight = nn.Parameter(packed, False)
         layer.int4_scales = nn.Parameter(scales_offsets, False)
         layer.method = method

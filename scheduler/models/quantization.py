@@ -9,8 +9,8 @@ the settings and the checkpoint for it.
 - `gptq`: the layers a GPTQ (4-bit) checkpoint stores quantized (`gptq`);
 - `w4a16`: the layers a compressed-tensors W4A16 checkpoint stores packed
   (`compressed_tensors`);
-- `int4-cpu`: what the three 4-bit methods hand their layers to in bfloat16 on a CPU once
-  loaded (`int4_cpu`), so the start-up line names it.
+- `int4-cpu`, `int4-triton`: what the three 4-bit methods hand their layers to once
+  loaded, in bfloat16 on a CPU and on CUDA (`int4_kernel`), so the start-up line names it.
 
 A layer is built with the settings' method (`select_linear_method`); a quantized
 checkpoint (its config.json's `quantization_config`) then re-creates the layers it stores

@@ -1,0 +1,154 @@
+"""Our Triton GEMMs for quantized weights on the GPU: block FP8 (e4m3 weights with a scale
+per 128×128 block, `block_fp8`) and 4-bit (every 4-bit format in one layout,
+`int4_kernel`), each `y = x @ W.T` with the weight dequantized tile by tile in registers,
+never in memory. Tested on the CPU under `TRITON_INTERPRET=1` against the dequantized
+reference.
+
+Weight-only: activations stay in the model's dtype, dots accumulate in fp32 (`ieee` for
+fp32 inputs, as "exact" means there). One program computes a `BLOCK_M × BLOCK_N` tile of
+`y`, walking K in `BLOCK_K` steps:
+
+- **Block FP8**: the held weight `[N, K]` (this rank's slice) with its grid expanded along
+  the rows, `scales[n, b]` for the b-th 128-column block this rank's columns fall in; a
+  row-parallel slice may start `k_shift` columns into its first block, so column k's
+  block is `(k_shift + k) // 128`, gathered per element (a tile may straddle two).
+- **4-bit**: eight values to an int32 along K (word r holds inputs 8r..8r+7, nibble i
+  input 8r+i), a scale and a zero point per group of `group` inputs and output column:
+  `W[k, n] = (q - z[k // group, n]) · s[k // group, n]`.
+"""
+
+# Triton's DSL, which its annotations do not express (see attention/triton_kernels.py).
+# pyright: reportArgumentType=false, reportAttributeAccessIssue=false, reportOperatorIssue=false
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_BLOCK = 128
+NIBBLES = 8  # 4-bit values per int32 word
+
+
+def _tiles(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): a decode's few rows in one 16-row tile."""
+    return (16 if m <= 16 else 64), 64, 64
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _dequantizing_gemm_kernel(
+    x, w, scales, zeros, y, M, N, K, k_shift,
+    stride_xm, stride_w, stride_s, stride_ym,
+    INT4: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One `BLOCK_M × BLOCK_N` tile of `y = x @ W.T`, W dequantized a `BLOCK_K` step at a
+    time: block FP8 (`INT4` false: `w` e4m3 `[N, K]`, `scales` its grid) or 4-bit."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x_tile = tl.load(
+            x + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+            mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0,
+        )  # fmt: skip
+        inside = (ks[:, None] < K) & (cols[None, :] < N)
+        if INT4:
+            w_tile = _int4_tile(w, scales, zeros, ks, cols, inside, stride_w, stride_s, GROUP)
+        else:
+            w_tile = _fp8_tile(w, scales, ks, cols, inside, stride_w, stride_s, k_shift)
+        acc += tl.dot(x_tile, w_tile.to(x_tile.dtype), input_precision=DOT_PRECISION)
+    tl.store(
+        y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :],
+        acc.to(y.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N),
+    )  # fmt: skip
+
+
+@triton.jit
+def _fp8_tile(w, scales, ks, cols, inside, stride_w, stride_s, k_shift):
+    """`W.T[ks, cols]` in fp32: e4m3 codes times their block's scale (column k's block is
+    `(k_shift + k) // 128`, gathered per element: a tile may straddle two)."""
+    codes = tl.load(w + cols[None, :].to(tl.int64) * stride_w + ks[:, None], mask=inside, other=0.0)
+    block = (k_shift + ks) // 128
+    scale = tl.load(
+        scales + cols[None, :].to(tl.int64) * stride_s + block[:, None], mask=inside, other=0.0
+    )
+    return codes.to(tl.float32) * scale
+
+
+@triton.jit
+def _int4_tile(w, scales, zeros, ks, cols, inside, stride_w, stride_s, GROUP: tl.constexpr):
+    """`W.T[ks, cols]` in fp32 from the int32 words `[K/8, N]`: `(q - z) · s` per group."""
+    words = tl.load(
+        w + (ks[:, None] // 8).to(tl.int64) * stride_w + cols[None, :], mask=inside, other=0
+    )
+    values = (words >> ((ks[:, None] % 8) * 4)) & 0xF
+    group = (ks[:, None] // GROUP).to(tl.int64) * stride_s + cols[None, :]
+    scale = tl.load(scales + group, mask=inside, other=0.0).to(tl.float32)
+    zero = tl.load(zeros + group, mask=inside, other=0.0).to(tl.float32)
+    return (values.to(tl.float32) - zero) * scale
+
+
+def block_fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, k_shift: int = 0
+) -> torch.Tensor:
+    """`x @ W.T` for e4m3 `weight` `[N, K]` with its row-expanded grid `scales` `[N, blocks]`
+    (fp32), the slice starting `k_shift` columns into its first block; `x` `[..., K]`."""
+    grid = scales.float().contiguous()
+    return _launch(x, weight.shape[0], weight, grid, grid, k_shift, weight.stride(0), int4=False)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+) -> torch.Tensor:
+    """`x @ W.T` for 4-bit `qweight` int32 `[K/8, N]` (see the module) with `scales` and
+    `zeros` `[K/group, N]` (contiguous alike); `x` `[..., K]`."""
+    n = qweight.shape[1]
+    return _launch(x, n, qweight, scales, zeros, 0, qweight.stride(0), int4=True, group=group)
+
+
+def _launch(
+    x: torch.Tensor,
+    n: int,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    k_shift: int,
+    stride_w: int,
+    *,
+    int4: bool,
+    group: int = 1,
+) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    m, k = rows.shape
+    out = rows.new_empty(m, n)
+    if m:
+        block_m, block_n, block_k = _tiles(m)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _dequantizing_gemm_kernel[grid](
+            rows, weight, scales, zeros, out, m, n, k, k_shift,
+            rows.stride(0), stride_w, scales.stride(0), out.stride(0),
+            INT4=int4, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_PRECISION=_precision(x.dtype),
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int values `[N, K]` in 0..15 -> the kernel's int32 words `[K/8, N]`."""
+    n, k = values.shape
+    nibbles = values.t().to(torch.int64).reshape(k // NIBBLES, NIBBLES, n)
+    shifts = torch.arange(0, 32, 4, device=values.device, dtype=torch.int64)[None, :, None]
+    words = (nibbles << shifts).sum(dim=1)  # disjoint bits: the sum is their OR
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
