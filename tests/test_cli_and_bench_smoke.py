@@ -113,7 +113,7 @@ def test_server_startup_quick_times_each_variant(tmp_path):
         "a stream in flight at the stop (--shutdown-timeout 1)",
     ]
     commit = checkout_commit(REPO)
-    assert [row[0] for row in rows] == [*variants, *(f"{v} @ {commit}" for v in variants)]
+    assert [row[0] for row in rows] == [*variants, f"{variants[0]} @ {commit}"]  # quick
     cells = [dict(zip(header, row, strict=True)) for row in rows]
     assert cells[0]["÷ default"] == "1"
     assert all(float(c["up s"]) > 0 and float(c["CPU s (start and stop)"]) > 0 for c in cells)
