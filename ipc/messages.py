@@ -341,6 +341,11 @@ class RequestOutput(_Struct):
     # on the first token: seconds from the scheduler's admission of the request to its
     # first step (waiting for a batch slot and KV pages: vLLM's queue time)
     queue_seconds: float | None = None
+    # on the first token: seconds from its first step to it (vLLM's prefill time: its
+    # images' encoding and its prompt's chunks), and of those the wall time of the steps
+    # that computed its prompt (shared with whatever else those steps ran)
+    prefill_seconds: float | None = None
+    prefill_step_seconds: float | None = None
     # of `cached_tokens`, those reloaded from the host tier (None: the server has none)
     host_cached_tokens: int | None = None
 

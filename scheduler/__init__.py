@@ -7,7 +7,7 @@ the server reads `EngineConfig` without importing torch or the model code:
 - `SchedulerProcessConfig`, `run_scheduler`: the scheduler process, started by the
   launcher; `run_follower`: a tensor-parallel rank past the first, started beside it;
 - `Engine`: the in-process engine (`iris generate`; the benchmarks that measure it
-  without the server: `bench.compute_bound`, `bench.gpu_roofline`, `bench.tensor_parallel`);
+  without the server: `bench.compute_bound`, `bench.roofline`, `bench.tensor_parallel`);
 - `StepBroadcaster`, `join_group`: a tensor-parallel first rank's side, which
   `bench.tensor_parallel` composes in process as `run_scheduler` does;
 - `hybrid_footprint`: a hybrid checkpoint's state per request beside its KV per token

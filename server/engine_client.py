@@ -82,8 +82,10 @@ class _InFlight:
                 following.logprobs = (item.logprobs or []) + (following.logprobs or [])
             if following.images is None:  # the image report comes once, on the first token
                 following.images = item.images
-            if following.queue_seconds is None:  # so does the queue time
+            if following.queue_seconds is None:  # so do the times before it
                 following.queue_seconds = item.queue_seconds
+                following.prefill_seconds = item.prefill_seconds
+                following.prefill_step_seconds = item.prefill_step_seconds
             item = following  # counts are totals, so the later output's are right
         return item
 

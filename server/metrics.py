@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from ..ipc.messages import EngineStats, FinishReason, WorkerStats
+from ..ipc.messages import EngineStats, FinishReason, RequestOutput, WorkerStats
 from ..ipc.stats import ENGINE_SERIES, WORKER_SERIES, Series
 from .responses import Usage
 
@@ -115,9 +115,16 @@ class MetricsBoard:
         self.observed.iris_first_token.observe(seconds)
         self.observed.first_token.observe(seconds)
 
-    def observe_queue_time(self, seconds: float) -> None:
-        """A request waited `seconds` in the scheduler before its first step."""
-        self.observed.queue_time.observe(seconds)
+    def observe_before_first_token(self, first: RequestOutput) -> None:
+        """A request's first output: how long it waited in the scheduler before its first
+        step, and how long its prefill took (its steps' share apart)."""
+        for series, seconds in (
+            (self.observed.queue_time, first.queue_seconds),
+            (self.observed.prefill_time, first.prefill_seconds),
+            (self.observed.prefill_steps, first.prefill_step_seconds),
+        ):
+            if seconds is not None:
+                series.observe(seconds)
 
     def observe_finished(
         self,
@@ -185,6 +192,18 @@ class _ServerSeries:
             "vllm:request_queue_time_seconds",
             "From the scheduler's admission of a request to its first step (waiting for a "
             "batch slot and KV pages); observed with its first token.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "From a request's first step to its first token: its images' encoding and its "
+            "prompt's chunks; observed with its first token.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_steps = histogram(
+            "iris_request_prefill_step_seconds",
+            "Of a request's prefill time, the wall time of the steps that computed its "
+            "prompt (whole steps, shared with what else they ran); with its first token.",
             VLLM_REQUEST_LATENCY_BUCKETS,
         )
         self.prompt_tokens = histogram(

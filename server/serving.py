@@ -333,7 +333,7 @@ class OpenAIServing:
                         if len(received) == 1:
                             self.metrics.observe_first_token(received[0][0] - arrival)
                     if output.queue_seconds is not None:
-                        self.metrics.observe_queue_time(output.queue_seconds)
+                        self.metrics.observe_before_first_token(output)
                     usage = _usage(output, usage)
                     reason = output.finish_reason if output.finished else None
                     piece = text.update(output.new_token_ids, finish_reason=reason)

@@ -67,9 +67,11 @@ def test_iris_generate_names_a_missing_or_broken_image(tmp_path):
 
 def test_roofline_quick_reports_every_stage_against_the_device(tmp_path):
     out = tmp_path / "results"
-    run_bench("bench.gpu_roofline", "--quick", "--out", str(out), cache_dir=tmp_path / "cache",
+    run_bench("bench.roofline", "--quick", "--out", str(out), cache_dir=tmp_path / "cache",
               timeout=600)  # fmt: skip
-    [(header, rows)] = markdown_tables((out / "roofline_cpu_tiny_quick.md").read_text())
+    text = (out / "roofline_cpu_tiny_quick.md").read_text()
+    (header, rows), (agent_header, [turn]) = markdown_tables(text)
+    assert "read bandwidth" in text and "in bfloat16" in text and "in float32" in text
     assert header[-1] == "fraction of roofline"
     assert [row[0].split(",")[0].split(" ")[0] for row in rows] == [
         "decode", "decode", "prefill", "ViT", "ViT"
@@ -78,6 +80,13 @@ def test_roofline_quick_reports_every_stage_against_the_device(tmp_path):
         measured, roofline, fraction = float(row[1]), float(row[2]), float(row[4])
         assert measured > 0 and roofline > 0
         assert abs(fraction - roofline / measured) < 0.01 * fraction + 1e-3
+    # the returning turn (history cached, a new screenshot): the server's clocks
+    split = dict(zip(agent_header, map(float, turn), strict=True))
+    assert split["new tokens"] > 0 and split["tower ms"] > 0 and split["prefill steps ms"] > 0
+    assert split["prefill steps ms"] <= split["server prefill ms"] <= split["server TTFT ms"]
+    assert split["server TTFT ms"] <= split["TTFT ms"]
+    parts = split["TTFT ms"] - split["tower ms"] - split["prefill steps ms"]
+    assert abs(split["other ms"] - parts) < 0.01 * split["TTFT ms"] + 0.01
 
 
 def test_tensor_parallel_quick_compares_one_and_two_ranks(tmp_path):

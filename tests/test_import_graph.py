@@ -80,7 +80,7 @@ def test_the_graph_holds_every_module(graph: grimp.ImportGraph):
         ("iris_serve.launch.launcher", "iris_serve.scheduler"),
         ("iris_serve.launch.launcher", "iris_serve.tokenizer_worker"),
         # bench's absolute imports, at module level and in a function
-        ("bench.gpu_roofline", "iris_serve.scheduler"),
+        ("bench.roofline", "iris_serve.scheduler"),
         ("bench.compute_bound", "iris_serve.tokenizer_worker"),
     ],
 )

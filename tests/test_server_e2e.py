@@ -341,6 +341,9 @@ def test_a_client_disconnect_mid_stream_frees_pages_and_pins(server):
     assert generated < 900, "the request ran to the end: the disconnect did not abort it"
 
 
+PREFILL_SERIES = ("vllm:request_prefill_time_seconds", "iris_request_prefill_step_seconds")
+
+
 def test_metrics_count_an_answer_by_the_time_it_arrives(server):
     """A scrape right after an answer includes it, with no wait: the processes send their
     counters ahead of the request (worker) and of its tokens (scheduler). Requests come
@@ -365,6 +368,11 @@ def test_metrics_count_an_answer_by_the_time_it_arrives(server):
         assert delta[f'vllm:request_success_total{{finished_reason="{reason}"}}'] == 1
         assert delta["vllm:e2e_request_latency_seconds_count"] == 1
         assert delta["vllm:request_queue_time_seconds_count"] == 1  # the scheduler's
+        # its prefill time, and of it its own steps' time: the server's TTFT holds both
+        assert delta["vllm:request_prefill_time_seconds_count"] == 1
+        prefill, steps = (delta[f"{name}_sum"] for name in PREFILL_SERIES)
+        first_token = delta["vllm:time_to_first_token_seconds_sum"]
+        assert 0 < steps <= prefill <= first_token, (steps, prefill, first_token)
         assert delta["vllm:request_generation_tokens_sum"] == usage["completion_tokens"]
         assert delta["vllm:inter_token_latency_seconds_count"] == usage["completion_tokens"] - 1
         before = after

@@ -16,13 +16,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..common.architectures import by_model_type
 from . import experts, quantized
 
 if TYPE_CHECKING:
     import torch
 
 BLOCK = 128
-FUSING = ("qwen3_vl_moe",)  # whose transformers model reads its experts fused only
 E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"
 
@@ -57,7 +57,8 @@ def write_fp8_twin(src: str | Path, out: str | Path) -> Path:
     """The float32 checkpoint holding exactly the weights of the block-FP8 one in `src`."""
     import torch
 
-    fused_experts = json.loads((Path(src) / "config.json").read_text())["model_type"] in FUSING
+    row = by_model_type(json.loads((Path(src) / "config.json").read_text())["model_type"])
+    fused_experts = row is not None and row.experts == "routed"  # as the hub's files hold them
 
     def restore(tensors: quantized.Tensors) -> quantized.Tensors:
         out: quantized.Tensors = {}

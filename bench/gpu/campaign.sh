@@ -11,7 +11,7 @@
 #   tests      pytest -m gpu: greedy tokens against transformers on the
 #              GPU in fp32 and bf16 per attention backend, every backend
 #              against sdpa                                            50-65 s
-#   roofline   bench.gpu_roofline on the real-size checkpoint             ~3 min
+#   roofline   bench.roofline on the real-size checkpoint             ~3 min
 #   serve      bench.serve_load: Iris (the encoder inside the steps, the CUDA
 #              default) and the variant `thread` (--mm-encoder-placement thread), random-mm
 #              and text (SERVE_ARGS: more bench.serve_load flags)     ~4 min
@@ -75,7 +75,7 @@ stage() {
             "$PY" -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" ;;
         roofline)
             checkpoint
-            "$PY" -m bench.gpu_roofline --model "$MODEL" --device cuda --dtype bfloat16 --out "$OUT" ;;
+            "$PY" -m bench.roofline --model "$MODEL" --device cuda --dtype bfloat16 --out "$OUT" ;;
         serve)
             checkpoint
             "$PY" -m bench.serve_load --model "$MODEL" --device cuda --num-prompts 32 \

@@ -266,7 +266,8 @@ class BatchPlanner(RequestResources):
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached_tokens
             request.num_host_cached_tokens = len(reloaded) * self.page_size
-            request.queue_seconds = time.monotonic() - request.added_at
+            request.first_step_at = time.monotonic()
+            request.queue_seconds = request.first_step_at - request.added_at
             if self.prefix_cache is not None:
                 self.prefix_cache.count_first_admission(
                     num_cached_tokens, request.num_tokens, request.num_host_cached_tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -301,10 +302,11 @@ class Engine:
         if not plan.chunks:
             self.encoder_manager.wait(ENCODE_WAIT_SECONDS)  # only images are being worked on
             return []
+        started = time.perf_counter()
         sampled = self._run(plan)  # encode what the chunks overlap, forward, sample
         if sampled is None:  # it raised: the step's requests failed, the others go on
             return []
-        return self._account(plan, sampled)
+        return self._account(plan, sampled, time.perf_counter() - started)
 
     def generate(
         self, prompts: Sequence[PromptInput], sampling: Sampling | Sequence[Sampling]
@@ -332,11 +334,15 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _account(self, plan: StepPlan, sampled: Sampled) -> list[RequestOutput]:
+    def _account(self, plan: StepPlan, sampled: Sampled, seconds: float) -> list[RequestOutput]:
+        """The step's outputs; `seconds` its wall time, counted to each request whose prompt
+        it computed."""
         outputs = []
         tokens = iter(zip(sampled.tokens, sampled.logprobs, strict=True))
         for chunk in plan.chunks:
             request = chunk.request  # its progress was advanced when the step was planned
+            if chunk.start < request.prompt_len:
+                request.prefill_step_seconds += seconds
             if not chunk.completes_sequence:
                 continue
             token, logprob = next(tokens)
@@ -360,12 +366,24 @@ class Engine:
                     else request.num_host_cached_tokens,
                     completion_tokens=len(request.output_token_ids),
                     images=images,
-                    queue_seconds=request.queue_seconds
-                    if len(request.output_token_ids) == 1
-                    else None,
+                    **(
+                        self._first_token_times(request)
+                        if len(request.output_token_ids) == 1
+                        else {}
+                    ),
                 )
             )
         return outputs
+
+    @staticmethod
+    def _first_token_times(request: Request) -> dict[str, float | None]:
+        """What a request's first output says of its time before it (`RequestOutput`)."""
+        first_step = request.first_step_at
+        return {
+            "queue_seconds": request.queue_seconds,
+            "prefill_seconds": None if first_step is None else time.monotonic() - first_step,
+            "prefill_step_seconds": request.prefill_step_seconds,
+        }
 
     def _collect_images(self) -> None:
         """Takes the encoder thread's finished calls (failing the requests of one that raised)

@@ -72,6 +72,8 @@ class Request:
     num_host_cached_tokens: int = 0  # of those, reloaded from the host tier
     added_at: float = field(default_factory=time.monotonic)  # when the engine took it
     queue_seconds: float | None = None  # from `added_at` to its first step
+    first_step_at: float | None = None  # `time.monotonic()` of its first admission
+    prefill_step_seconds: float = 0.0  # wall time of the steps that computed its prompt
     page_table: PageTable = field(default_factory=PageTable)
 
     @property

@@ -1,25 +1,30 @@
-"""Iris against the device's own limits: measured bandwidth and matmul rate, then decode,
-prefill and ViT throughput, each as a fraction of its roofline.
+"""Iris against the device's own limits: the machine's measured bandwidth and matmul
+rates, then decode, prefill and ViT throughput, each as a fraction of its roofline, and a
+served returning agent's TTFT split into the parts the bound counts and the rest.
 
-    python -m bench.gpu_roofline [--model DIR | --size small --arch ARCH] [--device auto]
-        [--dtype auto] [--batches 1 8 64 256] [--context 2048] [--quick] [--out DIR]
+    python -m bench.roofline [--model DIR | --size small --arch ARCH] [--device auto]
+        [--dtype auto] [--batches 1 8] [--contexts 1024 4096] [--quick] [--out DIR]
 
-Written for a GPU (`iris tiny-model --like Qwen2.5-VL-7B-Instruct` makes the real-size
-checkpoint to point `--model` at; without it, the generated checkpoint of `--arch`, Qwen2.5-VL
-by default, and `--size`); it runs on a CPU too, where the same fractions say how far the
-CPU path is from the machine's memory bandwidth.
+On a GPU point `--model` at a real-size checkpoint (`iris tiny-model --like
+Qwen2.5-VL-7B-Instruct`); without it, the generated checkpoint of `--arch`, Qwen2.5-VL by
+default, and `--size`. On a CPU the machine is measured at the torch thread count the
+server uses (the process's, as `iris serve` sets it).
 
-- bandwidth: a device-to-device copy of a large buffer, bytes read + written per second;
-- matmul rate: a square matmul in the model's dtype, 2·n³ FLOPs per call;
-- decode at each batch size, `context` tokens each (the requests share one prompt, so
-  setting up 256 × 2k costs one prefill; attention still reads each context on its own):
-  the roofline step reads every weight once and each sequence's K/V, so
-  `roofline ms = (weight bytes + batch × context × KV bytes per token) / bandwidth`, and
-  the fraction is roofline ms ÷ measured ms (1.0 = at the bandwidth limit);
-- prefill: one `context`-token prompt, `2 × parameters × tokens` FLOPs (attention left
-  out) ÷ the matmul rate;
+- bandwidth: reading a large buffer (a sum: what decode does with weights and KV), and a
+  device-to-device copy (bytes read + written per second);
+- matmul rate: a square matmul in float32 and in bfloat16, 2·n³ FLOPs per call;
+- decode at each context and batch size (the requests share one prompt, so setting up
+  256 × 2k costs one prefill; attention still reads each context on its own): the
+  roofline step reads every weight once and each sequence's K/V, so `roofline ms =
+  (weight bytes + batch × context × KV bytes per token) / read bandwidth`, and the
+  fraction is roofline ms ÷ measured ms (1.0 = at the bandwidth limit);
+- prefill: one prompt of the largest context, `2 × parameters × tokens` FLOPs (attention
+  left out) ÷ the matmul rate in the model's dtype;
 - ViT: one 1280×720 and one 1920×1080 image through the vision tower, `2 × vision
   parameters × patches` FLOPs ÷ the matmul rate;
+- a returning agent's turns on `iris serve` (same checkpoint and dtype), one at a time:
+  TTFT against its new screenshot's tower plus the steps that prefilled its new tokens,
+  by the server's own clocks (`bench.agent_turn_split`);
 - on CUDA, decode with the CUDA graphs captured at start-up against the same engine's
   eager steps (`--enforce-eager`'s path, its graphs set aside), batch by batch.
 """
@@ -85,6 +90,11 @@ def measured_bandwidth(device: torch.device, num_bytes: int) -> float:
     return 2 * num_bytes / seconds_per_call(lambda: target.copy_(source), device, 5)
 
 
+def measured_read_bandwidth(device: torch.device, num_bytes: int) -> float:
+    source = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    return num_bytes / seconds_per_call(lambda: source.sum(), device, 5)
+
+
 def measured_matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -109,22 +119,23 @@ def decode_row(engine: Engine, context: int, batch: int, steps: int, bandwidth: 
 
 
 def graphs_against_eager(
-    engine: Engine, args: argparse.Namespace, bandwidth: float, graph_ms: list[float]
-) -> list[list]:
+    engine: Engine, points: list[tuple[int, int]], args: argparse.Namespace, bandwidth: float,
+    graph_ms: list[float],
+) -> list[list]:  # fmt: skip
     """The decode rows again with the engine's graphs set aside: eager steps, same engine."""
     graphs = engine.runner.decode_graphs
     if graphs is None:
         return []
     engine.runner.decode_graphs = None
     try:
-        eager_ms = [
-            decode_row(engine, args.context, b, args.steps, bandwidth)[1] for b in args.batches
-        ]
+        eager_ms = [decode_row(engine, c, b, args.steps, bandwidth)[1] for c, b in points]
     finally:
         engine.runner.decode_graphs = graphs
     return [
-        [f"{batch} × {args.context}", graphs_step, eager_step, eager_step / graphs_step]
-        for batch, graphs_step, eager_step in zip(args.batches, graph_ms, eager_ms, strict=True)
+        [f"{batch} × {context}", graphs_step, eager_step, eager_step / graphs_step]
+        for (context, batch), graphs_step, eager_step in zip(
+            points, graph_ms, eager_ms, strict=True
+        )
     ]
 
 
@@ -175,38 +186,53 @@ def main(argv: list[str] | None = None) -> None:
     add_arch_argument(parser)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--batches", type=int, nargs="+", help="(CUDA 1 8 64 256; CPU 1 8)")
+    parser.add_argument("--contexts", type=int, nargs="+", help="(CUDA 2048; CPU 1024 4096)")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--agent-turns", type=int, default=5, help="0: no served agent")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument("--out", type=Path, default=None, help="results folder")
     args = parser.parse_args(argv)
     if args.quick:
-        args.size, args.batches, args.context, args.steps = "tiny", [1, 2], 64, 2
+        args.size, args.batches, args.contexts, args.steps = "tiny", [1, 2], [64], 2
+        args.agent_turns = 2
     checkpoint = Checkpoint.of(args)
     model_dir = checkpoint.model_dir
     engine = Engine(
         EngineConfig(
             model=str(model_dir), device=args.device, dtype=args.dtype,
-            max_model_len=args.context + 4 * args.steps + 64, max_num_seqs=max(args.batches),
+            max_model_len=max(args.contexts or [4096]) + 4 * args.steps + 64,
+            max_num_seqs=max(args.batches or [256]),
         )
     )  # fmt: skip
     device = engine.device
     on_gpu = device.type == "cuda"
-    bandwidth = measured_bandwidth(device, (1 << 30) if on_gpu else (256 << 20))
-    matmul_rate = measured_matmul_rate(device, engine.dtype, 8192 if on_gpu else 1024)
-    rows = [decode_row(engine, args.context, b, args.steps, bandwidth) for b in args.batches]
-    graph_rows = graphs_against_eager(engine, args, bandwidth, [row[1] for row in rows])
-    rows.append(prefill_row(engine, args.context, matmul_rate))
+    batches = args.batches or ([1, 8, 64, 256] if on_gpu else [1, 8])
+    contexts = args.contexts or ([2048] if on_gpu else [1024, 4096])
+    buffer = (1 << 30) if on_gpu else (512 << 20)
+    read_bandwidth = measured_read_bandwidth(device, buffer)
+    copy_bandwidth = measured_bandwidth(device, buffer // 2)
+    side = 8192 if on_gpu else 2048
+    rates = {dtype: measured_matmul_rate(device, dtype, side) for dtype in GEMM_DTYPES}
+    matmul_rate = rates.get(engine.dtype) or measured_matmul_rate(device, engine.dtype, side)
+    points = [(context, batch) for context in contexts for batch in batches]
+    rows = [decode_row(engine, c, b, args.steps, read_bandwidth) for c, b in points]
+    graph_rows = graphs_against_eager(engine, points, args, read_bandwidth, [r[1] for r in rows])
+    rows.append(prefill_row(engine, max(contexts), matmul_rate))
     for size in [(1280, 720), (1920, 1080)]:
         rows.append(vit_row(engine, model_dir, size, matmul_rate))
-    name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
-    moe = engine.model.config.moe
+    dtype, threads, moe = engine.dtype, torch.get_num_threads(), engine.model.config.moe
+    engine.close()
+    del engine  # its memory back before the server starts
+    agent = agent_table(model_dir, args, dtype) if args.agent_turns > 1 else ""
+    name = torch.cuda.get_device_name(device) if on_gpu else f"CPU, {threads} torch threads"
+    measured_rates = ", ".join(f"{rate / 1e12:.3g} TFLOP/s in {str(d).removeprefix('torch.')}"
+                               for d, rate in rates.items())  # fmt: skip
     body = (
-        f"{checkpoint.sentence} {engine.dtype} "
-        f"on {name}: measured bandwidth {bandwidth / 1e9:.1f} GB/s (copy), matmul rate "
-        f"{matmul_rate / 1e12:.2f} TFLOP/s ({engine.dtype}). Decode steps: {args.steps} per "
-        "point."
+        f"{checkpoint.sentence} {dtype} on {name}: read bandwidth {read_bandwidth / 1e9:.1f} "
+        f"GB/s (a sum), copy {copy_bandwidth / 1e9:.1f} GB/s; matmul rate ({side}² matmul) "
+        f"{measured_rates}. Decode rooflines use the read bandwidth; prefill and ViT the "
+        f"matmul rate in {dtype}. Decode steps: {args.steps} per point."
         + (
             f" Mixture of experts ({moe.top_k} of {moe.num_experts} experts per token): the "
             "rooflines count every expert (weight bytes in decode, 2 × parameters × tokens "
@@ -219,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         + markdown_table(
             ["what", "measured ms", "roofline ms", "per second", "fraction of roofline"], rows
         )
+        + agent
         + "\n\n## Decode: CUDA graphs against eager steps\n\n"
         + (
             markdown_table(
@@ -232,6 +259,34 @@ def main(argv: list[str] | None = None) -> None:
     suffix = "_quick" if args.quick else ""
     write_result(f"roofline_{label}_{checkpoint.label}{suffix}", "Iris against the device's limits",
                  body, args.out)  # fmt: skip
+
+
+GEMM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def agent_table(model_dir: Path, args: argparse.Namespace, dtype: torch.dtype) -> str:
+    """The served agent's returning turns (`bench.agent_turn_split`) as a section."""
+    from bench.agent_turn_split import agent_turns
+
+    size = (448, 448) if args.quick else (1280, 720)
+    flags = ["--device", args.device, "--dtype", str(dtype).removeprefix("torch.")]
+    turns = agent_turns(model_dir, flags, args.agent_turns, size, answer_tokens=8)
+    rows = [
+        [i + 2, t.new_tokens, t.ttft * 1e3, t.tower * 1e3, t.steps * 1e3, t.other * 1e3,
+         t.over_bound, t.prefill * 1e3, t.queue * 1e3, t.server_ttft * 1e3]
+        for i, t in enumerate(turns)
+    ]  # fmt: skip
+    header = ["turn", "new tokens", "TTFT ms", "tower ms", "prefill steps ms", "other ms",
+              "TTFT ÷ (tower + steps)", "server prefill ms", "queue ms", "server TTFT ms"]  # fmt: skip
+    return (
+        f"\n\n## A returning agent's turn\n\nOne agent on `iris serve` ({' '.join(flags)}), "
+        f"a new {size[0]}×{size[1]} screenshot each turn, its history cached; one turn at a "
+        "time. `tower`: the vision tower on the new screenshot; `prefill steps`: the steps "
+        "that computed its new tokens; `other`: TTFT less both (HTTP, tokenization and "
+        "preprocessing, queueing, copies, the tower's wait when the steps cannot overlap "
+        "it); `server prefill`: first step to first token; `server TTFT`: the request's "
+        "arrival at the server to its first token.\n\n" + markdown_table(header, rows)
+    )
 
 
 if __name__ == "__main__":
