@@ -32,6 +32,7 @@ server uses (the process's, as `iris serve` sets it).
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -141,10 +142,12 @@ def graphs_against_eager(
 
 def prefill_row(engine: Engine, tokens: int, matmul_rate: float) -> list:
     vocab = engine.model.config.vocab_size
-    prompt = PromptInput.text([(11 * i + 5) % (vocab - 1) + 1 for i in range(tokens)])
     params = sum(p.numel() for p in engine.model.model.parameters())
+    calls = itertools.count()
 
-    def prefill() -> None:
+    def prefill() -> None:  # a prompt of its own each call: nothing found in the prefix cache
+        first = next(calls)
+        prompt = PromptInput.text([(11 * i + 5 + first) % (vocab - 1) + 1 for i in range(tokens)])
         engine.generate([prompt], Sampling(temperature=0.0, max_tokens=1, ignore_eos=True))
 
     seconds = seconds_per_call(prefill, engine.device, 2)

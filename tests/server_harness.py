@@ -92,6 +92,11 @@ def shm_segments(launcher_pid: int) -> list[str]:
 
 @contextlib.contextmanager
 def iris_server(model_dir: Path, *args: str, tmp_path: Path) -> Iterator[RunningServer]:
+    """`iris serve model_dir *args` on a free port, healthy; stopped on exit. One tokenizer
+    worker unless `args` say otherwise (each more costs a start ~2 s on 2 cores): a test of
+    what two workers do asks for them."""
+    if "--tokenizer-workers" not in args:
+        args = ("--tokenizer-workers", "1", *args)
     port = free_port()
     marker = uuid.uuid4().hex
     log_path = tmp_path / f"iris-serve-{port}.log"

@@ -122,7 +122,9 @@ def test_an_eight_round_conversation_does_one_image_of_work_per_round(
 
 
 def test_eight_concurrent_requests_with_one_new_image_encode_it_once(qwen2_vl_tiny, tmp_path):
-    with iris_server(qwen2_vl_tiny, "--served-model-name", "tiny", tmp_path=tmp_path) as server:
+    with iris_server(
+        qwen2_vl_tiny, "--served-model-name", "tiny", "--tokenizer-workers", "2", tmp_path=tmp_path
+    ) as server:  # fmt: skip  (two workers, one encode)
         image = png_bytes(make_image(90, 70, seed=7))
         messages = conversation_round([], image, "Same picture for all.")
         answers: dict[int, str] = {}
@@ -149,6 +151,7 @@ def test_two_hundred_requests_under_constant_eviction_leak_nothing(qwen2_vl_tiny
         "--mm-embedding-cache-gb", "0.00002",  # ~20 KB: about one image's embedding
         "--mm-shm-arena-bytes", "512KiB",  # a handful of resized images per worker
         "--max-model-len", "1024",
+        "--tokenizer-workers", "2",  # the default: requests spread over both
     ]  # fmt: skip
     pool = [png_bytes(make_image(40 + 6 * i, 36 + 5 * i, seed=200 + i)) for i in range(12)]
     rng = random.Random(0)

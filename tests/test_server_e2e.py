@@ -54,6 +54,7 @@ def server(qwen2_5_vl_tiny, media_dir, tmp_path_factory):
         "--max-model-len", "1024",
         "--limit-mm-per-prompt", "4",
         "--allowed-local-media-path", str(media_dir),
+        "--tokenizer-workers", "2",  # the default: which worker a turn goes to is tested
         tmp_path=tmp_path_factory.mktemp("server"),
     ) as running:  # fmt: skip
         yield running
@@ -477,7 +478,8 @@ def running_model_name(running) -> str:
 
 
 def test_clean_shutdown_leaves_no_process_and_no_shared_memory(qwen2_vl_tiny, tmp_path):
-    with iris_server(qwen2_vl_tiny, "--served-model-name", "tiny", tmp_path=tmp_path) as running:
+    with iris_server(qwen2_vl_tiny, "--served-model-name", "tiny", "--tokenizer-workers", "2",
+                     tmp_path=tmp_path) as running:  # fmt: skip
         image = png_bytes(make_image(64, 64, seed=1))
         response = httpx.post(
             f"{running.base_url}/v1/chat/completions", json=chat_body("x", [image]), timeout=60
@@ -491,7 +493,7 @@ def test_clean_shutdown_leaves_no_process_and_no_shared_memory(qwen2_vl_tiny, tm
 @pytest.mark.parametrize(
     "victim, flags",
     [
-        ("tokenizer-1", ()),
+        ("tokenizer-1", ("--tokenizer-workers", "2")),
         ("scheduler-rank1", ("--tensor-parallel-size", "2")),  # a follower rank
         # rank 0 with a follower waiting: a single scheduler's death, and the follower too
         ("scheduler", ("--tensor-parallel-size", "2")),
