@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from bench.agent_turn_split import TurnSplit, agent_turns
 from bench.results_io import (
     Checkpoint,
     add_arch_argument,
@@ -49,6 +50,8 @@ from bench.results_io import (
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler import Engine, EngineConfig
+from iris_serve.scheduler.models.linear_method import LinearLayer, linear_layers
+from iris_serve.scheduler.models.moe import RoutedExperts
 
 
 def synchronize(device: torch.device) -> None:
@@ -102,6 +105,40 @@ def measured_matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> fl
     return 2 * n**3 / seconds_per_call(lambda: a @ b, device, 5)
 
 
+def matmul_weights(module: torch.nn.Module) -> int:
+    """The weights `module`'s matmuls multiply each token by: every linear layer's (however
+    its method holds them: a prepacked or quantized weight is no parameter) and every
+    routed expert's (all of them, see the module)."""
+    linear = sum(layer.in_features * layer.out_features for layer in linear_layers(module))
+    experts = sum(
+        m.gate_up_proj.numel() + m.down_proj.numel()
+        for m in module.modules()
+        if isinstance(m, RoutedExperts)
+    )
+    return linear + experts
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """What a decode step reads of the weights: the decoder's layers and the LM head (the
+    embedding's matrix where they are tied), as held; not the vision tower, and of the
+    embedding only the rows of the step's tokens."""
+    language = model.model
+    held = sum(layer.method.resident_bytes(layer) for layer in linear_layers(language))
+    others = [  # norms, routed experts, Gated DeltaNet's own tensors
+        p
+        for module in language.modules()
+        if not isinstance(module, LinearLayer) and module is not language.embed_tokens
+        for p in module.parameters(recurse=False)
+    ]
+    head = model.lm_head
+    head_bytes = (
+        head.method.resident_bytes(head)
+        if head is not None
+        else language.embed_tokens.weight.numel() * language.embed_tokens.weight.element_size()
+    )
+    return held + sum(p.numel() * p.element_size() for p in others) + head_bytes
+
+
 def decode_row(engine: Engine, context: int, batch: int, steps: int, bandwidth: float) -> list:
     start_decoding(engine, context, batch, steps)
     synchronize(engine.device)
@@ -110,7 +147,7 @@ def decode_row(engine: Engine, context: int, batch: int, steps: int, bandwidth: 
         engine.step()
     synchronize(engine.device)
     step = (time.perf_counter() - started) / steps
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weights = decode_weight_bytes(engine.model)
     kv = engine.kv_cache.layout.bytes_per_page / engine.kv_cache.page_size
     roofline = (weights + batch * context * kv) / bandwidth
     for request_id in list(engine.requests):
@@ -142,7 +179,7 @@ def graphs_against_eager(
 
 def prefill_row(engine: Engine, tokens: int, matmul_rate: float) -> list:
     vocab = engine.model.config.vocab_size
-    params = sum(p.numel() for p in engine.model.model.parameters())
+    params = matmul_weights(engine.model.model)
     calls = itertools.count()
 
     def prefill() -> None:  # a prompt of its own each call: nothing found in the prefix cache
@@ -172,7 +209,7 @@ def vit_row(engine: Engine, model_dir: Path, size: tuple[int, int], matmul_rate:
     )
     pixels = engine.patches([prompt.pixels[0]], [prompt.images[0].grid_thw])
     grid = torch.tensor([prompt.images[0].grid_thw])
-    params = sum(p.numel() for p in engine.model.visual.parameters())
+    params = matmul_weights(engine.model.visual)
     with torch.inference_mode():
         seconds = seconds_per_call(
             lambda: engine.model.encode_images(pixels, grid), engine.device, 3
@@ -227,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype, threads, moe = engine.dtype, torch.get_num_threads(), engine.model.config.moe
     engine.close()
     del engine  # its memory back before the server starts
-    agent = agent_table(model_dir, args, dtype) if args.agent_turns > 1 else ""
+    turns = served_turns(model_dir, args, dtype) if args.agent_turns > 1 else []
+    agent = agent_table(turns, args, dtype) if turns else ""
     name = torch.cuda.get_device_name(device) if on_gpu else f"CPU, {threads} torch threads"
     measured_rates = ", ".join(f"{rate / 1e12:.3g} TFLOP/s in {str(d).removeprefix('torch.')}"
                                for d, rate in rates.items())  # fmt: skip
@@ -260,20 +298,30 @@ def main(argv: list[str] | None = None) -> None:
     )
     label = "gpu" if on_gpu else "cpu"
     suffix = "_quick" if args.quick else ""
-    write_result(f"roofline_{label}_{checkpoint.label}{suffix}", "Iris against the device's limits",
-                 body, args.out)  # fmt: skip
+    written = write_result(f"roofline_{label}_{checkpoint.label}{suffix}",
+                           "Iris against the device's limits", body, args.out)  # fmt: skip
+    plot(rows, turns, written.with_suffix(".png"), f"{checkpoint.title}, {dtype} on {name}")
 
 
 GEMM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def agent_table(model_dir: Path, args: argparse.Namespace, dtype: torch.dtype) -> str:
-    """The served agent's returning turns (`bench.agent_turn_split`) as a section."""
-    from bench.agent_turn_split import agent_turns
+def served_turns(model_dir: Path, args: argparse.Namespace, dtype: torch.dtype) -> list[TurnSplit]:
+    """A served agent's returning turns (`bench.agent_turn_split`)."""
+    return agent_turns(model_dir, agent_flags(args, dtype), args.agent_turns, agent_image(args), 8)
 
-    size = (448, 448) if args.quick else (1280, 720)
-    flags = ["--device", args.device, "--dtype", str(dtype).removeprefix("torch.")]
-    turns = agent_turns(model_dir, flags, args.agent_turns, size, answer_tokens=8)
+
+def agent_flags(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
+    return ["--device", args.device, "--dtype", str(dtype).removeprefix("torch.")]
+
+
+def agent_image(args: argparse.Namespace) -> tuple[int, int]:
+    return (448, 448) if args.quick else (1280, 720)
+
+
+def agent_table(turns: list[TurnSplit], args: argparse.Namespace, dtype: torch.dtype) -> str:
+    """The served agent's returning turns as a section."""
+    size, flags = agent_image(args), agent_flags(args, dtype)
     rows = [
         [i + 2, t.new_tokens, t.ttft * 1e3, t.tower * 1e3, t.steps * 1e3, t.other * 1e3,
          t.over_bound, t.prefill * 1e3, t.queue * 1e3, t.server_ttft * 1e3]
@@ -290,6 +338,38 @@ def agent_table(model_dir: Path, args: argparse.Namespace, dtype: torch.dtype) -
         "it); `server prefill`: first step to first token; `server TTFT`: the request's "
         "arrival at the server to its first token.\n\n" + markdown_table(header, rows)
     )
+
+
+def plot(rows: list[list], turns: list[TurnSplit], path: Path, title: str) -> None:
+    """Each path's fraction of its roofline, and each returning turn's TTFT in parts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (paths, split) = plt.subplots(1, 2, figsize=(13, 4.8), width_ratios=[3, 2])
+    names = [str(row[0]).replace(", ", "\n", 1) for row in rows]
+    paths.barh(names, [row[4] for row in rows], color="tab:blue")
+    paths.axvline(1.0, color="grey", linestyle=":")
+    paths.set_xscale("log")
+    paths.invert_yaxis()
+    paths.set_xlabel("fraction of roofline (1 = at the machine's limit)")
+    paths.tick_params(axis="y", labelsize=7)
+    paths.grid(alpha=0.3, axis="x")
+    left = [0.0] * len(turns)
+    labels = [f"turn {i + 2}" for i in range(len(turns))]
+    for part, color in (("tower", "tab:orange"), ("steps", "tab:green"), ("other", "tab:red")):
+        widths = [getattr(t, part) * 1e3 for t in turns]
+        split.barh(labels, widths, left=left, color=color, label=part)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    split.invert_yaxis()
+    split.set_xlabel("a returning agent's TTFT, ms")
+    split.legend(fontsize=8)
+    split.grid(alpha=0.3, axis="x")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ def test_roofline_quick_reports_every_stage_against_the_device(tmp_path):
     run_bench("bench.roofline", "--quick", "--out", str(out), cache_dir=tmp_path / "cache",
               timeout=600)  # fmt: skip
     text = (out / "roofline_cpu_tiny_quick.md").read_text()
+    assert (out / "roofline_cpu_tiny_quick.png").stat().st_size > 0
     (header, rows), (agent_header, [turn]) = markdown_tables(text)
     assert "read bandwidth" in text and "in bfloat16" in text and "in float32" in text
     assert header[-1] == "fraction of roofline"
