@@ -49,9 +49,7 @@ from bench.results_io import (
 )
 from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler import Engine, EngineConfig
-from iris_serve.scheduler.models.linear_method import LinearLayer, linear_layers
-from iris_serve.scheduler.models.moe import RoutedExperts
+from iris_serve.scheduler import Engine, EngineConfig, decode_weight_bytes, matmul_weights
 
 
 def synchronize(device: torch.device) -> None:
@@ -103,40 +101,6 @@ def measured_matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> fl
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / seconds_per_call(lambda: a @ b, device, 5)
-
-
-def matmul_weights(module: torch.nn.Module) -> int:
-    """The weights `module`'s matmuls multiply each token by: every linear layer's (however
-    its method holds them: a prepacked or quantized weight is no parameter) and every
-    routed expert's (all of them, see the module)."""
-    linear = sum(layer.in_features * layer.out_features for layer in linear_layers(module))
-    experts = sum(
-        m.gate_up_proj.numel() + m.down_proj.numel()
-        for m in module.modules()
-        if isinstance(m, RoutedExperts)
-    )
-    return linear + experts
-
-
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """What a decode step reads of the weights: the decoder's layers and the LM head (the
-    embedding's matrix where they are tied), as held; not the vision tower, and of the
-    embedding only the rows of the step's tokens."""
-    language = model.model
-    held = sum(layer.method.resident_bytes(layer) for layer in linear_layers(language))
-    others = [  # norms, routed experts, Gated DeltaNet's own tensors
-        p
-        for module in language.modules()
-        if not isinstance(module, LinearLayer) and module is not language.embed_tokens
-        for p in module.parameters(recurse=False)
-    ]
-    head = model.lm_head
-    head_bytes = (
-        head.method.resident_bytes(head)
-        if head is not None
-        else language.embed_tokens.weight.numel() * language.embed_tokens.weight.element_size()
-    )
-    return held + sum(p.numel() * p.element_size() for p in others) + head_bytes
 
 
 def decode_row(engine: Engine, context: int, batch: int, steps: int, bandwidth: float) -> list:

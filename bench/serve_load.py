@@ -91,7 +91,13 @@ from bench.results_io import (
     checkout_commit,
 )
 from bench.serve_load_report import Run, report
-from bench.server_process import IrisServer, group_processes, measure_each, run_interleaved
+from bench.server_process import (
+    IrisServer,
+    group_processes,
+    group_rss_bytes,
+    measure_each,
+    run_interleaved,
+)
 from bench.video_decoding import decode_rates
 from bench.video_scenario import VideoWorkload
 
@@ -167,6 +173,7 @@ class Server:
     name: str
     server: IrisServer
     how: str
+    rss_mib: float | None = None  # its processes' resident memory once warmed up
 
 
 def parse_variant(spec: str) -> tuple[str, list[str], dict[str, str]]:
@@ -262,6 +269,7 @@ def steps(
         videos = [w for w in plan.workloads if isinstance(w, VideoWorkload)]
         if videos:
             video_scenario.warm_up(client, server, model, videos)
+    entry.rss_mib = group_rss_bytes(server.process.pid) / 2**20
     for round_ in range(plan.rounds):
         for i, w in enumerate(plan.workloads):
             seed = workload_seed(args, round_, i)

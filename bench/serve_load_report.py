@@ -283,7 +283,10 @@ def report(
         "over its requests; TPOT = (E2E - TTFT) / (output tokens - 1).", "",
         summary_table(names, runs), "",
         "## Servers", "",
-        markdown_table(["server", "started as"], [[s.name, s.how] for s in servers]), "",
+        markdown_table(
+            ["server", "started as", "RSS MiB, warmed up"],
+            [[s.name, s.how, "–" if s.rss_mib is None else s.rss_mib] for s in servers],
+        ), "",
         "## Every run", "", runs_table(runs, plan),
     ]  # fmt: skip
     for workload in TURN:

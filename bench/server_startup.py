@@ -37,9 +37,8 @@ from bench.server_process import IrisServer
 BASE_FLAGS = ("--kv-cache-memory", "64MiB", "--mm-shm-arena-bytes", "128MiB")
 GRACE_SECONDS = 1  # --shutdown-timeout of the variant stopped with a stream in flight
 IN_FLIGHT = f"a stream in flight at the stop (--shutdown-timeout {GRACE_SECONDS})"
-DEFAULT = "2 tokenizer workers (default)"
 VARIANTS: dict[str, tuple[str, ...]] = {
-    DEFAULT: (),
+    "2 tokenizer workers (default)": (),
     "1 tokenizer worker": ("--tokenizer-workers", "1"),
     IN_FLIGHT: ("--shutdown-timeout", str(GRACE_SECONDS)),
 }
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         "--before-tree",
         type=Path,
         default=None,
-        help="also every variant from this checkout (with --quick, the default only)",
+        help="also every variant from this checkout",
     )
     args = parser.parse_args(argv)
     reps = 1 if args.quick else args.reps
@@ -113,11 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     trees: dict[str, Path | None] = {"": None}
     if args.before_tree is not None:
         trees[f" @ {checkout_commit(args.before_tree)}"] = args.before_tree
-    runs = {  # --quick: the other tree's default only (a smoke test's time)
+    runs = {
         name + suffix: (flags, tree)
         for suffix, tree in trees.items()
         for name, flags in VARIANTS.items()
-        if not (args.quick and tree is not None and name != DEFAULT)
     }
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
     for _ in range(reps):

@@ -11,7 +11,8 @@ the server reads `EngineConfig` without importing torch or the model code:
 - `StepBroadcaster`, `join_group`: a tensor-parallel first rank's side, which
   `bench.tensor_parallel` composes in process as `run_scheduler` does;
 - `hybrid_footprint`: a hybrid checkpoint's state per request beside its KV per token
-  (the served-load reports).
+  (the served-load reports); `matmul_weights`, `decode_weight_bytes`: what a model's
+  matmuls multiply by and a decode step reads (`bench.roofline`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .entry import SchedulerProcessConfig, run_follower, run_scheduler
     from .hybrid.state_pool import hybrid_footprint
+    from .models.footprint import decode_weight_bytes, matmul_weights
     from .ranks import StepBroadcaster, join_group
     from .step.engine import Engine
 
@@ -32,8 +34,10 @@ __all__ = [
     "EngineConfig",
     "SchedulerProcessConfig",
     "StepBroadcaster",
+    "decode_weight_bytes",
     "hybrid_footprint",
     "join_group",
+    "matmul_weights",
     "run_follower",
     "run_scheduler",
 ]
@@ -43,6 +47,8 @@ _HOMES = {
     "StepBroadcaster": "ranks",
     "join_group": "ranks",
     "hybrid_footprint": "hybrid.state_pool",
+    "matmul_weights": "models.footprint",
+    "decode_weight_bytes": "models.footprint",
     "SchedulerProcessConfig": "entry",
     "run_scheduler": "entry",
     "run_follower": "entry",
