@@ -93,11 +93,16 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
 
-    @app.get("/health")
+    # documented as they answer: an empty 200, and Prometheus' text format (not JSON)
+    @app.get("/health", response_class=Response, responses={200: {"description": "Up."}})
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    metrics_text: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Prometheus text format", "content": {"text/plain": {}}}
+    }
+
+    @app.get("/metrics", response_class=Response, responses=metrics_text)
     async def metrics() -> Response:
         return Response(board.render(), media_type=CONTENT_TYPE)
 
