@@ -64,9 +64,11 @@ def methods_used(model: Qwen2VLForCausalLM, method: LinearMethod) -> str:
     if fmt is None:
         return f"{method.name} method"
     names = (fmt, Int4PackedCpuLinear.name, Int4TritonLinear.name)
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.quantization]
+    experts_layers = {id(layer) for m in experts for layer in linear_layers(m)}
     quantized = [layer for layer in linear_layers(model) if layer.method.name in names]
     kernels = sorted({layer.method.name for layer in quantized} - {fmt})
     through = f", through {', '.join(kernels)}" if kernels else ""
-    experts = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.quantization]
+    quantized = [layer for layer in quantized if id(layer) not in experts_layers]
     routed = f", the routed experts of {len(experts)} layers" if experts else ""
     return f"{method.name} method; {fmt} for {len(quantized)} layers{through}{routed}"

@@ -182,6 +182,7 @@ def test_a_failed_capture_decodes_eagerly_alone_and_stops_tensor_parallel_ranks(
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
     config = EngineConfig(model="m")
     capture = graph_capture.capture_decode_graphs
-    assert capture(None, None, CPU, config, 64, SINGLE) is None  # type: ignore[arg-type]
+    model = torch.nn.Module()  # nothing in it known to stop a capture
+    assert capture(model, None, CPU, config, 64, SINGLE) is None  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match=r"rank 1 .*--enforce-eager"):
-        capture(None, None, CPU, config, 64, TPShard(1, 2))  # type: ignore[arg-type]
+        capture(model, None, CPU, config, 64, TPShard(1, 2))  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from transformers import (
 
 from iris_serve.scheduler.models.registry import load_config, load_model
 from iris_serve.tiny_checkpoint import main_tiny_model, reference_processor
+from iris_serve.tiny_checkpoint.configs import SHAPES
 from iris_serve.tiny_checkpoint.tokenizer import SPECIAL_TOKENS
 
 torch.set_num_threads(2)
@@ -70,7 +71,9 @@ def test_config_is_hybrid_and_names_the_tokenizers_ids(arch_dir: tuple[str, Path
     assert "deepstack_visual_indexes" not in raw["vision_config"]
     if arch == "qwen3_5_moe":
         assert (text.num_experts, text.num_experts_per_tok) == (8, 2)
-        assert (text.moe_intermediate_size, text.shared_expert_intermediate_size) == (24, 48)
+        tiny = SHAPES["tiny"]
+        widths = (text.moe_intermediate_size, text.shared_expert_intermediate_size)
+        assert widths == (tiny.expert_intermediate, tiny.shared_expert_intermediate)
     tok = AutoTokenizer.from_pretrained(path)
     assert len(tok) == text.vocab_size
     ids = [tok.encode(t, add_special_tokens=False) for t in SPECIAL_TOKENS]

@@ -4,7 +4,7 @@ tensors): each decoder projection as e4m3 `X.weight` `[N, K]` with `X.weight_sca
 `quantization_config` {quant_method "fp8", fmt "e4m3", activation_scheme "dynamic",
 weight_block_size [128, 128], modules_to_not_convert}; MoE experts per expert, each
 projection with its own grid, as Qwen's FP8 MoE releases (`experts`). The twin:
-`W = f32(Wq) · S` per block, experts fused again where transformers reads them so.
+`W = f32(Wq) · S` per block.
 
 The math is written here, apart from the scheduler's loader, so that a test of one
 against the other compares two readings of the format.
@@ -12,12 +12,10 @@ against the other compares two readings of the format.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..common.architectures import by_model_type
-from . import experts, quantized
+from . import quantized
 
 if TYPE_CHECKING:
     import torch
@@ -41,24 +39,12 @@ def write_fp8(src: str | Path, out: str | Path, scale_dtype: str = "bfloat16") -
         "activation_scheme": "dynamic",
         "weight_block_size": [BLOCK, BLOCK],
     }
-    text = _text_config(Path(src))
-    hidden, intermediate = text["hidden_size"], text.get("moe_intermediate_size")
-
-    def split_experts(name: str, tensor: torch.Tensor) -> quantized.Tensors:
-        assert intermediate is not None  # passed only to a MoE checkpoint's writer
-        return experts.split(name, tensor, hidden, intermediate)
-
-    return quantized.write_quantized(
-        src, out, stored, config, "fp8", split_experts=split_experts if intermediate else None
-    )
+    return quantized.write_quantized(src, out, stored, config, "fp8")
 
 
 def write_fp8_twin(src: str | Path, out: str | Path) -> Path:
     """The float32 checkpoint holding exactly the weights of the block-FP8 one in `src`."""
     import torch
-
-    row = by_model_type(json.loads((Path(src) / "config.json").read_text())["model_type"])
-    fused_experts = row is not None and row.experts == "routed"  # as the hub's files hold them
 
     def restore(tensors: quantized.Tensors) -> quantized.Tensors:
         out: quantized.Tensors = {}
@@ -67,7 +53,7 @@ def write_fp8_twin(src: str | Path, out: str | Path) -> Path:
                 continue
             fp8 = tensor.dtype == torch.float8_e4m3fn
             out[name] = dequantize(tensor, tensors[name + SCALE_SUFFIX]) if fp8 else tensor
-        return experts.fuse(out) if fused_experts else out
+        return out
 
     return quantized.write_dequantized(src, out, restore)
 
@@ -92,11 +78,6 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 `W[n, k] = f32(Wq[n, k]) · S[n // 128, k // 128]`."""
     rows, cols = weight.shape
     return weight.float() * _expanded(scale, rows, cols)
-
-
-def _text_config(folder: Path) -> dict:
-    config = json.loads((folder / "config.json").read_text())
-    return config.get("text_config", config)
 
 
 def _expanded(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -2,13 +2,14 @@
 per-format writers (`fp8`, `awq`) share.
 
 Which tensors a release stores quantized is the same for every format here: each decoder
-layer's 2-D projection weight (and, for FP8, each MoE expert's, as Qwen's FP8 MoE releases
-store them: `experts`); the vision tower, embeddings, norms, `lm_head`, MoE routers (and
-experts in the other formats) and Gated DeltaNet's `in_proj_a`/`in_proj_b` stay in full
-precision, as Qwen's releases keep them. A twin (`write_dequantized`) holds
+layer's 2-D projection weight and each MoE expert's, per expert (as Qwen's FP8 MoE
+releases and the community's 4-bit ones store them: `experts`); the vision tower,
+embeddings, norms, `lm_head`, MoE routers and Gated DeltaNet's `in_proj_a`/`in_proj_b`
+stay in full precision, as Qwen's releases keep them. A twin (`write_dequantized`) holds
 float32 weights equal to what the quantized checkpoint stores, without
-`quantization_config`: transformers on the twin is the reference a parity test compares
-Iris on the quantized checkpoint with.
+`quantization_config`, its experts fused again where transformers reads them fused:
+transformers on the twin is the reference a parity test compares Iris on the quantized
+checkpoint with.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..common.architectures import by_model_type
 from . import experts
 
 if TYPE_CHECKING:
@@ -48,18 +50,18 @@ def write_quantized(
     config: dict[str, object],
     stamp: str,
     skip_list: str = "modules_to_not_convert",
-    split_experts: Change | None = None,
 ) -> Path:
-    """`src` with every weight `is_quantized` picks replaced by `quantize(name, weight)`'s
-    tensors, `config` as its `quantization_config` (with the `modules_to_not_convert` of
-    the linear layers kept dense, under the format's `skip_list` key), and `stamp` in the
-    generator's stamp. With `split_experts` (a format whose releases quantize MoE experts),
-    each expert's projection too, per expert as `split_experts(name, tensor)` gives them."""
+    """`src` with every weight `is_quantized` picks and every MoE expert's projection (per
+    expert, `experts.split`) replaced by `quantize(name, weight)`'s tensors, `config` as its
+    `quantization_config` (with the `modules_to_not_convert` of the linear layers kept
+    dense, under the format's `skip_list` key), and `stamp` in the generator's stamp."""
     dense: list[str] = []
+    text = _text_config(Path(src))
+    hidden, intermediate = text["hidden_size"], text.get("moe_intermediate_size")
 
     def change(name: str, tensor: torch.Tensor) -> Tensors:
-        if split_experts is not None and experts.is_expert_weight(name):
-            pieces = split_experts(name, tensor).items()
+        if intermediate is not None and experts.is_expert_weight(name):
+            pieces = experts.split(name, tensor, hidden, intermediate).items()
             return {k: v for piece, weight in pieces for k, v in quantize(piece, weight).items()}
         if is_quantized(name, tuple(tensor.shape)):
             return quantize(name, tensor)
@@ -79,8 +81,9 @@ def write_quantized(
 def write_dequantized(
     src: str | Path, out: str | Path, restore: Callable[[Tensors], Tensors]
 ) -> Path:
-    """The float32 twin of the quantized checkpoint in `src`: `restore(tensors)` maps each
-    file's tensors to full-precision ones."""
+    """The float32 twin of the quantized checkpoint in `src`: `restore(tensors)` maps the
+    tensors to full-precision ones; per-expert weights are fused where the architecture's
+    hub files hold them fused (its row's `experts`), as transformers reads them."""
     from safetensors.torch import load_file
 
     src, out = Path(src), _copy_files(src, out)
@@ -91,6 +94,9 @@ def write_dequantized(
         everything |= tensors
         files |= dict.fromkeys(tensors, path.name)
     restored = restore(everything)
+    row = by_model_type(json.loads((src / "config.json").read_text())["model_type"])
+    if row is not None and row.experts == "routed":
+        restored = experts.fuse(restored)
     _save(out, restored, {name: files[_source(name, files)] for name in restored})
     edit_config(out, lambda c: {k: v for k, v in c.items() if k != "quantization_config"})
     add_to_stamp(out, "dequantized")
@@ -137,6 +143,11 @@ def add_to_stamp(folder: Path, quant: str) -> None:
         stamp = json.loads(path.read_text())
         stamp["quant"] = f"{stamp['quant']}, {quant}" if "quant" in stamp else quant
         path.write_text(json.dumps(stamp, indent=2) + "\n")
+
+
+def _text_config(folder: Path) -> dict:
+    config = json.loads((folder / "config.json").read_text())
+    return config.get("text_config", config)
 
 
 def _source(name: str, files: dict[str, str]) -> str:

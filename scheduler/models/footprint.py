@@ -17,13 +17,10 @@ if TYPE_CHECKING:
 
 def matmul_weights(module: torch.nn.Module) -> int:
     """The weights `module`'s matmuls multiply each token by: every linear layer's and every
-    routed expert's (all of them, whichever a token is routed to)."""
+    routed expert's (all of them, whichever a token is routed to; a 4-bit checkpoint's
+    experts are linear layers of their own)."""
     linear = sum(layer.in_features * layer.out_features for layer in linear_layers(module))
-    experts = sum(
-        m.gate_up_proj.numel() + m.down_proj.numel()
-        for m in module.modules()
-        if isinstance(m, RoutedExperts)
-    )
+    experts = sum(m.stacked_weights() for m in module.modules() if isinstance(m, RoutedExperts))
     return linear + experts
 
 

@@ -10,7 +10,12 @@ costs nothing, unlike transformers 4.57's eval path (all E experts for every tok
 
 Weights are kept in transformers 5's in-memory layout (also vLLM's `w13`/`w2`):
 `experts.gate_up_proj` `[E, 2I, H]` (gate rows, then up rows) and `experts.down_proj`
-`[E, H, I]`; `expert_weights_in_our_layout` turns every checkpoint layout into it.
+`[E, H, I]`; `expert_weights_in_our_layout` turns every checkpoint layout into it. A
+block-FP8 checkpoint's experts are held so too, in e4m3 (`fp8_experts`); a 4-bit one's
+(AWQ, GPTQ, W4A16: stored per expert, packed as any linear layer of the format) as one
+`GatedMLP` per expert, named by its index (`experts.3.gate_up_proj`), whose linear layers
+load and compute through the format's method as the dense layers do, its kernels included
+(`RoutedExperts.use_linear_method`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import nn
 from . import fp8_experts
 from .config import MoEConfig, VLModelConfig
 from .layers import GatedMLP
+from .linear_method import LinearLayer, LinearMethod, use_method
 from .loader import Weight, load_parameter, materialized
 from .tensor_parallel import SINGLE, ReplicatedLinear, TPShard, TPSplit
 
@@ -50,8 +56,12 @@ class RoutedExperts(nn.Module):
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         start, width = tp.split(intermediate_size, "moe_intermediate_size")
+        self.hidden_size = hidden_size
+        self.tp = tp
         self.share = (start, width)  # this rank's columns of the expert width
         self.fp8: fp8_experts.Fp8ExpertScales | None = None  # held in block FP8: its grids
+        self.per_expert: tuple[GatedMLP, ...] = ()  # held by a 4-bit format's linear layers
+        self._held_as: str | None = None
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, width))
         self.tp_splits = {
@@ -62,11 +72,37 @@ class RoutedExperts(nn.Module):
     @property
     def quantization(self) -> str | None:
         """The format the experts are held in (None: the model's dtype)."""
-        return None if self.fp8 is None else "block-fp8"
+        return self._held_as
 
     def use_block_fp8(self) -> None:
         """Holds the experts in block FP8 (`fp8_experts`), before loading."""
         fp8_experts.use_block_fp8(self, *self.share, self.intermediate_size)
+        self._held_as = "block-fp8"
+
+    def use_linear_method(self, method: LinearMethod) -> None:
+        """Holds each expert as a `GatedMLP` (child `str(e)`) whose layers are built with
+        `method`, before loading (on the meta device): a 4-bit checkpoint's per-expert
+        tensors (`experts.3.gate_proj.qweight`) then load as a dense MLP's do, this rank's
+        share of the expert width sliced by the layers themselves."""
+        mlps = []
+        for expert in range(self.num_experts):
+            mlp = GatedMLP(
+                self.hidden_size, self.intermediate_size, bias=False, act="silu", tp=self.tp
+            )
+            for layer in (mlp.gate_up_proj, mlp.down_proj):
+                use_method(layer, method)
+            self.add_module(str(expert), mlp)
+            mlps.append(mlp)
+        del self.gate_up_proj, self.down_proj
+        self.tp_splits = {}
+        self.per_expert = tuple(mlps)
+        self._held_as = method.name
+
+    def stacked_weights(self) -> int:
+        """The weights held in the two 3-D tensors (0 where each expert has its layers)."""
+        if self.per_expert:
+            return 0
+        return self.gate_up_proj.numel() + self.down_proj.numel()
 
     def load_weight(self, leaf: str, tensor: Weight, shard: int | None) -> int:
         """The loader's way in: a block-FP8 scale grid through `fp8_experts`, the rest as
@@ -84,10 +120,26 @@ class RoutedExperts(nn.Module):
         token = order // top_k  # the token of each (token, slot) pair, sorted by expert
         rows_per_expert = _count_rows(experts.flatten(), self.num_experts)
         sorted_x = x[token]
-        gate, up = self._grouped(sorted_x, "gate_up_proj", rows_per_expert).chunk(2, dim=-1)
-        sorted_y = self._grouped(F.silu(gate) * up, "down_proj", rows_per_expert)
+        if self.per_expert:
+            sorted_y = self._per_expert_layers(sorted_x, rows_per_expert)
+        else:
+            gate, up = self._grouped(sorted_x, "gate_up_proj", rows_per_expert).chunk(2, dim=-1)
+            sorted_y = self._grouped(F.silu(gate) * up, "down_proj", rows_per_expert)
         sorted_y = sorted_y * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, sorted_y)
+
+    def _per_expert_layers(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each expert with rows through its own layers' method (one `.tolist()` of the
+        counts, so no CUDA graph records it: capture fails and one device decodes
+        eagerly). The down projection's partial sums are left to the block to reduce."""
+        out = x.new_empty(x.shape)
+        start = 0
+        for mlp, count in zip(self.per_expert, rows.tolist(), strict=True):
+            if count:
+                gate, up = _unreduced(mlp.gate_up_proj, x[start : start + count]).chunk(2, dim=-1)
+                out[start : start + count] = _unreduced(mlp.down_proj, F.silu(gate) * up)
+                start += count
+        return out
 
     def _grouped(self, x: torch.Tensor, name: str, rows: torch.Tensor) -> torch.Tensor:
         """`_grouped_linear` over projection `name`. In block FP8 on a CPU only the experts
@@ -128,6 +180,11 @@ class SparseMoEBlock(nn.Module):
         if self.shared_expert is None or self.shared_expert_gate is None:
             return out
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+def _unreduced(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
+    """`layer`'s product through its method, without a row-parallel layer's all-reduce."""
+    return layer.method.apply(layer, x, None)
 
 
 def _count_rows(experts: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .awq import AwqLinear
-from .block_fp8 import FP8, SCALE_SUFFIX, BlockFp8Linear
+from .block_fp8 import SCALE_SUFFIX, BlockFp8Linear
 from .compressed_tensors import PackedW4A16Linear
 from .cpu_linear import OneDNNPackedLinear, can_pack
 from .gptq import GptqLinear
@@ -168,15 +168,15 @@ def quantize_layers(
             continue
         owner = modules.get(weight.rpartition(".")[0])
         experts = _routed_experts(modules, weight)
-        if experts is not None and isinstance(method, BlockFp8Linear):
-            if experts.gate_up_proj.dtype != FP8:
-                experts.use_block_fp8()
+        if experts is not None:
+            if experts.quantization is None:
+                _hold_experts_quantized(experts, method)
                 quantized += 1
             continue
         if not isinstance(owner, LinearLayer):
             raise ValueError(
-                f"{name}: {fmt.name} weights of this kind of layer (not a linear layer of "
-                "Iris's, e.g. MoE experts outside block FP8) are not supported yet"
+                f"{name}: {fmt.name} weights of this kind of layer (not a linear layer or "
+                "routed experts of Iris's) are not supported yet"
             )
         if owner.method is not method:
             use_method(owner, method)
@@ -186,9 +186,19 @@ def quantize_layers(
     return fmt
 
 
+def _hold_experts_quantized(experts: RoutedExperts, method: LinearMethod) -> None:
+    """Block FP8 holds the experts stacked in e4m3 (`fp8_experts`); a 4-bit format as one
+    MLP per expert of its own linear layers (`RoutedExperts.use_linear_method`)."""
+    if isinstance(method, BlockFp8Linear):
+        experts.use_block_fp8()
+    else:
+        experts.use_linear_method(method)
+
+
 def _routed_experts(modules: dict[str, nn.Module], weight: str) -> RoutedExperts | None:
     """The routed experts whose expert's projection `weight` names (`...experts.3.up_proj.
-    weight`, Qwen's FP8 MoE layout, as the model renames it), if it names one."""
+    weight`, how quantized MoE releases store experts, as the model renames it), if it
+    names one."""
     match = _PER_EXPERT_WEIGHT.match(weight)
     experts = modules.get(match["experts"]) if match else None
     return experts if isinstance(experts, RoutedExperts) else None

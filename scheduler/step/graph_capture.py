@@ -1,5 +1,6 @@
 """Capturing a rank's decode graphs at start-up (`decode_graphs.DecodeGraphs`), and what
-happens when capture fails: one device decodes eagerly, a tensor-parallel rank stops."""
+happens when capture fails: one device decodes eagerly, a tensor-parallel rank stops. A
+model that reads values back to the host in its decode step is not captured at all."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from ..attention import AttentionBackend
 from ..config import EngineConfig
 from ..hybrid.linear_state import LinearStates
+from ..models.moe import RoutedExperts
 from ..models.tensor_parallel import TPShard
 from .decode_graphs import CudaGraphCapture, DecodeGraphs
 
@@ -33,6 +35,10 @@ def capture_decode_graphs(
     and says why (a capture error leaves the device usable). Under tensor parallelism it
     stops instead, naming `--enforce-eager`: the other ranks go on capturing, inside
     collectives this rank would never join, and the launcher stops them all."""
+    uncapturable = why_decode_is_not_capturable(model)
+    if uncapturable is not None:
+        logger.warning("decode steps run eagerly, without CUDA graphs: %s", uncapturable)
+        return None
     max_pages = -(-max_model_len // config.page_size)
     reserved = torch.cuda.memory_reserved(device)
     try:
@@ -64,3 +70,16 @@ def capture_decode_graphs(
             (torch.cuda.memory_reserved(device) - reserved) / 2**30,
         )
     return graphs
+
+
+def why_decode_is_not_capturable(model: Qwen2VLForCausalLM) -> str | None:
+    """Why no CUDA graph can record `model`'s decode step (None: nothing known stops it);
+    every rank holds the same layers, so all ranks agree."""
+    per_expert = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.per_expert]
+    if per_expert:
+        return (
+            f"the routed experts of {len(per_expert)} layers are held in "
+            f"{per_expert[0].quantization}, one expert at a time, reading the token counts "
+            "back to the host"
+        )
+    return None
