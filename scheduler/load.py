@@ -44,6 +44,9 @@ def load_rank_model(
     with building_with(method):
         model = load_model(config.model, dtype=dtype, device=device, tp=tp)
     process_linears_after_loading(model)
+    for experts in model.modules():
+        if isinstance(experts, RoutedExperts):
+            experts.stack_for_grouped_kernel()
     say("model loaded in %.1f s", time.monotonic() - started)
     resident, dense = linear_weight_bytes(model)
     say(

@@ -120,3 +120,107 @@ def test_each_4_bit_format_runs_through_the_triton_gemm_on_cuda(fmt, dtype, monk
             got = layer.method.apply(layer, x.to(dtype), None)
             assert got.dtype == dtype
             assert_matches(got, F.linear(x, weight), dtype)
+
+
+ROWS_PER_EXPERT = (5, 0, 28)  # a decode-sized group, an idle expert, one above a tile
+
+
+def expert_rows(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """The reference: rows sorted by expert, each group times its expert's weight."""
+    groups = x.split(list(ROWS_PER_EXPERT))
+    return torch.cat([F.linear(rows, w) for rows, w in zip(groups, weights, strict=True)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rank", [None, 1])
+def test_the_grouped_block_fp8_gemm_multiplies_each_experts_rows_by_its_weights(dtype, rank):
+    """Three experts' e4m3 weights, 200 outputs by 300 inputs each, with their grids
+    expanded along the rows: the whole width, and rank 1 of 2 of the down projection (its
+    columns 150..299, 22 into their first block); each expert's rows (one expert idle)
+    get its own dequantized weights' product, in one launch."""
+    generator = _seeded(7)
+    held, codes, grids = [], [], []
+    for _ in ROWS_PER_EXPERT:
+        q, s = quantize(torch.randn(200, 300, generator=generator), torch.bfloat16)
+        weight, grid = dequantize(q, s), s.float().repeat_interleave(128, 0)[:200]
+        if rank is not None:
+            q, weight, grid = q[:, 150:], weight[:, 150:], grid[:, 150 // 128 :]
+        held.append(weight)
+        codes.append(q)
+        grids.append(grid)
+    x = torch.randn(sum(ROWS_PER_EXPERT), held[0].shape[1], generator=generator)
+    counts = torch.tensor(ROWS_PER_EXPERT)
+    shift = 0 if rank is None else 150 % triton_quant.FP8_BLOCK
+    got = triton_quant.grouped_block_fp8_linear(
+        x.to(dtype), counts, torch.stack(codes).contiguous(), torch.stack(grids), shift
+    )
+    assert got.dtype == dtype and got.shape == (x.shape[0], 200)
+    assert_matches(got, expert_rows(x, held), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_grouped_4_bit_gemm_multiplies_each_experts_rows_by_its_weights(dtype):
+    """Three experts' 4-bit weights in the kernels' layout, 72 outputs (a partial tile)
+    by 96 inputs in groups of 32: each expert's rows get `(q - z) · s` of its own."""
+    generator = _seeded(8)
+    held, words, scales, zeros = [], [], [], []
+    for _ in ROWS_PER_EXPERT:
+        values = torch.randint(0, 16, (72, 96), generator=generator)
+        scale = torch.rand(96 // GROUP, 72, generator=generator) / 8 + 0.01
+        zero = torch.randint(0, 16, (96 // GROUP, 72), generator=generator).float()
+        per_input = (scale.repeat_interleave(GROUP, 0), zero.repeat_interleave(GROUP, 0))
+        held.append(((values.t() - per_input[1]) * per_input[0]).t())
+        words.append(triton_quant.pack_int4(values))
+        scales.append(scale.to(dtype))
+        zeros.append(zero.to(dtype))
+    x = torch.randn(sum(ROWS_PER_EXPERT), 96, generator=generator)
+    got = triton_quant.grouped_int4_linear(
+        x.to(dtype), torch.tensor(ROWS_PER_EXPERT), torch.stack(words), torch.stack(scales),
+        torch.stack(zeros), GROUP,
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == (x.shape[0], 72)
+    assert_matches(got, expert_rows(x, held), dtype)
+
+
+@pytest.mark.parametrize("rank", [None, 1])
+def test_fp8_experts_as_loaded_run_through_the_grouped_gemm(rank):
+    """Block-FP8 routed experts as the loader holds them (rank 1 of 2: its share of the
+    width starts inside a block): on CUDA each projection of the sorted rows is one
+    grouped launch (run here on the CPU), equal to each expert's dequantized product."""
+    from iris_serve.scheduler.models import fp8_experts
+    from iris_serve.scheduler.models.tensor_parallel import SINGLE
+    from tests.test_quantized_experts import EXPERTS, loaded_experts, per_expert_checkpoint
+
+    tp = SINGLE if rank is None else TPShard(rank=rank, size=2)
+    experts = loaded_experts(tp, per_expert_checkpoint(seed=2)[0])
+    counts = [3, 0, 17]  # one per expert, one idle
+    for name in ("gate_up_proj", "down_proj"):
+        held = [
+            fp8_experts.dequantized(experts, name, e, torch.float32).clone() for e in range(EXPERTS)
+        ]
+        x = torch.randn(sum(counts), held[0].shape[1], generator=_seeded(3))
+        expected = [F.linear(rows, w) for rows, w in zip(x.split(counts), held, strict=True)]
+        got = fp8_experts.grouped_product(experts, name, x, torch.tensor(counts))
+        assert_matches(got, torch.cat(expected), torch.float32)
+
+
+@pytest.mark.parametrize(("fmt", "rank"), [("awq", 1), ("gptq", None)])
+def test_4_bit_experts_on_cuda_are_stacked_for_the_grouped_gemm(fmt, rank, monkeypatch):
+    """4-bit experts loaded on CUDA (forced here: the interpreter runs on the CPU) are
+    stacked once loaded, every expert's rows of a projection one launch (the decode step
+    stays capturable), and routed tokens get what the dense experts give them; rank 1 of
+    2 holds its share of the width."""
+    from iris_serve.scheduler.models.tensor_parallel import SINGLE
+    from iris_serve.scheduler.step.graph_capture import why_decode_is_not_capturable
+    from tests.test_quantized_experts import ROUTED, OneLayer, four_bit_experts
+
+    monkeypatch.setattr(int4_kernel, "runs_triton", lambda device: True)
+    tp = SINGLE if rank is None else TPShard(rank=rank, size=2)
+    experts, dense = four_bit_experts(fmt, tp, torch.float32, width=128, hidden=64)
+    experts.stack_for_grouped_kernel()
+    assert experts.int4_group == GROUP and not experts.per_expert
+    assert not list(experts.children())
+    assert why_decode_is_not_capturable(OneLayer(experts)) is None  # type: ignore[arg-type]
+    assert experts.quantization == fmt
+    x, weights = torch.randn(7, 64, generator=_seeded(4)), torch.rand(7, 2)
+    assert_matches(experts(x, ROUTED, weights), dense(x, ROUTED, weights), torch.float32)

@@ -10,7 +10,9 @@ up's: a part's last block may be partial) and `down_proj` `[E, H, I]` with
 `down_proj_scale_inv` `[E, ceil(H/128), ceil(I/128)]`. Held here, as `block_fp8` holds a
 linear layer: this rank's rows and columns of the weights (its share of I) and the grids
 expanded along the rows to `[E, rows, blocks]` over the column blocks its columns fall in,
-so a tensor-parallel slice needs no 128-aligned boundary.
+so a tensor-parallel slice needs no 128-aligned boundary. On CUDA every expert's rows
+go through our grouped Triton GEMM in one launch (`grouped_product`), the weights
+dequantized tile by tile in registers; elsewhere through a dequantized copy (`dequantized`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Fp8ExpertScales:
             "down_proj": (first, count),
         }
         self.columns: dict[str, torch.Tensor | None] = {"gate_up_proj": None, "down_proj": None}
+        self.k_shift = {"gate_up_proj": 0, "down_proj": start % BLOCK}  # into the first block
         if start % BLOCK:
             self.columns["down_proj"] = (start + torch.arange(width, device="cpu")) // BLOCK - first
         self.buffers = ThreadBuffers()
@@ -104,3 +107,16 @@ def dequantized(
         weight.view(num * rows, cols), grid.view(num * rows, -1), columns, dtype, scales.buffers
     )
     return flat.view(num, rows, cols)
+
+
+def grouped_product(
+    experts: RoutedExperts, name: str, x: torch.Tensor, rows_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """`x` sorted by expert times each expert's projection `name`, through our grouped
+    Triton GEMM (CUDA): nothing dequantized in memory, no count read back."""
+    from .triton_quant import grouped_block_fp8_linear
+
+    scales = experts.fp8
+    assert scales is not None  # held in block FP8
+    weight, grid = getattr(experts, name), getattr(experts, name + SCALE)
+    return grouped_block_fp8_linear(x, rows_per_expert, weight, grid, scales.k_shift[name])

@@ -15,7 +15,8 @@ block-FP8 checkpoint's experts are held so too, in e4m3 (`fp8_experts`); a 4-bit
 (AWQ, GPTQ, W4A16: stored per expert, packed as any linear layer of the format) as one
 `GatedMLP` per expert, named by its index (`experts.3.gate_up_proj`), whose linear layers
 load and compute through the format's method as the dense layers do, its kernels included
-(`RoutedExperts.use_linear_method`).
+(`RoutedExperts.use_linear_method`); on CUDA those are stacked once loaded for our grouped
+Triton GEMM (`int4_experts`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8_experts
+from . import fp8_experts, int4_experts
 from .config import MoEConfig, VLModelConfig
 from .layers import GatedMLP
 from .linear_method import LinearLayer, LinearMethod, use_method
@@ -62,6 +63,7 @@ class RoutedExperts(nn.Module):
         self.fp8: fp8_experts.Fp8ExpertScales | None = None  # held in block FP8: its grids
         self.per_expert: tuple[GatedMLP, ...] = ()  # held by a 4-bit format's linear layers
         self._held_as: str | None = None
+        self.int4_group: int | None = None  # stacked for the grouped 4-bit GEMM: its group
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, width))
         self.tp_splits = {
@@ -99,10 +101,19 @@ class RoutedExperts(nn.Module):
         self._held_as = method.name
 
     def stacked_weights(self) -> int:
-        """The weights held in the two 3-D tensors (0 where each expert has its layers)."""
+        """The weights the experts multiply by, where they are not linear layers of their
+        own (0 where each expert has its layers)."""
         if self.per_expert:
             return 0
+        if self.int4_group is not None:
+            return self.num_experts * 3 * self.hidden_size * self.share[1]
         return self.gate_up_proj.numel() + self.down_proj.numel()
+
+    def stack_for_grouped_kernel(self) -> None:
+        """Once loaded: 4-bit experts held for our Triton GEMM (CUDA) are stacked, so each
+        projection of every expert is one launch (`int4_experts`)."""
+        if self.per_expert:
+            int4_experts.stack(self)
 
     def load_weight(self, leaf: str, tensor: Weight, shard: int | None) -> int:
         """The loader's way in: a block-FP8 scale grid through `fp8_experts`, the rest as
@@ -122,6 +133,10 @@ class RoutedExperts(nn.Module):
         sorted_x = x[token]
         if self.per_expert:
             sorted_y = self._per_expert_layers(sorted_x, rows_per_expert)
+        elif self.int4_group is not None:
+            product = int4_experts.grouped_product
+            gate, up = product(self, "gate_up_proj", sorted_x, rows_per_expert).chunk(2, dim=-1)
+            sorted_y = product(self, "down_proj", F.silu(gate) * up, rows_per_expert)
         else:
             gate, up = self._grouped(sorted_x, "gate_up_proj", rows_per_expert).chunk(2, dim=-1)
             sorted_y = self._grouped(F.silu(gate) * up, "down_proj", rows_per_expert)
@@ -142,12 +157,15 @@ class RoutedExperts(nn.Module):
         return out
 
     def _grouped(self, x: torch.Tensor, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """`_grouped_linear` over projection `name`. In block FP8 on a CPU only the experts
+        """`_grouped_linear` over projection `name`. In block FP8 on CUDA through our
+        grouped Triton GEMM, no count read back (CUDA graphs); on a CPU only the experts
         with rows are dequantized, one at a time (the loop reads the counts anyway);
-        elsewhere every expert at once, so no count is read back (CUDA graphs)."""
+        elsewhere every expert at once."""
         weight = getattr(self, name)
         if weight.dtype != fp8_experts.FP8:
             return _grouped_linear(x, weight, rows)
+        if x.is_cuda:
+            return fp8_experts.grouped_product(self, name, x, rows)
         if x.device.type == "cpu":
             return _looped_linear(
                 x, rows, weight.shape[1], lambda e: fp8_experts.dequantized(self, name, e, x.dtype)

@@ -15,6 +15,12 @@ fp32 inputs, as "exact" means there). One program computes a `BLOCK_M × BLOCK_N
 - **4-bit**: eight values to an int32 along K (word r holds inputs 8r..8r+7, nibble i
   input 8r+i), a scale and a zero point per group of `group` inputs and output column:
   `W[k, n] = (q - z[k // group, n]) · s[k // group, n]`.
+
+The MoE variant (`GROUPED`) multiplies rows sorted by expert, each group of rows by its
+expert's weight (`[E, N, K]` held alike), in one launch: a table built on the device
+(`_row_blocks`, no count read back, so a CUDA graph records it) gives each program's
+`BLOCK_M` rows and their expert; a table sized for the most blocks any routing needs
+leaves its spare programs nothing to do.
 """
 
 # Triton's DSL, which its annotations do not express (see attention/triton_kernels.py).
@@ -43,21 +49,33 @@ def _precision(dtype: torch.dtype) -> str:
 def _dequantizing_gemm_kernel(
     x, w, scales, zeros, y, M, N, K, k_shift,
     stride_xm, stride_w, stride_s, stride_ym,
-    INT4: tl.constexpr, GROUP: tl.constexpr,
+    block_expert, block_start, block_end, stride_we, stride_se,
+    INT4: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One `BLOCK_M × BLOCK_N` tile of `y = x @ W.T`, W dequantized a `BLOCK_K` step at a
-    time: block FP8 (`INT4` false: `w` e4m3 `[N, K]`, `scales` its grid) or 4-bit."""
+    time: block FP8 (`INT4` false: `w` e4m3 `[N, K]`, `scales` its grid) or 4-bit; with
+    `GROUPED`, the rows `block_start..block_end` of program 0's index times its expert's
+    W (`stride_we`, `stride_se` apart: the zeros are laid out as the scales)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GROUPED:
+        expert = tl.load(block_expert + pid_m).to(tl.int64)
+        rows = tl.load(block_start + pid_m) + tl.arange(0, BLOCK_M)
+        rows_end = tl.load(block_end + pid_m)
+        w += expert * stride_we
+        scales += expert * stride_se
+        zeros += expert * stride_se
+    else:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows_end = M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_tile = tl.load(
             x + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-            mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0,
+            mask=(rows[:, None] < rows_end) & (ks[None, :] < K), other=0.0,
         )  # fmt: skip
         inside = (ks[:, None] < K) & (cols[None, :] < N)
         if INT4:
@@ -67,7 +85,7 @@ def _dequantizing_gemm_kernel(
         acc += tl.dot(x_tile, w_tile.to(x_tile.dtype), input_precision=DOT_PRECISION)
     tl.store(
         y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :],
-        acc.to(y.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N),
+        acc.to(y.dtype.element_ty), mask=(rows[:, None] < rows_end) & (cols[None, :] < N),
     )  # fmt: skip
 
 
@@ -105,6 +123,23 @@ def block_fp8_linear(
     return _launch(x, weight.shape[0], weight, grid, grid, k_shift, weight.stride(0), int4=False)
 
 
+def grouped_block_fp8_linear(
+    x: torch.Tensor,
+    rows_per_expert: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    k_shift: int = 0,
+) -> torch.Tensor:
+    """`x` `[M, K]` sorted by expert, `rows_per_expert` `[E]` -> `[M, N]`: expert e's rows
+    times its e4m3 `weight[e]` `[N, K]` with its row-expanded grid `scales[e]`, the
+    slice starting `k_shift` columns into its first block (as `block_fp8_linear`)."""
+    grid = scales.float().contiguous()
+    return _launch(
+        x, weight.shape[1], weight, grid, grid, k_shift, weight.stride(1), int4=False,
+        rows_per_expert=rows_per_expert,
+    )  # fmt: skip
+
+
 def int4_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -118,6 +153,23 @@ def int4_linear(
     return _launch(x, n, qweight, scales, zeros, 0, qweight.stride(0), int4=True, group=group)
 
 
+def grouped_int4_linear(
+    x: torch.Tensor,
+    rows_per_expert: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+) -> torch.Tensor:
+    """`x` `[M, K]` sorted by expert, `rows_per_expert` `[E]` -> `[M, N]`: expert e's rows
+    times its 4-bit `qweight[e]` `[K/8, N]` with `scales[e]`, `zeros[e]` `[K/group, N]`
+    (as `int4_linear`, stacked; the zeros laid out as the scales)."""
+    return _launch(
+        x, qweight.shape[2], qweight, scales, zeros, 0, qweight.stride(1), int4=True,
+        group=group, rows_per_expert=rows_per_expert,
+    )  # fmt: skip
+
+
 def _launch(
     x: torch.Tensor,
     n: int,
@@ -129,20 +181,57 @@ def _launch(
     *,
     int4: bool,
     group: int = 1,
+    rows_per_expert: torch.Tensor | None = None,
 ) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     m, k = rows.shape
     out = rows.new_empty(m, n)
-    if m:
-        block_m, block_n, block_k = _tiles(m)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _dequantizing_gemm_kernel[grid](
-            rows, weight, scales, zeros, out, m, n, k, k_shift,
-            rows.stride(0), stride_w, scales.stride(0), out.stride(0),
-            INT4=int4, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            DOT_PRECISION=_precision(x.dtype),
-        )  # fmt: skip
+    if not m:
+        return out.view(*x.shape[:-1], n)
+    grouped = rows_per_expert is not None
+    per_program = m if rows_per_expert is None else triton.cdiv(m, rows_per_expert.numel())
+    block_m, block_n, block_k = _tiles(per_program)
+    if rows_per_expert is None:
+        blocks = triton.cdiv(m, block_m)
+        table = (rows, rows, rows)  # not read
+        stride_we = stride_se = 0
+    else:
+        table = _row_blocks(rows_per_expert, block_m, m)
+        blocks = table[0].numel()
+        stride_we, stride_se = weight.stride(0), scales.stride(0)
+        scales = scales[0]  # an expert's, for its row stride
+    _dequantizing_gemm_kernel[(blocks, triton.cdiv(n, block_n))](
+        rows, weight, scales, zeros, out, m, n, k, k_shift,
+        rows.stride(0), stride_w, scales.stride(0), out.stride(0),
+        *table, stride_we, stride_se,
+        INT4=int4, GROUP=group, GROUPED=grouped,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_precision(x.dtype),
+    )  # fmt: skip
     return out.view(*x.shape[:-1], n)
+
+
+def _row_blocks(
+    rows_per_expert: torch.Tensor, block_m: int, total_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expert, first row, end of its rows) per block of `block_m` rows, for rows sorted by
+    expert, computed on the device. Sized for the most blocks any routing of `total_rows`
+    rows can need (`cdiv(total, block_m) + E`); the spare blocks are empty (start = end)."""
+    counts = rows_per_expert.to(torch.int64)
+    experts = counts.numel()
+    blocks = (counts + block_m - 1) // block_m
+    block_ends, row_ends = torch.cumsum(blocks, 0), torch.cumsum(counts, 0)
+    index = torch.arange(triton.cdiv(total_rows, block_m) + experts, device=counts.device)
+    expert = torch.searchsorted(block_ends, index, right=True).clamp(max=experts - 1)
+    used = index < block_ends[-1]
+    first = (
+        row_ends[expert]
+        - counts[expert]
+        + (index - (block_ends[expert] - blocks[expert])) * block_m
+    )
+    start = torch.where(used, first, 0).to(torch.int32)
+    end = torch.where(used, row_ends[expert], 0).to(torch.int32)
+    return expert.to(torch.int32), start, end
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
