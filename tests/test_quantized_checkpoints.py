@@ -220,7 +220,8 @@ def test_in_bfloat16_a_4_bit_layer_runs_through_torchs_int4_kernel(fmt):
     middle of the checkpoint's): handed to `int4_cpu` holding half a byte per weight, a
     decode's rows through the fused kernel and a prefill's through the dequantized weight
     both equal the writer's weights' product within bfloat16's rounding. GPTQ in an order
-    of its own stays with its format (the kernel reads groups in input order)."""
+    of its own goes too, its rows sorted by group and each input gathered to match; a
+    row-parallel share of it (scattered rows of every group) stays with its format."""
     method, make = PACKED[fmt]
     bf16 = torch.bfloat16
     for layer, w in (
@@ -236,7 +237,7 @@ def test_in_bfloat16_a_4_bit_layer_runs_through_torchs_int4_kernel(fmt):
             layer.load_weight("bias", bias.to(bf16), None)
             layer.bias = torch.nn.Parameter(layer.bias.to(bf16), False)
         layer.method.process_after_loading(layer)
-        if fmt == "gptq desc_act":
+        if fmt == "gptq desc_act" and isinstance(layer, RowParallelLinear):
             assert layer.method.name == "gptq"
             continue
         assert isinstance(layer.method, int4_cpu.Int4PackedCpuLinear), layer.method

@@ -71,9 +71,11 @@ def awq_layer(layer: LinearLayer, dtype: torch.dtype, seed: int) -> torch.Tensor
     return awq.dequantize(qweight, qzeros, scales, GROUP).t()
 
 
-def gptq_layer(layer: LinearLayer, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def gptq_layer(
+    layer: LinearLayer, dtype: torch.dtype, seed: int, desc_act: bool = False
+) -> torch.Tensor:
     weight = torch.randn(layer.out_features, _inputs(layer), generator=_seeded(seed))
-    g_idx = gptq.row_groups(weight.shape[1], GROUP, False, seed=seed)
+    g_idx = gptq.row_groups(weight.shape[1], GROUP, desc_act, seed=seed)
     qweight, qzeros, scales = gptq.quantize(weight.t(), g_idx, GROUP)
     use_method(layer, GptqLinear(GROUP, 1, dtype))
     for leaf, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales),
@@ -100,16 +102,28 @@ def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("fmt", [awq_layer, gptq_layer, w4a16_layer], ids=["awq", "gptq", "w4a16"])
+def gptq_desc_act_layer(layer: LinearLayer, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return gptq_layer(layer, dtype, seed, desc_act=True)
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [awq_layer, gptq_layer, gptq_desc_act_layer, w4a16_layer],
+    ids=["awq", "gptq", "gptq desc_act", "w4a16"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_each_4_bit_format_runs_through_the_triton_gemm_on_cuda(fmt, dtype, monkeypatch):
     """Once loaded on CUDA (forced here: the interpreter runs on the CPU) a 4-bit layer of
     every format is handed to the Triton GEMM, and a decode's row and a prefill's 40
     equal the writer's weights' product: 72 outputs by 96 inputs (partial tiles), and a
-    row-parallel rank 1 of 2 (its groups from the middle of the checkpoint's)."""
+    row-parallel rank 1 of 2 (its groups from the middle of the checkpoint's). GPTQ in
+    activation order goes whole, its rows sorted by group (a row-parallel share of it
+    holds scattered rows of every group and stays with its format)."""
     monkeypatch.setattr(int4_kernel, "runs_triton", lambda device: True)
-    for layer in (LinearLayer(96, 72, bias=False),
-                  RowParallelLinear(128, 40, bias=False, tp=TPShard(rank=1, size=2))):  # fmt: skip
+    layers = [LinearLayer(96, 72, bias=False)]
+    if fmt is not gptq_desc_act_layer:
+        layers.append(RowParallelLinear(128, 40, bias=False, tp=TPShard(rank=1, size=2)))
+    for layer in layers:
         weight = fmt(layer, dtype, seed=layer.in_features)
         weight = weight[:, -layer.in_features :]
         layer.method.process_after_loading(layer)

@@ -92,11 +92,27 @@ def recreate_bias(layer: LinearLayer, out_features: int, bias: bool) -> None:
 
 class FourBitForm(NamedTuple):
     """A 4-bit layer in the form every 4-bit format reduces to, as kernels take it:
-    `W[n, k] = (values[n, k] - zeros[g, n]) · scales[g, n]`, g = k // group."""
+    `W[n, k] = (values[n, k] - zeros[g, n]) · scales[g, n]`, g = k // group, over the
+    layer's inputs taken in `input_order` where it has one (GPTQ in activation order: the
+    rows sorted by group, so a kernel's groups are runs of inputs again)."""
 
     values: torch.Tensor  # int [N, K], 0..15
     scales: torch.Tensor  # [K/group, N]
     zeros: torch.Tensor  # [K/group, N]
+    input_order: torch.Tensor | None = None  # int64 [K]: kernel input k is layer input order[k]
+
+
+def hold_input_order(layer: LinearLayer, form: FourBitForm) -> None:
+    """Keeps the form's input order on a layer a kernel took (`in_kernel_order` reads it)."""
+    if form.input_order is not None:
+        layer.register_buffer("int4_input_order", form.input_order, False)
+
+
+def in_kernel_order(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
+    """`x`'s inputs in the order the layer's kernel holds its weight's (a gather per call
+    where the layer has an order of its own)."""
+    order = getattr(layer, "int4_input_order", None)
+    return x if order is None else x.index_select(-1, order)
 
 
 def drop_format_tensors(layer: LinearLayer) -> None:

@@ -17,7 +17,9 @@ where they do not is refused).
 Held here: this rank's slice of `qweight` and `g_idx` (whole words of 8 input rows for a
 row-parallel slice), its columns of the zeros and scales (whole words of 8), and every
 group: with `desc_act` any row may belong to any group. Groups in input order (no
-`desc_act`) dequantize by one broadcast per group; otherwise by a gather over `g_idx`.
+`desc_act`) dequantize by one broadcast per group; otherwise by a gather over `g_idx`. A
+kernel takes a whole layer in activation order too, its rows sorted by group and each
+call's inputs gathered into that order (`dequantized.FourBitForm.input_order`).
 """
 
 from __future__ import annotations
@@ -89,8 +91,10 @@ class GptqLinear(DequantizingMethod):
 
     def process_after_loading(self, layer: LinearLayer) -> None:
         """Rows whose groups are not in input order keep them as an index (`row_groups`);
-        in order, a dequantization is one broadcast per group, and the layer is handed to a
-        kernel where one runs it (`int4_kernel`)."""
+        in order, a dequantization is one broadcast per group. The layer is handed to a
+        kernel where one runs it (`int4_kernel`): in input order as it is, in activation
+        order with its rows sorted by group where each group is `group_size` of its rows
+        (a whole layer; a row-parallel share holds scattered rows of each)."""
         parts = registered(layer.g_idx).long()
         if not bool((parts == parts[0]).all()):
             raise ValueError(
@@ -108,6 +112,7 @@ class GptqLinear(DequantizingMethod):
             or _row_offset(layer) % self.group_size
         ):
             layer.register_buffer("row_groups", g_idx, False)
+            self._hand_sorted_to_kernel(layer, g_idx)
             return
         qweight = registered(layer.qweight)
         first = _row_offset(layer) // self.group_size
@@ -116,6 +121,27 @@ class GptqLinear(DequantizingMethod):
         def common_form() -> FourBitForm:
             zeros = (_unpacked_columns(registered(layer.qzeros)) + self.zero_offset)[groups]
             return FourBitForm(_unpacked_rows(qweight).t(), registered(layer.scales)[groups], zeros)
+
+        hand_to_kernel(layer, qweight.device, self.dtype, self.group_size, common_form)
+
+    def _hand_sorted_to_kernel(self, layer: LinearLayer, g_idx: torch.Tensor) -> None:
+        """Hands a layer in activation order to a kernel with its rows sorted by group,
+        where each group present holds exactly `group_size` of its rows."""
+        order = torch.argsort(g_idx, stable=True)
+        by_group = g_idx[order]
+        if by_group.numel() % self.group_size:
+            return
+        runs = by_group.view(-1, self.group_size)
+        groups = runs[:, 0]
+        if not bool((runs == groups[:, None]).all()) or not bool((groups[1:] > groups[:-1]).all()):
+            return
+        qweight = registered(layer.qweight)
+
+        def common_form() -> FourBitForm:
+            zeros = _unpacked_columns(registered(layer.qzeros)) + self.zero_offset
+            values = _unpacked_rows(qweight)[order].t()
+            scales = registered(layer.scales)
+            return FourBitForm(values, scales[groups], zeros[groups], order)
 
         hand_to_kernel(layer, qweight.device, self.dtype, self.group_size, common_form)
 

@@ -33,6 +33,8 @@ from .dequantized import (
     ThreadBuffers,
     dense_bytes,
     drop_format_tensors,
+    hold_input_order,
+    in_kernel_order,
     registered,
 )
 from .linear_method import LinearLayer, LinearMethod
@@ -82,12 +84,13 @@ class Int4PackedCpuLinear(LinearMethod):
         drop_format_tensors(layer)
         layer.int4_weight = nn.Parameter(packed, False)
         layer.int4_scales = nn.Parameter(scales_offsets, False)
+        hold_input_order(layer, form)
         layer.method = method
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dtype != DTYPE:
             raise TypeError(f"a {x.dtype} input to a layer packed for {DTYPE}")
-        rows = x.reshape(-1, layer.in_features)
+        rows = in_kernel_order(layer, x.reshape(-1, layer.in_features))
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], layer.out_features)
         if rows.shape[0] <= FUSED_ROWS:

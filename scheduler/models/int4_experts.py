@@ -6,8 +6,9 @@ The experts load as one `GatedMLP` per expert (`RoutedExperts.use_linear_method`
 layer handed to `int4_kernel.Int4TritonLinear` once loaded (int32 words `[K/8, N]`, scales
 and zeros `[K/G, N]`); `stack` then moves the two projections' tensors into `[E, ...]`
 stacks on the experts (`int4_gate_up_proj_*`, `int4_down_proj_*`) and drops the
-per-expert layers. Where a layer stayed with its format (GPTQ in activation order, a
-group not dividing this rank's inputs) the experts keep running one by one.
+per-expert layers. Where a layer stayed with its format (a group not dividing this rank's
+inputs) or takes its inputs in an order of its own (GPTQ in activation order) the experts
+keep running one by one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def stack(experts: RoutedExperts) -> bool:
     methods = [layer.method for group in layers.values() for layer in group]
     if not methods or not all(isinstance(m, Int4TritonLinear) for m in methods):
         return False
+    if any(hasattr(layer, "int4_input_order") for group in layers.values() for layer in group):
+        return False  # each expert's inputs in an order of its own (GPTQ's activation order)
     groups = {m.group_size for m in methods if isinstance(m, Int4TritonLinear)}
     if len(groups) != 1:
         return False

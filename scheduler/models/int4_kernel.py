@@ -18,7 +18,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .dequantized import FourBitForm, dense_bytes, drop_format_tensors, registered
+from .dequantized import (
+    FourBitForm,
+    dense_bytes,
+    drop_format_tensors,
+    hold_input_order,
+    in_kernel_order,
+    registered,
+)
 from .int4_cpu import Int4PackedCpuLinear, can_use
 from .linear_method import LinearLayer, LinearMethod
 
@@ -63,13 +70,14 @@ class Int4TritonLinear(LinearMethod):
         layer.int4_qweight = nn.Parameter(qweight, False)
         layer.int4_scales = nn.Parameter(form.scales.to(dtype).contiguous(), False)
         layer.int4_zeros = nn.Parameter(form.zeros.to(dtype).contiguous(), False)
+        hold_input_order(layer, form)
         layer.method = cls(group)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from .triton_quant import int4_linear
 
         out = int4_linear(
-            x,
+            in_kernel_order(layer, x),
             registered(layer.int4_qweight),
             registered(layer.int4_scales),
             registered(layer.int4_zeros),
