@@ -7,6 +7,8 @@ and on tensor-parallel shards (a row-parallel slice starting inside an FP8 block
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -238,3 +240,39 @@ def test_4_bit_experts_on_cuda_are_stacked_for_the_grouped_gemm(fmt, rank, monke
     assert experts.quantization == fmt
     x, weights = torch.randn(7, 64, generator=_seeded(4)), torch.rand(7, 2)
     assert_matches(experts(x, ROUTED, weights), dense(x, ROUTED, weights), torch.float32)
+
+
+def test_activations_quantize_per_row_and_weight_block():
+    """Each row's inputs in one block of the weight (the first 106 wide where a slice starts
+    22 into its block) share a scale that maps their largest magnitude to e4m3's 448, and
+    dequantize to within e4m3's rounding (3 mantissa bits) of what they were."""
+    x = torch.randn(5, 300, generator=_seeded(5)) * torch.arange(1, 6)[:, None]
+    codes, scales = triton_quant.quantize_activations(x, k_shift=22)
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (5, 3)
+    starts = [0, 106, 234, 300]
+    for block, (a, b) in enumerate(itertools.pairwise(starts)):
+        group = x[:, a:b]
+        torch.testing.assert_close(scales[:, block], group.abs().amax(dim=1) / 448)
+        back = codes[:, a:b].float() * scales[:, block, None]
+        assert (back - group).abs().max() <= group.abs().max() / 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("rows", "rank"), [(1, None), (33, 1)])
+def test_the_fp8_activation_gemm_equals_the_dequantized_product(dtype, rows, rank):
+    """e4m3 × e4m3 per block, 200 outputs by 300 inputs (partial blocks and tiles), the
+    whole layer and a row-parallel rank 1 of 2 starting 22 into its first block: equal to
+    the dequantized activations times the dequantized weights."""
+    generator = _seeded(rows)
+    q, s = quantize(torch.randn(200, 300, generator=generator), torch.bfloat16)
+    weight, grid = dequantize(q, s), s.float().repeat_interleave(128, 0)[:200]
+    shift = 0
+    if rank is not None:
+        q, weight, grid, shift = q[:, 150:], weight[:, 150:], grid[:, 1:], 150 % 128
+    x = torch.randn(rows, weight.shape[1], generator=generator).to(dtype)
+    got = triton_quant.block_fp8_linear_fp8_activations(x, q.contiguous(), grid, shift)
+    codes, scales = triton_quant.quantize_activations(x, shift)
+    blocks = torch.arange(x.shape[1]) + shift
+    activations = codes.float() * scales[:, blocks // 128]
+    assert got.dtype == dtype and got.shape == (rows, 200)
+    assert_matches(got, F.linear(activations, weight), dtype)

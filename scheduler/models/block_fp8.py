@@ -11,10 +11,12 @@ blocks this rank's columns fall in, so a fused layer's parts (q, k, v) each keep
 own grid and a tensor-parallel slice needs no 128-aligned boundary. Weights stay at about
 a quarter of float32's bytes; the buffer holds one layer dequantized.
 
-Activations stay in the model's dtype (weight-only): on a CPU this is what transformers
-runs for these checkpoints; on CUDA our Triton GEMM (`triton_quant.block_fp8_linear`)
-dequantizes tile by tile instead of into a buffer. Quantizing the activations per token
-group for FP8 tensor cores is the next step.
+On a CPU activations stay in the model's dtype (weight-only), which is what transformers
+runs for these checkpoints. On CUDA our Triton GEMMs compute without the buffer: on a
+device with FP8 tensor cores with the activations quantized to e4m3 per row and weight
+block (the format's "dynamic" activation scheme, as vLLM runs it:
+`triton_quant.block_fp8_linear_fp8_activations`), elsewhere weight-only, dequantizing
+tile by tile (`triton_quant.block_fp8_linear`).
 """
 
 from __future__ import annotations
@@ -78,11 +80,14 @@ class BlockFp8Linear(DequantizingMethod):
             layer.register_buffer("scale_columns", (offset + columns) // BLOCK - first, False)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda:  # our Triton GEMM, dequantizing tile by tile (`triton_quant`)
-            from .triton_quant import block_fp8_linear
+        if x.is_cuda:  # our Triton GEMMs (`triton_quant`)
+            from . import triton_quant
 
             scales = registered(layer.weight_scale_inv)
-            out = block_fp8_linear(x, layer.weight, scales, _column_offset(layer) % BLOCK)
+            gemm = triton_quant.block_fp8_linear  # weights dequantized tile by tile
+            if has_fp8_tensor_cores(x.device.index):  # activations in e4m3 per block too
+                gemm = triton_quant.block_fp8_linear_fp8_activations
+            out = gemm(x, layer.weight, scales, _column_offset(layer) % BLOCK)
             return out if bias is None else out + bias
         return F.linear(x, self.dequantized(layer, x.dtype), bias)
 
@@ -92,6 +97,14 @@ class BlockFp8Linear(DequantizingMethod):
         return dequantized_blocks(
             layer.weight, registered(layer.weight_scale_inv), columns, dtype, self._buffers
         )
+
+
+@functools.cache
+def has_fp8_tensor_cores(device_index: int | None) -> bool:
+    """Whether the CUDA device multiplies e4m3 by e4m3 (compute capability 8.9: Ada,
+    Hopper and later), where block FP8 runs with its activations quantized, as the
+    format's "dynamic" activation scheme and vLLM do."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def dequantized_blocks(

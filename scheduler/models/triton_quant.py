@@ -16,6 +16,12 @@ fp32 inputs, as "exact" means there). One program computes a `BLOCK_M × BLOCK_N
   input 8r+i), a scale and a zero point per group of `group` inputs and output column:
   `W[k, n] = (q - z[k // group, n]) · s[k // group, n]`.
 
+Block FP8 also runs with its activations in e4m3 (`block_fp8_linear_fp8_activations`, the
+format's `activation_scheme` "dynamic", as vLLM and SGLang run it on FP8 tensor cores):
+each row quantized per group of 128 inputs along the weight's blocks (`quantize_activations`,
+a scale per row and block: its largest magnitude over e4m3's), then e4m3 × e4m3 dots per
+block, scaled by both scales into an fp32 sum.
+
 The MoE variant (`GROUPED`) multiplies rows sorted by expert, each group of rows by its
 expert's weight (`[E, N, K]` held alike), in one launch: a table built on the device
 (`_row_blocks`, no count read back, so a CUDA graph records it) gives each program's
@@ -33,6 +39,7 @@ import triton
 import triton.language as tl
 
 FP8_BLOCK = 128
+E4M3_MAX = 448.0
 NIBBLES = 8  # 4-bit values per int32 word
 
 
@@ -112,6 +119,73 @@ def _int4_tile(w, scales, zeros, ks, cols, inside, stride_w, stride_s, GROUP: tl
     scale = tl.load(scales + group, mask=inside, other=0.0).to(tl.float32)
     zero = tl.load(zeros + group, mask=inside, other=0.0).to(tl.float32)
     return (values.to(tl.float32) - zero) * scale
+
+
+@triton.jit
+def _fp8_activation_gemm_kernel(
+    xq, xs, w, ws, y, M, N, K, k_shift,
+    stride_xm, stride_xs, stride_w, stride_ws, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One `BLOCK_M × BLOCK_N` tile of `y = x @ W.T` from e4m3 activations `xq` with their
+    scales `xs` `[M, blocks]` and e4m3 weights with their row-expanded grid `ws`, one
+    128-column block a step (the first starting `k_shift` columns before column 0)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for block in range(0, tl.cdiv(k_shift + K, 128)):
+        ks = block * 128 - k_shift + tl.arange(0, 128)
+        inside = (ks >= 0) & (ks < K)
+        x_tile = tl.load(
+            xq + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+            mask=(rows[:, None] < M) & inside[None, :], other=0.0,
+        )  # fmt: skip
+        w_tile = tl.load(
+            w + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
+            mask=inside[:, None] & (cols[None, :] < N), other=0.0,
+        )  # fmt: skip
+        x_scale = tl.load(xs + rows.to(tl.int64) * stride_xs + block, mask=rows < M, other=0.0)
+        w_scale = tl.load(ws + cols.to(tl.int64) * stride_ws + block, mask=cols < N, other=0.0)
+        acc += tl.dot(x_tile, w_tile) * x_scale[:, None] * w_scale[None, :]
+    tl.store(
+        y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :],
+        acc.to(y.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N),
+    )  # fmt: skip
+
+
+def quantize_activations(x: torch.Tensor, k_shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 `[M, K]`, fp32 scales `[M, blocks]`) of rows `x` `[M, K]`, per group of the
+    inputs falling in one 128-column block of the weight (the first `128 - k_shift` wide):
+    each group divided by its largest magnitude over 448, so that one maps to e4m3's largest.
+    Torch ops on the device (CUDA-graph safe)."""
+    m, k = x.shape
+    blocks = triton.cdiv(k_shift + k, FP8_BLOCK)
+    padded = x.new_zeros(m, blocks, FP8_BLOCK, dtype=torch.float32)
+    padded.view(m, -1)[:, k_shift : k_shift + k] = x
+    scales = padded.abs().amax(dim=-1).clamp(min=1e-10) / E4M3_MAX
+    codes = (padded / scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes.view(m, -1)[:, k_shift : k_shift + k], scales
+
+
+def block_fp8_linear_fp8_activations(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, k_shift: int = 0
+) -> torch.Tensor:
+    """`block_fp8_linear` with the activations quantized to e4m3 per row and block (see the
+    module): what FP8 tensor cores compute."""
+    rows = x.reshape(-1, x.shape[-1])
+    m, n = rows.shape[0], weight.shape[0]
+    out = rows.new_empty(m, n)
+    if m:
+        codes, row_scales = quantize_activations(rows, k_shift)
+        grid = scales.float().contiguous()
+        block_m, block_n, _ = _tiles(m)
+        _fp8_activation_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            codes, row_scales, weight, grid, out, m, n, rows.shape[1], k_shift,
+            codes.stride(0), row_scales.stride(0), weight.stride(0), grid.stride(0),
+            out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
 
 
 def block_fp8_linear(
