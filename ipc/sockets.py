@@ -38,6 +38,12 @@ def scheduler_socket(replica: int) -> str:
     return "scheduler" if replica == 0 else f"scheduler-{replica}"
 
 
+def worker_replica(worker_id: int, replicas: int) -> int:
+    """The data-parallel replica whose scheduler tokenizer worker `worker_id` feeds: the
+    workers are dealt round the replicas (worker w to replica w mod `replicas`)."""
+    return worker_id % replicas
+
+
 def ipc_address(run_dir: Path, name: str) -> str:
     """`ipc://` address of the socket `name` (e.g. "scheduler", "tokenizer-0")."""
     if not name or "/" in name:

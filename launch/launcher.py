@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..common.logs import configure_logging
 from ..ipc.messages import READY, ProcessFailed, ProcessReady, ReadyReport, SchedulerReady
 from ..ipc.shm_names import SHM_DIR, instance_prefix, new_instance_id, sweep, sweep_orphans
-from ..ipc.sockets import new_run_dir
+from ..ipc.sockets import new_run_dir, worker_replica
 from ..scheduler import (
     EngineConfig,
     SchedulerProcessConfig,
@@ -236,7 +236,7 @@ def worker_config(
         run_dir=str(run_dir),
         instance_id=instance,
         log_level=args.log_level,
-        replica=worker_id % args.data_parallel_size,
+        replica=worker_replica(worker_id, args.data_parallel_size),
         chat_template=args.chat_template,
         **args.worker,
     )

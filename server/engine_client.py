@@ -34,7 +34,7 @@ from ..ipc.messages import (
     TokenizeRequest,
     ToServer,
 )
-from ..ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address
+from ..ipc.sockets import AsyncPullSocket, AsyncPushSocket, ipc_address, worker_replica
 from .errors import APIError
 from .image_router import DEFAULT_CAPACITY, ImageRouter
 from .metrics import MetricsBoard
@@ -108,6 +108,7 @@ class ZmqEngineClient:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self.run_dir = Path(run_dir)
         self.num_workers = num_workers
+        self.num_replicas = num_replicas
         self.send_timeout = send_timeout
         self._requests: dict[str, _InFlight] = {}
         self._load = [0] * num_workers
@@ -161,13 +162,17 @@ class ZmqEngineClient:
     def num_in_flight(self) -> int:
         return len(self._requests)
 
-    async def generate(self, request: TokenizeRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request: TokenizeRequest, replica: int | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come; `replica`: the data-parallel replica a
+        cluster router chose for it (None: the image router picks the worker)."""
         if not self._pushes:
             raise RuntimeError("ZmqEngineClient.start() was not called")
         request_id = request.request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        flight = _InFlight(self._pick_worker(request))
+        flight = _InFlight(self._pick_worker(request, replica))
         self._requests[request_id] = flight
         self._load[flight.worker] += 1
         try:
@@ -199,8 +204,15 @@ class ZmqEngineClient:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _pick_worker(self, request: TokenizeRequest) -> int:
-        return self._router.pick(request.messages, self._load)
+    def _pick_worker(self, request: TokenizeRequest, replica: int | None = None) -> int:
+        """The image router's choice, or, for a chosen `replica`, the least loaded of the
+        workers feeding it (ties: the lowest)."""
+        if replica is None:
+            return self._router.pick(request.messages, self._load)
+        workers = [
+            w for w in range(self.num_workers) if worker_replica(w, self.num_replicas) == replica
+        ]
+        return min(workers, key=lambda w: self._load[w])
 
     def _finish(self, request_id: str) -> _InFlight:
         flight = self._requests.pop(request_id)

@@ -26,7 +26,13 @@ from iris_serve.ipc.messages import (
     TokenizeRequest,
 )
 from iris_serve.ipc.shm_names import instance_prefix, sweep
-from iris_serve.server.dynamo.requests import RefusedField, output_chunk, tokenize_request
+from iris_serve.server.dynamo.requests import (
+    NO_DP_RANK,
+    RefusedField,
+    output_chunk,
+    routed_replica,
+    tokenize_request,
+)
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import make_image
@@ -168,3 +174,15 @@ def test_the_last_chunk_carries_the_finish_reason_and_cached_tokens() -> None:
     usage = chunk["completion_usage"]
     assert usage["total_tokens"] == 42 and usage["prompt_tokens_details"]["cached_tokens"] == 32
     assert "finish_reason" not in output_chunk(RequestOutput("r", [7]))
+
+
+@pytest.mark.parametrize(
+    ("routing", "replica"),
+    [({"dp_rank": 1}, 1), ({"dp_rank": 0}, 0), (None, None), ({}, None),
+     ({"dp_rank": NO_DP_RANK}, None), ({"dp_rank": 2}, None), ({"dp_rank": "1"}, None)],
+)  # fmt: skip
+def test_the_routers_dp_rank_picks_the_replica_where_it_names_one_of_ours(routing, replica):
+    """The KV router's `routing.dp_rank` is the replica whose events it routed on; none
+    chosen, u32::MAX, a rank this worker does not have (2 of 2) or a malformed one leave
+    the choice to Iris's own router rather than fail a request the user sent right."""
+    assert routed_replica({"token_ids": [1], "routing": routing}, replicas=2) == replica

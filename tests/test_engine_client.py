@@ -31,8 +31,8 @@ WAIT = 5.0
 
 
 class Harness:
-    def __init__(self, run_dir: Path, ctx: zmq.asyncio.Context) -> None:
-        self.client = ZmqEngineClient(run_dir, num_workers=2)
+    def __init__(self, run_dir: Path, ctx: zmq.asyncio.Context, replicas: int = 1) -> None:
+        self.client = ZmqEngineClient(run_dir, num_workers=2, num_replicas=replicas)
         self.workers = [
             AsyncPullSocket(SERVER_TO_TOKENIZER, ipc_address(run_dir, f"tokenizer-{i}"), ctx=ctx)
             for i in range(2)
@@ -49,12 +49,12 @@ class Harness:
             await self.scheduler.send(message)
 
 
-def _run(test: Callable[[Harness], Awaitable[None]]) -> None:
+def _run(test: Callable[[Harness], Awaitable[None]], replicas: int = 1) -> None:
     async def main() -> None:
         # A short run dir: ipc:// paths are limited to 107 bytes.
         with tempfile.TemporaryDirectory(prefix="iris-") as run_dir:
             ctx = zmq.asyncio.Context()
-            harness = Harness(Path(run_dir), ctx)
+            harness = Harness(Path(run_dir), ctx, replicas)
             await harness.client.start()
             try:
                 await asyncio.wait_for(test(harness), WAIT * 2)
@@ -118,6 +118,26 @@ def test_routing_dispatch_and_unknown_ids():
         assert h.client.metrics.workers[1].arena_used_bytes == 10
 
     _run(test)
+
+
+def test_a_replica_a_cluster_router_chose_is_where_the_request_goes():
+    """Dynamo's KV router chose data-parallel replica 1 (it routed on that replica's KV
+    events): the request goes to the worker feeding replica 1, where the image router
+    (both idle: round-robin from worker 0) would have sent it to replica 0's."""
+
+    async def test(h: Harness) -> None:
+        stream = h.client.generate(_request("a"), replica=1)
+        first = asyncio.ensure_future(anext(stream))
+        assert (await h.received(1)).request_id == "a"
+        await h.send(TokenBatch([_out("a", [1], "length")]))
+        assert (await first).finished
+        stream = h.client.generate(_request("b"))  # no choice made: the image router's
+        first = asyncio.ensure_future(anext(stream))
+        assert (await h.received(0)).request_id == "b"
+        await h.send(TokenBatch([_out("b", [1], "length")]))
+        assert (await first).finished
+
+    _run(test, replicas=2)
 
 
 def _chat(request_id: str, *turns: list[str]) -> TokenizeRequest:

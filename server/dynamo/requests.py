@@ -17,12 +17,15 @@ option would hand an agent an answer to another question.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 from ...ipc.messages import RequestOutput, Sampling, StructuredOutput, TokenizeRequest
+
+logger = logging.getLogger(__name__)
 
 # The options a request may set, by Iris's names; any other option set to anything but
 # null (or the default below) is refused. The frontend owns stop strings and how the text
@@ -111,6 +114,25 @@ def sampling(request: Mapping[str, Any], defaults: Mapping[str, Any]) -> Samplin
     if fields.get("top_k", 0) < 0:
         fields["top_k"] = 0  # -1 and 0 both mean "off"
     return Sampling(**fields, structured=_constraint(guided))
+
+
+NO_DP_RANK = 2**32 - 1  # what the router sends where it chose no rank (u32::MAX)
+
+
+def routed_replica(request: Mapping[str, Any], replicas: int) -> int | None:
+    """The data-parallel replica Dynamo's KV router chose (`routing.dp_rank`), whose KV
+    events it routed on; None where it chose none or one this worker does not have (a
+    router's rank is never the user's error, so the image router picks instead, as vLLM's
+    worker falls back to its own choice)."""
+    rank = (request.get("routing") or {}).get("dp_rank")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank == NO_DP_RANK:
+        return None
+    if not 0 <= rank < replicas:
+        logger.warning(
+            "the router chose dp_rank %d of %d replicas; picking one here", rank, replicas
+        )
+        return None
+    return rank
 
 
 def tokenize_request(

@@ -42,7 +42,7 @@ from ..app import AppSettings
 from ..engine_client import EngineRequestError, ZmqEngineClient
 from ..metrics import CONTENT_TYPE, MetricsBoard
 from ..stats_log import banner
-from .requests import RefusedField, output_chunk, tokenize_request
+from .requests import RefusedField, output_chunk, routed_replica, tokenize_request
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -80,7 +80,8 @@ class DynamoHandler:
         self.in_flight.add(request_id)
         cancel = asyncio.ensure_future(self._abort_when_stopped(context, request_id))
         try:
-            async for output in self.client.generate(tokenize):
+            replica = routed_replica(request, self.client.num_replicas)
+            async for output in self.client.generate(tokenize, replica):
                 yield output_chunk(output)
         except EngineRequestError as error:
             raise _client_error(error.status, error.message) from None
