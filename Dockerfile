@@ -7,8 +7,14 @@
 # attention backend compiles with); `pip install .` keeps it because Iris asks only for
 # torch>=2.4 and none of its dependencies asks for torch (tests/test_wheel.py).
 # Override BASE_IMAGE to pin another CUDA/PyTorch pair.
+#
+# A node of a Dynamo fleet (`iris serve MODEL --dynamo`, docs/scale-out.md) needs Dynamo's
+# runtime and frontend packages: `docker build --build-arg WITH_DYNAMO=1 -t iris .`
+# installs them (the `[dynamo]` extra, then `ai-dynamo` without its requirements, as the
+# README's recipe does).
 ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
+ARG WITH_DYNAMO=0
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -25,6 +31,10 @@ COPY scheduler ./scheduler
 COPY tiny_checkpoint ./tiny_checkpoint
 RUN python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
     && pip install . \
+    && if [ "$WITH_DYNAMO" = 1 ]; then \
+        pip install '.[dynamo]' && pip install --no-deps ai-dynamo==1.6.1 \
+        && python -c "import dynamo.llm"; \
+    fi \
     && python -c "import torch; assert torch.version.cuda, 'pip replaced the CUDA torch'" \
     && iris serve --help > /dev/null
 

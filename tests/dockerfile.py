@@ -35,10 +35,18 @@ def entrypoint() -> list[str]:
     return json.loads(instruction("ENTRYPOINT"))  # the exec form: no shell in between
 
 
-def base_image() -> str:
-    name, _, default = instruction("ARG").partition("=")
-    assert name == "BASE_IMAGE", "the Dockerfile's ARG is its base image"
+def build_arg(name: str) -> str:
+    """The default of build argument `name` (`ARG name=default`)."""
+    [default] = [
+        rest.partition("=")[2]
+        for key, rest in instructions()
+        if key == "ARG" and rest.startswith(f"{name}=")
+    ]
     return default
+
+
+def base_image() -> str:
+    return build_arg("BASE_IMAGE")
 
 
 def docker_runs() -> dict[str, list[str]]:

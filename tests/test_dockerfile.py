@@ -13,6 +13,7 @@ from iris_serve.launch.launcher import docker_shm_size, shared_memory_needed
 from tests.dockerfile import (
     DOCKERFILE,
     README,
+    build_arg,
     container_args,
     docker_runs,
     entrypoint,
@@ -52,3 +53,21 @@ def test_one_port_is_exposed_served_published_and_health_checked():
 def test_the_readme_and_the_dockerfile_show_the_same_docker_run():
     runs = docker_runs()
     assert runs["README.md"] == runs["Dockerfile"]
+
+
+def test_the_dynamo_build_installs_the_versions_the_extra_and_the_readme_name():
+    """`--build-arg WITH_DYNAMO=1` installs Dynamo's runtime through the `[dynamo]` extra
+    and its frontend package at the version the extra pins and the README's recipe
+    installs (a bump in one place alone would pair a frontend with another runtime)."""
+    import tomllib
+
+    from tests.dockerfile import REPO
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    [runtime] = extra["dynamo"]
+    version = runtime.removeprefix("ai-dynamo-runtime==")
+    assert build_arg("WITH_DYNAMO") == "0"  # the default image stays without it
+    run = instruction("RUN")
+    assert "pip install '.[dynamo]'" in run and 'if [ "$WITH_DYNAMO" = 1 ]' in run
+    for path in (DOCKERFILE, README):
+        assert set(re.findall(r"ai-dynamo==([\w.]+)", path.read_text())) == {version}, path.name
