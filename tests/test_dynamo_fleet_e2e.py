@@ -111,6 +111,18 @@ def test_image_chats_through_the_frontend_answer_as_one_iris_node(
             streamed_text(fleet.base_url, messages)
             == (want.json()["choices"][0]["message"]["content"])
         )
+    # logprobs, each token's and its two most likely ones', as one node gives them
+    asked = {"logprobs": True, "top_logprobs": 2}
+    want, got = (
+        chat(url, conversations[0], **asked).json()["choices"][0]["logprobs"]["content"]
+        for url in (single.base_url, fleet.base_url)
+    )
+    assert [t["token"] for t in got] == [t["token"] for t in want]
+    for ours, theirs in zip(got, want, strict=True):
+        assert [t["token"] for t in ours["top_logprobs"]] == [
+            t["token"] for t in theirs["top_logprobs"]
+        ]
+        assert ours["logprob"] == pytest.approx(theirs["logprob"], abs=1e-4)
 
 
 def test_returning_agents_land_on_the_worker_holding_their_history(fleet: DynamoFleet) -> None:
@@ -178,8 +190,8 @@ def test_what_iris_refuses_is_an_error_naming_it_and_costs_nothing(fleet: Dynamo
         {"type": "text", "text": "Hi"}]}]  # fmt: skip
     response = chat(fleet.base_url, broken)
     assert 400 <= response.status_code < 500, response.text
-    response = chat(fleet.base_url, [{"role": "user", "content": "Hi"}], logprobs=True)
-    assert response.status_code == 400 and "logprobs" in response.text, response.text
+    response = chat(fleet.base_url, [{"role": "user", "content": "Hi"}], n=2, temperature=1)
+    assert response.status_code == 400 and "sampling_options.n" in response.text, response.text
     wait_idle(fleet)
     ok = chat(fleet.base_url, [{"role": "user", "content": [image_part(6)]}])
     assert ok.status_code == 200, ok.text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +25,7 @@ from iris_serve.ipc.messages import (
     Sampling,
     StructuredOutput,
     TokenizeRequest,
+    TokenLogprob,
 )
 from iris_serve.ipc.shm_names import instance_prefix, sweep
 from iris_serve.server.dynamo.requests import (
@@ -33,6 +35,7 @@ from iris_serve.server.dynamo.requests import (
     routed_replica,
     tokenize_request,
 )
+from iris_serve.server.logprobs import TokenText
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import make_image
@@ -115,7 +118,7 @@ def test_a_placeholder_count_other_than_the_images_is_refused(worker, builder) -
 @pytest.mark.parametrize(
     ("section", "options", "field"),
     [
-        ("output_options", {"logprobs": 2}, "output_options.logprobs"),
+        ("output_options", {"prompt_logprobs": 2}, "output_options.prompt_logprobs"),
         ("sampling_options", {"n": 3}, "sampling_options.n"),
         ("sampling_options", {"use_beam_search": True}, "sampling_options.use_beam_search"),
         ("stop_conditions", {"max_thinking_tokens": 9}, "stop_conditions.max_thinking_tokens"),
@@ -169,11 +172,34 @@ def test_guided_decoding_becomes_iris_constraints(builder) -> None:
 def test_the_last_chunk_carries_the_finish_reason_and_cached_tokens() -> None:
     last = RequestOutput("r", [5, 6], True, "abort", prompt_tokens=40, cached_tokens=32,
                          completion_tokens=2)  # fmt: skip
-    chunk = output_chunk(last)
+    chunk = output_chunk(last, TOKEN_TEXT)
     assert chunk["token_ids"] == [5, 6] and chunk["finish_reason"] == "cancelled"
     usage = chunk["completion_usage"]
     assert usage["total_tokens"] == 42 and usage["prompt_tokens_details"]["cached_tokens"] == 32
-    assert "finish_reason" not in output_chunk(RequestOutput("r", [7]))
+    assert "finish_reason" not in output_chunk(RequestOutput("r", [7]), TOKEN_TEXT)
+    assert "log_probs" not in chunk  # none asked for
+
+
+TOKEN_TEXT = TokenText(SimpleNamespace(decode=lambda ids: f"<{ids[0]}>"))
+
+
+def test_logprobs_go_to_the_frontend_one_per_token_with_the_top_ones_by_rank(builder) -> None:
+    """`output_options.logprobs` k (what the frontend asks for `logprobs`/`top_logprobs`)
+    is Iris's `Sampling.logprobs`; each token's logprob and its k most likely tokens' go
+    back in vLLM's backend's shape, which the frontend turns into the OpenAI fields."""
+    request = frontend_request(builder, [])
+    request["output_options"] = {"logprobs": 2, "prompt_logprobs": None}
+    assert tokenize_request(request, "d8", {}).sampling.logprobs == 2
+    logprobs = [TokenLogprob(5, -0.5, ((5, -0.5), (9, -1.5))),
+                TokenLogprob(6, -2.0, ((7, -0.25), (6, -2.0)))]  # fmt: skip
+    chunk = output_chunk(RequestOutput("r", [5, 6], logprobs=logprobs), TOKEN_TEXT)
+    assert chunk["log_probs"] == [-0.5, -2.0]
+    second = chunk["top_logprobs"][1]
+    assert [(e["rank"], e["token_id"], e["logprob"]) for e in second] == [
+        (1, 7, -0.25),
+        (2, 6, -2.0),
+    ]
+    assert second[0]["token"] == "<7>" and second[0]["bytes"] == list(b"<7>")
 
 
 @pytest.mark.parametrize(

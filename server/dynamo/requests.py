@@ -23,7 +23,14 @@ from typing import Any
 
 import msgspec
 
-from ...ipc.messages import RequestOutput, Sampling, StructuredOutput, TokenizeRequest
+from ...ipc.messages import (
+    RequestOutput,
+    Sampling,
+    StructuredOutput,
+    TokenizeRequest,
+    TokenLogprob,
+)
+from ..logprobs import TokenText
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +106,9 @@ def sampling(request: Mapping[str, Any], defaults: Mapping[str, Any]) -> Samplin
     if hidden:
         given["stop_token_ids"] = ("stop_conditions.stop_token_ids_hidden", hidden)
     guided = options.pop("guided_decoding", None)
-    if output.pop("logprobs", None) is not None:
-        raise RefusedField("output_options.logprobs", "not served through Dynamo yet")
+    logprobs = output.pop("logprobs", None)
+    if logprobs is not None:  # k: each token's logprob and the k most likely tokens'
+        given["logprobs"] = ("output_options.logprobs", logprobs)
     for where, rest in (("sampling_options", options), ("stop_conditions", stop),
                         ("output_options", output)):  # fmt: skip
         _refuse_set(where, rest, _FRONTEND.get(where, set()))
@@ -156,10 +164,15 @@ def tokenize_request(
     )
 
 
-def output_chunk(output: RequestOutput) -> dict[str, Any]:
-    """What the frontend reads of one output: the new tokens, and on the last one the
-    finish reason and the usage (cached tokens included)."""
+def output_chunk(output: RequestOutput, text: TokenText) -> dict[str, Any]:
+    """What the frontend reads of one output: the new tokens (with logprobs where asked:
+    one per token, and its most likely tokens', in vLLM's backend's shape, each top
+    token's text as `text` decodes it alone), and on the last one the finish reason and the
+    usage (cached tokens included)."""
     chunk: dict[str, Any] = {"token_ids": output.new_token_ids, "index": 0}
+    if output.logprobs:
+        chunk["log_probs"] = [item.logprob for item in output.logprobs]
+        chunk["top_logprobs"] = [_top_entries(item, text) for item in output.logprobs]
     if output.finished:
         reason = output.finish_reason
         chunk["finish_reason"] = "cancelled" if reason == "abort" else reason
@@ -171,6 +184,17 @@ def output_chunk(output: RequestOutput) -> dict[str, Any]:
             "prompt_tokens_details": cached,
         }
     return chunk
+
+
+def _top_entries(item: TokenLogprob, text: TokenText) -> list[dict[str, Any]]:
+    """A token's most likely tokens by rank (the frontend shows them as the position's
+    `top_logprobs`; the sampled token's own text it takes from `token_ids`)."""
+    entries = []
+    for rank, (token_id, logprob) in enumerate(item.top, 1):
+        token, raw = text(token_id)
+        entries.append({"rank": rank, "token_id": token_id, "token": token,
+                        "logprob": logprob, "bytes": raw})  # fmt: skip
+    return entries
 
 
 def _constraint(guided: object) -> StructuredOutput | None:

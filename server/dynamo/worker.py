@@ -40,6 +40,7 @@ from ...common.process_heap import freeze_startup_heap
 from ...ipc.messages import SchedulerReady
 from ..app import AppSettings
 from ..engine_client import EngineRequestError, ZmqEngineClient
+from ..logprobs import TokenText
 from ..metrics import CONTENT_TYPE, MetricsBoard
 from ..stats_log import banner
 from .requests import RefusedField, output_chunk, routed_replica, tokenize_request
@@ -65,8 +66,11 @@ class DynamoHandler:
     """Serves Dynamo's preprocessed requests through Iris's tokenizer workers."""
 
     def __init__(self, client: ZmqEngineClient, settings: AppSettings) -> None:
+        from transformers import AutoTokenizer
+
         self.client = client
         self.settings = settings
+        self.token_text = TokenText(AutoTokenizer.from_pretrained(settings.model_path))
         self.in_flight: set[str] = set()
         self._count = 0
 
@@ -82,7 +86,7 @@ class DynamoHandler:
         try:
             replica = routed_replica(request, self.client.num_replicas)
             async for output in self.client.generate(tokenize, replica):
-                yield output_chunk(output)
+                yield output_chunk(output, self.token_text)
         except EngineRequestError as error:
             raise _client_error(error.status, error.message) from None
         finally:
