@@ -190,6 +190,8 @@ def test_logprobs_go_to_the_frontend_one_per_token_with_the_top_ones_by_rank(bui
     request = frontend_request(builder, [])
     request["output_options"] = {"logprobs": 2, "prompt_logprobs": None}
     assert tokenize_request(request, "d8", {}).sampling.logprobs == 2
+    with pytest.raises(RefusedField, match=r"output_options\.logprobs.*at most 1 "):
+        tokenize_request(request, "d9", {}, max_logprobs=1)  # --max-logprobs holds here too
     logprobs = [TokenLogprob(5, -0.5, ((5, -0.5), (9, -1.5))),
                 TokenLogprob(6, -2.0, ((7, -0.25), (6, -2.0)))]  # fmt: skip
     chunk = output_chunk(RequestOutput("r", [5, 6], logprobs=logprobs), TOKEN_TEXT)

@@ -147,16 +147,24 @@ def tokenize_request(
     request: Mapping[str, Any],
     request_id: str,
     defaults: Mapping[str, Any],
+    max_logprobs: int = 20,
 ) -> TokenizeRequest:
-    """The Iris request for a Dynamo one (see the module); `RefusedField` if it cannot be."""
+    """The Iris request for a Dynamo one (see the module); `RefusedField` if it cannot be
+    (`max_logprobs`: the most top tokens a request may ask for, `--max-logprobs`)."""
     token_ids = request.get("token_ids")
     if not isinstance(token_ids, list) or not token_ids:
         raise RefusedField("token_ids", "the prompt is empty")
     urls = image_urls(request)
     expected = (request.get("mm_routing_info") or {}).get("expanded_prompt_len")
+    options = sampling(request, defaults)
+    if options.logprobs is not None and not 0 <= options.logprobs <= max_logprobs:
+        raise RefusedField(
+            "output_options.logprobs",
+            f"at most {max_logprobs} top logprobs (--max-logprobs), got {options.logprobs}",
+        )
     return TokenizeRequest(
         request_id,
-        sampling(request, defaults),
+        options,
         prompt=list(token_ids),
         image_urls=urls or None,
         image_routing_hashes=routing_hashes(request, len(urls)) if urls else None,

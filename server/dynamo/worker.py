@@ -78,7 +78,10 @@ class DynamoHandler:
         self._count += 1
         request_id = f"dynamo-{context.id() or self._count}"
         try:
-            tokenize = tokenize_request(request, request_id, self.settings.sampling_defaults)
+            settings = self.settings
+            tokenize = tokenize_request(
+                request, request_id, settings.sampling_defaults, settings.max_logprobs
+            )
         except (RefusedField, ValueError) as error:
             raise _client_error(400, str(error)) from None
         self.in_flight.add(request_id)
