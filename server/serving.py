@@ -230,15 +230,7 @@ class OpenAIServing:
         sampling = self._sampling(body, plan)
         if body.n == 1:
             return [(response_id, sampling)]
-        return [
-            (
-                f"{response_id}-{i}",
-                sampling
-                if sampling.seed is None
-                else msgspec.structs.replace(sampling, seed=_wrap_int64(sampling.seed + i)),
-            )
-            for i in range(body.n)
-        ]
+        return [(f"{response_id}-{i}", choice_sampling(sampling, i)) for i in range(body.n)]
 
     async def _answers(
         self,
@@ -488,6 +480,14 @@ async def _wait_for_disconnect(receive: Callable[[], Awaitable[Any]]) -> None:
 
 def _usage_of(answers: list[tuple[str, Delta, list[TokenLogprob]]]) -> Usage:
     return combined_usage([last.usage for _, last, _ in answers])
+
+
+def choice_sampling(sampling: Sampling, index: int) -> Sampling:
+    """Choice `index`'s sampling of a request for several: a seeded request's choice i
+    draws with seed + i (wrapped to int64), so the choices differ and each reproduces."""
+    if sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=_wrap_int64(sampling.seed + index))
 
 
 def _wrap_int64(value: int) -> int:

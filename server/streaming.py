@@ -67,7 +67,7 @@ async def events(answers: list[Answer], usage: Callable[[Usage], str] | None) ->
     streams = [_choice_events(first, deltas, chunk) for first, deltas, chunk in answers]
     lasts: list[Delta] = []
     try:
-        async for item in _interleaved(streams):
+        async for item in interleaved(streams):
             if isinstance(item, Delta):
                 lasts.append(item)
             else:
@@ -119,7 +119,7 @@ async def _choice_events(
         yield last
 
 
-async def _interleaved(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+async def interleaved(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
     """The streams' items as each comes (each stream's own order kept); closing it
     closes every stream. One stream is passed through without tasks."""
     if len(streams) == 1:
@@ -214,7 +214,7 @@ async def closing(iterator: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]
             await aclose()
 
 
-async def starting_with(head: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+async def starting_with(head: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
     """`head`, then `rest`'s deltas; closing it closes `rest`."""
     async with closing(rest):
         yield head

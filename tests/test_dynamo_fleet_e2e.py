@@ -111,6 +111,13 @@ def test_image_chats_through_the_frontend_answer_as_one_iris_node(
             streamed_text(fleet.base_url, messages)
             == (want.json()["choices"][0]["message"]["content"])
         )
+    # n answers, seeded: each as one node draws it
+    seeded = {"n": 3, "temperature": 1.0, "seed": 7}
+    want, got = (
+        [c["message"]["content"] for c in chat(url, conversations[0], **seeded).json()["choices"]]
+        for url in (single.base_url, fleet.base_url)
+    )
+    assert got == want and len(set(got)) > 1, got
     # logprobs, each token's and its two most likely ones', as one node gives them
     asked = {"logprobs": True, "top_logprobs": 2}
     want, got = (
@@ -190,8 +197,8 @@ def test_what_iris_refuses_is_an_error_naming_it_and_costs_nothing(fleet: Dynamo
         {"type": "text", "text": "Hi"}]}]  # fmt: skip
     response = chat(fleet.base_url, broken)
     assert 400 <= response.status_code < 500, response.text
-    response = chat(fleet.base_url, [{"role": "user", "content": "Hi"}], n=2, temperature=1)
-    assert response.status_code == 400 and "sampling_options.n" in response.text, response.text
+    response = chat(fleet.base_url, [{"role": "user", "content": "Hi"}], use_beam_search=True)
+    assert response.status_code == 400 and "use_beam_search" in response.text, response.text
     wait_idle(fleet)
     ok = chat(fleet.base_url, [{"role": "user", "content": [image_part(6)]}])
     assert ok.status_code == 200, ok.text

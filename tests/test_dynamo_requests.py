@@ -31,6 +31,8 @@ from iris_serve.ipc.shm_names import instance_prefix, sweep
 from iris_serve.server.dynamo.requests import (
     NO_DP_RANK,
     RefusedField,
+    choice_requests,
+    choices,
     output_chunk,
     routed_replica,
     tokenize_request,
@@ -119,7 +121,7 @@ def test_a_placeholder_count_other_than_the_images_is_refused(worker, builder) -
     ("section", "options", "field"),
     [
         ("output_options", {"prompt_logprobs": 2}, "output_options.prompt_logprobs"),
-        ("sampling_options", {"n": 3}, "sampling_options.n"),
+        ("sampling_options", {"n": 0}, "sampling_options.n"),
         ("sampling_options", {"use_beam_search": True}, "sampling_options.use_beam_search"),
         ("stop_conditions", {"max_thinking_tokens": 9}, "stop_conditions.max_thinking_tokens"),
         ("multi_modal_data", {"video_url": [{"Url": "x"}]}, "multi_modal_data.video_url"),
@@ -214,3 +216,16 @@ def test_the_routers_dp_rank_picks_the_replica_where_it_names_one_of_ours(routin
     chosen, u32::MAX, a rank this worker does not have (2 of 2) or a malformed one leave
     the choice to Iris's own router rather than fail a request the user sent right."""
     assert routed_replica({"token_ids": [1], "routing": routing}, replicas=2) == replica
+
+
+def test_n_answers_are_n_iris_requests_each_seeded_apart(builder) -> None:
+    """`sampling_options.n` answers run as n Iris requests (ids apart, choice i of a
+    seeded request drawing with seed + i, as `iris serve` runs `n`)."""
+    request = frontend_request(builder, [])
+    request["sampling_options"] = {"n": 3, "seed": 7, "temperature": 1.0}
+    n = choices(request)
+    answers = choice_requests(tokenize_request(request, "d10", {}), n)
+    assert [a.request_id for a in answers] == ["d10-0", "d10-1", "d10-2"]
+    assert [a.sampling.seed for a in answers] == [7, 8, 9]
+    assert all(a.prompt == answers[0].prompt for a in answers)
+    assert choices(frontend_request(builder, [])) == 1  # n 1 or null: one, as it came

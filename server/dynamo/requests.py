@@ -31,6 +31,7 @@ from ...ipc.messages import (
     TokenLogprob,
 )
 from ..logprobs import TokenText
+from ..serving import choice_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalt
 _STOP = ("max_tokens", "min_tokens", "ignore_eos")
 _FRONTEND = {"stop_conditions": {"stop"}, "output_options": {"skip_special_tokens",
                                                              "formatted_prompt"}}  # fmt: skip
-_DEFAULTS: Mapping[str, object] = {"n": 1, "best_of": 1, "use_beam_search": False}
+_DEFAULTS: Mapping[str, object] = {"best_of": 1, "use_beam_search": False}
 _TYPES = {field.name: field.type for field in msgspec.structs.fields(Sampling)}
 
 
@@ -89,6 +90,7 @@ def sampling(request: Mapping[str, Any], defaults: Mapping[str, Any]) -> Samplin
     """The request's sampling: its options, else the model's generation defaults; each
     checked against Iris's type for it (the scheduler checks the ranges at admission)."""
     options = dict(request.get("sampling_options") or {})
+    options.pop("n", None)  # `choices` reads it
     stop = dict(request.get("stop_conditions") or {})
     output = dict(request.get("output_options") or {})
     given: dict[str, tuple[str, Any]] = {}  # Iris's name -> (the request's field, value)
@@ -143,6 +145,32 @@ def routed_replica(request: Mapping[str, Any], replicas: int) -> int | None:
     return rank
 
 
+def choices(request: Mapping[str, Any]) -> int:
+    """How many answers the request asks for (`sampling_options.n`, null: one); each runs
+    as its own Iris request (`choice_requests`)."""
+    n = (request.get("sampling_options") or {}).get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise RefusedField("sampling_options.n", f"must be a positive integer, got {n!r}")
+    return n
+
+
+def choice_requests(request: TokenizeRequest, n: int) -> list[TokenizeRequest]:
+    """The `n` Iris requests of one asking for `n` answers: ids `<id>-<i>`, choice i of a
+    seeded request drawing with seed + i (as `iris serve` runs `n`)."""
+    if n == 1:
+        return [request]
+    return [
+        msgspec.structs.replace(
+            request,
+            request_id=f"{request.request_id}-{i}",
+            sampling=choice_sampling(request.sampling, i),
+        )
+        for i in range(n)
+    ]
+
+
 def tokenize_request(
     request: Mapping[str, Any],
     request_id: str,
@@ -157,6 +185,7 @@ def tokenize_request(
     urls = image_urls(request)
     expected = (request.get("mm_routing_info") or {}).get("expanded_prompt_len")
     options = sampling(request, defaults)
+    choices(request)  # a malformed `n` is refused with the rest
     if options.logprobs is not None and not 0 <= options.logprobs <= max_logprobs:
         raise RefusedField(
             "output_options.logprobs",
@@ -172,12 +201,12 @@ def tokenize_request(
     )
 
 
-def output_chunk(output: RequestOutput, text: TokenText) -> dict[str, Any]:
+def output_chunk(output: RequestOutput, text: TokenText, index: int = 0) -> dict[str, Any]:
     """What the frontend reads of one output: the new tokens (with logprobs where asked:
     one per token, and its most likely tokens', in vLLM's backend's shape, each top
     token's text as `text` decodes it alone), and on the last one the finish reason and the
-    usage (cached tokens included)."""
-    chunk: dict[str, Any] = {"token_ids": output.new_token_ids, "index": 0}
+    usage (cached tokens included); `index`: which of the request's answers it is."""
+    chunk: dict[str, Any] = {"token_ids": output.new_token_ids, "index": index}
     if output.logprobs:
         chunk["log_probs"] = [item.logprob for item in output.logprobs]
         chunk["top_logprobs"] = [_top_entries(item, text) for item in output.logprobs]

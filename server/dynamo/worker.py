@@ -37,13 +37,21 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ...common.process_heap import freeze_startup_heap
-from ...ipc.messages import SchedulerReady
+from ...ipc.messages import SchedulerReady, TokenizeRequest
 from ..app import AppSettings
 from ..engine_client import EngineRequestError, ZmqEngineClient
 from ..logprobs import TokenText
 from ..metrics import CONTENT_TYPE, MetricsBoard
 from ..stats_log import banner
-from .requests import RefusedField, output_chunk, routed_replica, tokenize_request
+from ..streaming import interleaved, starting_with
+from .requests import (
+    RefusedField,
+    choice_requests,
+    choices,
+    output_chunk,
+    routed_replica,
+    tokenize_request,
+)
 
 logger = logging.getLogger("iris.launcher")
 WATCH_INTERVAL_SECONDS = 0.5
@@ -82,28 +90,41 @@ class DynamoHandler:
             tokenize = tokenize_request(
                 request, request_id, settings.sampling_defaults, settings.max_logprobs
             )
+            answers = choice_requests(tokenize, choices(request))
         except (RefusedField, ValueError) as error:
             raise _client_error(400, str(error)) from None
-        self.in_flight.add(request_id)
-        cancel = asyncio.ensure_future(self._abort_when_stopped(context, request_id))
+        ids = [answer.request_id for answer in answers]
+        self.in_flight.update(ids)
+        cancel = asyncio.ensure_future(self._abort_when_stopped(context, ids))
+        replica = routed_replica(request, self.client.num_replicas)
         try:
-            replica = routed_replica(request, self.client.num_replicas)
-            async for output in self.client.generate(tokenize, replica):
-                yield output_chunk(output, self.token_text)
+            first = self._chunks(answers[0], 0, replica)
+            head = await anext(first)  # its prompt's pages are cached before the others start
+            others = [self._chunks(a, i, replica) for i, a in enumerate(answers[1:], 1)]
+            async for chunk in interleaved([starting_with(head, first), *others]):
+                yield chunk
         except EngineRequestError as error:
             raise _client_error(error.status, error.message) from None
         finally:
             cancel.cancel()
-            self.in_flight.discard(request_id)
+            self.in_flight.difference_update(ids)
+
+    async def _chunks(
+        self, request: TokenizeRequest, index: int, replica: int | None
+    ) -> AsyncIterator[dict]:
+        """Answer `index`'s chunks as the engine's outputs come."""
+        async for output in self.client.generate(request, replica):
+            yield output_chunk(output, self.token_text, index)
 
     async def abort_all(self) -> None:
         for request_id in list(self.in_flight):
             await self.client.abort(request_id)
 
-    async def _abort_when_stopped(self, context: Any, request_id: str) -> None:
-        """The client went away (Dynamo stopped the request's context): abort it."""
+    async def _abort_when_stopped(self, context: Any, request_ids: list[str]) -> None:
+        """The client went away (Dynamo stopped the request's context): abort its answers."""
         await context.async_killed_or_stopped()
-        await self.client.abort(request_id)
+        for request_id in request_ids:
+            await self.client.abort(request_id)
 
 
 async def serve_dynamo(
