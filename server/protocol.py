@@ -200,8 +200,10 @@ def _part_refused(why: str) -> PydanticCustomError:
 
 
 def _part_type(part: Any) -> str:
+    """The union tag of a content part: its type where Iris takes that type (a string:
+    any other JSON value, an object or a list, is refused as an unsupported part)."""
     kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-    return kind if kind in PART_MODELS else UNSUPPORTED_PART_TAG
+    return kind if isinstance(kind, str) and kind in PART_MODELS else UNSUPPORTED_PART_TAG
 
 
 _MEMBERS = (

@@ -99,6 +99,7 @@ _PARTS_NOT_TAKEN = {
              "'file' are not supported (file inputs are not supported)"),
     "image": ({"type": "image", "image": "https://x/a.png"}, "'image' are not supported;"),
     "made up": ({"type": "hologram"}, "'hologram' are not supported;"),
+    "a type not a string": ({"type": {}}, "of type {} are not supported;"),  # the fuzzer's
     "no type": ({"text": "hi"}, "a content part needs a type"),
     "not an object": ("hi", "a content part must be an object"),
 }  # fmt: skip
