@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -44,6 +45,21 @@ logger = logging.getLogger(__name__)
 
 class EngineRequestError(APIError):
     """The engine refused or failed a request (a `RequestError` for it arrived)."""
+
+
+def _field_out_of_range(request: TokenizeRequest) -> str:
+    """The field of `request` (a sampling option by its own name) holding an integer
+    msgpack cannot carry: JSON passed on as it came (the messages' extra keys, the tools'
+    schemas, the chat template's arguments) or a number the API does not bound."""
+    for name in request.__struct_fields__:
+        value = getattr(request, name)
+        fields = value.__struct_fields__ if isinstance(value, msgspec.Struct) else ()
+        for where, item in [(f, getattr(value, f)) for f in fields] or [(name, value)]:
+            try:
+                msgspec.msgpack.encode(item)
+            except OverflowError:
+                return where
+    return "messages"
 
 
 class EngineClient(Protocol):
@@ -181,6 +197,12 @@ class ZmqEngineClient:
             self._finish(request_id)
             raise EngineRequestError(
                 503, f"tokenizer worker {flight.worker} is not taking requests"
+            ) from None
+        except OverflowError:  # msgpack's ints are 64-bit; JSON's are not
+            self._finish(request_id)
+            field = _field_out_of_range(request)
+            raise EngineRequestError(
+                400, f"{field}: holds an integer that does not fit in 64 bits", param=field
             ) from None
         try:
             while True:

@@ -140,6 +140,33 @@ def test_a_replica_a_cluster_router_chose_is_where_the_request_goes():
     _run(test, replicas=2)
 
 
+def test_a_number_beyond_64_bits_in_a_free_form_field_is_a_400_naming_it():
+    """JSON integers are unbounded; the messages' extra keys and the tools go on to the
+    worker as they came, in msgpack, whose integers are 64-bit: such a request is the
+    client's error, naming the field, and nothing of it stays in flight (a fuzzer found
+    it as a 500)."""
+
+    async def test(h: Harness) -> None:
+        messages = [{"role": "user", "content": "hi", "note": 2**70}]
+        request = TokenizeRequest("big", Sampling(max_tokens=4), messages=messages)
+        with pytest.raises(EngineRequestError) as raised:
+            await anext(h.client.generate(request))
+        error = raised.value
+        assert (error.status, error.param) == (400, "messages"), error.message
+        tools = [
+            {"type": "function", "function": {"name": "f", "parameters": {"maximum": -(2**64)}}}
+        ]
+        request = TokenizeRequest("big2", Sampling(max_tokens=4), messages=[], tools=tools)
+        with pytest.raises(EngineRequestError, match="tools: holds an integer"):
+            await anext(h.client.generate(request))
+        request = TokenizeRequest("big3", Sampling(max_tokens=4, seed=2**65), prompt="hi")
+        with pytest.raises(EngineRequestError, match="seed: holds an integer"):
+            await anext(h.client.generate(request))
+        assert h.client.num_in_flight == 0
+
+    _run(test)
+
+
 def _chat(request_id: str, *turns: list[str]) -> TokenizeRequest:
     """A conversation: one user message per turn with these image URLs, answered."""
     messages: list[dict] = []
