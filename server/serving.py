@@ -264,6 +264,10 @@ class OpenAIServing:
         if biased:
             raise APIError(400, f"logit_bias token {biased[0]} is out of the vocabulary",
                            param="logit_bias")  # fmt: skip
+        stops = [t for t in body.stop_token_ids or () if not 0 <= t < self.vocab_size]
+        if stops:
+            raise APIError(400, f"stop_token_ids: token id {stops[0]} is out of the "
+                           "vocabulary", param="stop_token_ids")  # fmt: skip
         wanted = body.requested_logprobs
         if wanted is not None and wanted > self.max_logprobs:
             raise APIError(

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.sampling.sampler import Sampler, SamplingRow, check_sampling
+from iris_serve.scheduler.sampling.sampler import (
+    Sampler,
+    SamplingFieldError,
+    SamplingRow,
+    check_sampling,
+    check_token_ids,
+)
 
 torch.set_num_threads(2)
 
@@ -117,6 +123,23 @@ def test_suppressed_tokens_are_never_drawn():
 def test_invalid_parameters_are_rejected(bad):
     with pytest.raises(ValueError):
         check_sampling(Sampling(**bad))
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (dict(stop_token_ids=(3, 64)), "stop_token_ids"),
+        (dict(logit_bias=((-1, 2.0),)), "logit_bias"),
+    ],
+)
+def test_a_token_id_outside_the_vocabulary_is_refused_naming_its_field(fields, param):
+    """The sampler indexes the logits by stop and biased ids (min_tokens masks the stop
+    ids): one outside the vocabulary is refused at admission, naming the field, however
+    the request came (HTTP checks it too; a cluster frontend's request may not)."""
+    check_token_ids(Sampling(stop_token_ids=(3, 63)), vocab_size=64)
+    with pytest.raises(SamplingFieldError) as raised:
+        check_token_ids(Sampling(**fields), vocab_size=64)
+    assert raised.value.param == param and "out of the vocabulary" in str(raised.value)
 
 
 # --- penalties, bias and min_p --------------------------------------------------------

@@ -63,6 +63,26 @@ def check_sampling(params: Sampling) -> None:
         raise ValueError(f"logprobs must be non-negative, got {params.logprobs}")
 
 
+class SamplingFieldError(ValueError):
+    """A sampling option the engine cannot honour, naming it (`param`, as the API does)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_token_ids(params: Sampling, vocab_size: int) -> None:
+    """Raises `SamplingFieldError` for a stop or biased token outside the vocabulary: the
+    sampler indexes the logits by them."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias", [token for token, _ in params.logit_bias])):  # fmt: skip
+        bad = [token for token in ids if not 0 <= token < vocab_size]
+        if bad:
+            raise SamplingFieldError(
+                f"{name}: token id {bad[0]} is out of the vocabulary [0, {vocab_size})", name
+            )
+
+
 @dataclass
 class SamplingRow:
     """One request's view for one step: its parameters and what the sampler must know."""

@@ -37,7 +37,7 @@ from ..encoder.pixels import Pin, PixelStore
 from ..kv.kv_events import KvEvent
 from ..models.mrope import mrope_positions
 from ..models.tensor_parallel import SINGLE, TPShard
-from ..sampling.sampler import check_sampling
+from ..sampling.sampler import check_sampling, check_token_ids
 from ..sampling.structured_output import Grammars
 from .batch_planner import BatchPlanner, StepPlan
 from .faults import (
@@ -183,6 +183,7 @@ class Engine:
         vocab = self.model.config.vocab_size
         if max(token_ids) >= vocab or min(token_ids) < 0:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        check_token_ids(sampling, vocab)
         positions, rope_delta = mrope_positions(
             len(token_ids),
             [(image.offset, image.length) for image in prompt.images],

@@ -55,6 +55,8 @@ _CHAT_ERRORS = [
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"stop_token_ids": [1696548]}, "stop_token_ids"),  # the fuzzer's: a 500 in the sampler
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # over --max-logprobs
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
