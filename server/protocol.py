@@ -492,19 +492,25 @@ class CompletionRequest(
 
 
 class TokenizeBody(_Body):
-    """vLLM's /tokenize: a prompt, or text-only messages rendered with the chat template."""
+    """vLLM's /tokenize: a prompt, or text-only messages rendered with the chat template
+    (exactly one: the document says so, and the error names `messages`)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+    )
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, validate_default=True)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeBody:
-        if (self.prompt is None) == (self.messages is None):
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, messages: list[ChatMessage] | None, info: ValidationInfo) -> Any:
+        if (info.data.get("prompt") is None) == (messages is None):
             raise ValueError("give exactly one of `prompt` and `messages`")
-        return self
+        return messages
 
 
 class DetokenizeBody(_Body):

@@ -291,7 +291,11 @@ def test_tokenize_and_detokenize(client, tokenizer):
     image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
     response = client.post("/tokenize", json={"messages": [{"role": "user", "content": [image]}]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
-    assert client.post("/tokenize", json={}).status_code == 400
+    for neither_or_both in ({}, {"prompt": "hi", "messages": USER}):  # the error names one
+        response = client.post("/tokenize", json=neither_or_both)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["TokenizeBody"]
+    assert schema["oneOf"] == [{"required": ["prompt"]}, {"required": ["messages"]}]
     assert client.post("/tokenize", json={"prompt": "x", "model": "nope"}).status_code == 404
 
     tokens = tokenizer.encode("Hi 😀 世界")
