@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.types import ASGIApp, Receive, Scope, Send
 from transformers import AutoTokenizer
 
@@ -28,6 +29,7 @@ from ..common.version import iris_version
 from .engine_client import EngineClient
 from .errors import APIError, error_response, install_error_handlers
 from .metrics import CONTENT_TYPE, MetricsBoard
+from .openapi_document import BAD_REQUEST, GENERATION_ERRORS, UNKNOWN_MODEL, install_document
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,6 +52,22 @@ class AppSettings:
     max_logprobs: int = 20
     chat_template: str | None = None  # replaces the tokenizer's (the workers get it too)
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled, parsed so
+
+
+class AnythingConvertor(Convertor[str]):
+    """A path parameter of any characters, line breaks included (Starlette's `path`
+    stops at one, so `/v1/models/a%0Ab` would be an unrouted 404 naming no field)."""
+
+    regex = "(?s:.*)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("anything", AnythingConvertor())
 
 
 def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
@@ -90,6 +108,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
         title="Iris", version=settings.version, lifespan=lifespan, strict_content_type=False
     )
     install_error_handlers(app)
+    install_document(app)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
 
@@ -125,7 +144,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
             ]
         )
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:anything}", responses=UNKNOWN_MODEL)
     async def model(model_id: str) -> ModelCard:
         if model_id not in settings.served_model_names:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model")
@@ -134,15 +153,15 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
             max_model_len=settings.max_model_len, quantization=settings.quantization,
         )  # fmt: skip
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(body, raw)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         return await serving.completion(body, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses={**BAD_REQUEST, **UNKNOWN_MODEL})
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
         serving.check_model(body.model)
         if body.messages is None:
@@ -167,7 +186,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
             tokens = tokenizer.encode(text, add_special_tokens=False)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": settings.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={**BAD_REQUEST, **UNKNOWN_MODEL})
     async def detokenize(body: DetokenizeBody) -> dict[str, str]:
         serving.check_model(body.model)
         if body.tokens and max(body.tokens) >= serving.vocab_size:
