@@ -30,10 +30,11 @@ def error_reply(description: str) -> dict[str, Any]:
     return {"model": ErrorResponse, "description": description}
 
 
-BAD_REQUEST = {400: error_reply("A field the server refuses, named in error.param.")}
-UNKNOWN_MODEL = {404: error_reply("No served model has that name (error.param: model).")}
-BUSY = {503: error_reply("The server is at capacity or shutting down; retry.")}
-GENERATION_ERRORS = {**BAD_REQUEST, **UNKNOWN_MODEL, **BUSY}
+Responses = dict[int | str, dict[str, Any]]  # a route's `responses`, as FastAPI types it
+BAD_REQUEST: Responses = {400: error_reply("A field the server refuses, named in error.param.")}
+UNKNOWN_MODEL: Responses = {404: error_reply("No served model has that name (error.param: model).")}
+BUSY: Responses = {503: error_reply("The server is at capacity or shutting down; retry.")}
+GENERATION_ERRORS: Responses = {**BAD_REQUEST, **UNKNOWN_MODEL, **BUSY}
 _VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
 
 
