@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis.strategies import SearchStrategy
 from schemathesis.core.failures import FailureGroup
 
 from bench.results_io import (
@@ -71,6 +72,18 @@ CHECKS = [
 ]
 
 
+EXAMPLE_DRAWS = 8  # draws from an operation's documented examples (about one of each)
+
+
+def strategies(
+    operation: schemathesis.APIOperation, examples: int
+) -> list[tuple[SearchStrategy[schemathesis.Case], int]]:
+    """(strategy, draws) for `operation`: its documented examples (the chat route's real
+    media parts: `server/openapi_document.py`), then `examples` generated cases."""
+    documented = [(s, EXAMPLE_DRAWS) for s in operation.get_strategies_from_examples()]
+    return [*documented, (operation.as_strategy(), examples)]
+
+
 @dataclass
 class Tally:
     """One operation's answers: by status class, hangs, and the first failures' repros."""
@@ -89,10 +102,22 @@ def fuzz(
     """`examples` generated cases of `operation`, each answer checked; failures counted
     (the first five kept) rather than stopping the run."""
     tally = Tally()
+    for strategy, draws in strategies(operation, examples):
+        _fuzz_with(strategy, draws, tally, operation.label, timeout, run_seed)
+    return tally
 
+
+def _fuzz_with(
+    strategy: SearchStrategy[schemathesis.Case],
+    draws: int,
+    tally: Tally,
+    label: str,
+    timeout: float,
+    run_seed: int,
+) -> None:
     @seed(run_seed)
-    @given(case=operation.as_strategy())
-    @settings(max_examples=examples, deadline=None, phases=[Phase.explicit, Phase.generate],
+    @given(case=strategy)
+    @settings(max_examples=draws, deadline=None, phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck), database=None)  # fmt: skip
     def answer(case: schemathesis.Case) -> None:
         try:
@@ -106,10 +131,9 @@ def fuzz(
         except (AssertionError, FailureGroup) as failure:  # counted; the run goes on
             tally.statuses["failed check"] += 1
             if len(tally.failures) < 5:
-                tally.failures.append(f"{operation.label}: {failure}"[:2000])
+                tally.failures.append(f"{label}: {failure}"[:2000])
 
     answer()
-    return tally
 
 
 def idle_after(base_url: str, timeout: float = 60.0) -> dict[str, float]:

@@ -29,7 +29,13 @@ from ..common.version import iris_version
 from .engine_client import EngineClient
 from .errors import APIError, error_response, install_error_handlers
 from .metrics import CONTENT_TYPE, MetricsBoard
-from .openapi_document import BAD_REQUEST, GENERATION_ERRORS, UNKNOWN_MODEL, install_document
+from .openapi_document import (
+    BAD_REQUEST,
+    CHAT_BODY,
+    GENERATION_ERRORS,
+    UNKNOWN_MODEL,
+    install_document,
+)
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -154,7 +160,7 @@ def create_app(settings: AppSettings, client: EngineClient) -> FastAPI:
         )  # fmt: skip
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+    async def chat_completions(raw: Request, body: ChatCompletionRequest = CHAT_BODY) -> Any:
         return await serving.chat(body, raw)
 
     @app.post("/v1/completions", responses=GENERATION_ERRORS)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Body, FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+
+from .protocol import IMAGE_URL_EXAMPLES, VIDEO_URL_EXAMPLES
 
 
 class ErrorInfo(BaseModel):
@@ -38,6 +40,25 @@ GENERATION_ERRORS: Responses = {**BAD_REQUEST, **UNKNOWN_MODEL, **BUSY}
 _VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
 
 
+def _chat_with(part: dict[str, Any]) -> dict[str, Any]:
+    text = {"type": "text", "text": "What is this?"}
+    return {"value": {"messages": [{"role": "user", "content": [part, text]}], "max_tokens": 4}}
+
+
+def chat_examples(image_urls: list[str], video_urls: list[str]) -> dict[str, Any]:
+    """Chat requests the document shows (and a fuzzer driven by it sends as they are):
+    text, then one per example media URL (`protocol.IMAGE_URL_EXAMPLES`: a valid image, a
+    truncated one, another type, a host no rule allows; videos alike)."""
+    examples: dict[str, Any] = {
+        "text": {"value": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}
+    }
+    for i, url in enumerate(image_urls):
+        examples[f"image {i}"] = _chat_with({"type": "image_url", "image_url": {"url": url}})
+    for i, url in enumerate(video_urls):
+        examples[f"video {i}"] = _chat_with({"type": "video_url", "video_url": {"url": url}})
+    return examples
+
+
 def install_document(app: FastAPI) -> None:
     """Serves `app`'s document without FastAPI's 422 responses and their schemas (a
     request that fails validation is a 400, which the routes document)."""
@@ -58,3 +79,7 @@ def install_document(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = document  # type: ignore[method-assign]
+
+
+# The chat route's body, with its examples in the document.
+CHAT_BODY: Any = Body(openapi_examples=chat_examples(IMAGE_URL_EXAMPLES, VIDEO_URL_EXAMPLES))

@@ -49,13 +49,25 @@ MAX_UUID_CHARS = 256  # tokenizer_worker.chat's bound too
 Uuid = Annotated[str, Field(min_length=1, max_length=MAX_UUID_CHARS)]
 
 
+# What the document shows as media URLs (a fuzzer driven by it starts from these): a
+# 16×16 PNG, the same cut short, bytes of another type, and a host no rule allows.
+_PNG = "iVBORw0KGgoAAAANSUhEUgAAABAAAAAQCAIAAACQkWg2AAAAGklEQVR42mM8ISfHQApgYiARjGoY1TB0NAAATx8BJMixHB8AAAAASUVORK5CYII="
+IMAGE_URL_EXAMPLES = [
+    f"data:image/png;base64,{_PNG}",
+    f"data:image/png;base64,{_PNG[:40]}",
+    "data:text/plain;base64,aGVsbG8=",
+    "https://example.invalid/a.png",
+]
+VIDEO_URL_EXAMPLES = ["data:video/mp4;base64,AAAAGGZ0eXBtcDQy", "https://example.invalid/v.mp4"]
+
+
 class ImageURL(_Body):
-    url: Annotated[str, Field(min_length=1)] | None = None
+    url: Annotated[str, Field(min_length=1, examples=IMAGE_URL_EXAMPLES)] | None = None
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class VideoURL(_Body):
-    url: Annotated[str, Field(min_length=1)] | None = None
+    url: Annotated[str, Field(min_length=1, examples=VIDEO_URL_EXAMPLES)] | None = None
 
 
 class ImageEmbeds(_Body):

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.strategies import SearchStrategy
 
-from bench.api_fuzz import CHECKS, FUZZED_SERVER_ARGS, IDLE
+from bench.api_fuzz import CHECKS, FUZZED_SERVER_ARGS, IDLE, strategies
 from tests.bench_smoke import markdown_tables, run_bench
 from tests.server_harness import RunningServer, iris_server
 
@@ -43,23 +44,30 @@ def test_every_answer_is_a_success_or_a_4xx_naming_its_field(api: schemathesis.B
     fuzzed = []
     for result in api.get_all_operations():
         operation = result.ok()
-
-        @given(case=operation.as_strategy())
-        @settings(
-            max_examples=EXAMPLES_PER_OPERATION,
-            deadline=None,
-            derandomize=True,
-            phases=[Phase.explicit, Phase.generate],
-            suppress_health_check=list(HealthCheck),
-            database=None,
-        )
-        def answers(case: schemathesis.Case) -> None:
-            response = case.call(timeout=60)
-            case.validate_response(response, checks=CHECKS)
-
-        answers()
+        for strategy, draws in strategies(operation, EXAMPLES_PER_OPERATION):
+            answers_with(strategy, draws)
         fuzzed.append(operation.label)
     assert {"POST /v1/chat/completions", "POST /v1/completions"} <= set(fuzzed), fuzzed
+
+
+def answers_with(strategy: SearchStrategy[schemathesis.Case], draws: int) -> None:
+    """`draws` cases from `strategy`, each answer held to `CHECKS` (the first failure
+    fails the test, shrunk, with its curl line)."""
+
+    @given(case=strategy)
+    @settings(
+        max_examples=draws,
+        deadline=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+    def answer(case: schemathesis.Case) -> None:
+        response = case.call(timeout=60)
+        case.validate_response(response, checks=CHECKS)
+
+    answer()
 
 
 def test_the_long_fuzzing_benchmark_writes_its_table(fuzzed: RunningServer, tmp_path: Path) -> None:
