@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import requests  # Schemathesis' transport
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.strategies import SearchStrategy
@@ -122,7 +123,7 @@ def _fuzz_with(
     def answer(case: schemathesis.Case) -> None:
         try:
             response = case.call(timeout=timeout)
-        except (httpx.TimeoutException, TimeoutError):
+        except (requests.Timeout, httpx.TimeoutException, TimeoutError):
             tally.statuses["hang"] += 1
             return
         tally.statuses[f"{response.status_code // 100}xx"] += 1
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     add_arch_argument(parser)
     parser.add_argument("--url", help="fuzz this running server instead of starting one")
     parser.add_argument("--examples", type=int, default=1200, help="cases per operation")
-    parser.add_argument("--request-timeout", type=float, default=60.0, help="a hang, seconds")
+    # a valid request may take long: n = 128 answers of a whole context each
+    parser.add_argument("--request-timeout", type=float, default=300.0, help="a hang, seconds")
     parser.add_argument("--seed", type=int, default=47)
     parser.add_argument("--out", type=Path, default=None, help="results folder")
     args = parser.parse_args(argv)
