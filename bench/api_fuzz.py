@@ -149,6 +149,15 @@ def idle_after(base_url: str, timeout: float = 60.0) -> dict[str, float]:
         time.sleep(0.1)  # polling another process, bounded above
 
 
+def processes_left(group: int, timeout: float = 10.0) -> list[tuple[int, list[str]]]:
+    """The server's process group once its launcher has exited, given `timeout` for
+    children reparented at the end to finish exiting (bounded)."""
+    deadline = time.monotonic() + timeout
+    while (left := group_processes(group)) and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling /proc, bounded above
+    return left
+
+
 def run(
     base_url: str, examples: int, timeout: float, run_seed: int
 ) -> tuple[list[list], list[str], dict[str, float]]:
@@ -191,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
                                        args.seed)  # fmt: skip
         status = server.stop()
         assert server.process is not None
-        left = group_processes(server.process.pid)
+        left = processes_left(server.process.pid)
         served = f"`iris serve` on the {checkpoint.description} ({' '.join(FUZZED_SERVER_ARGS)})"
         stopped = f"stopped with exit status {status}, leaving {len(left)} processes"
         label = checkpoint.label
