@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     body = (
         f"Schemathesis {schemathesis.__version__} against {served}: {args.examples} "
         f"generated cases per operation, seed {args.seed}, {total} requests. Checks: no 5xx, "
-        f"a 4xx is OpenAI's error object naming its field; a request past "
+        f"every status and body as documented, a 4xx OpenAI's error object naming its field; "
+        f"a request past "
         f"{args.request_timeout:g} s is a hang.\n\n{table}\n\nAfterwards: {held}; the server "
         f"{stopped}.\n" + "".join(f"\n    {line}" for f in failures for line in f.splitlines())
     )
