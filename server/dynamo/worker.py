@@ -43,7 +43,7 @@ from ..engine_client import EngineRequestError, ZmqEngineClient
 from ..logprobs import TokenText
 from ..metrics import CONTENT_TYPE, MetricsBoard
 from ..stats_log import banner
-from ..streaming import interleaved, starting_with
+from ..streaming import closing, interleaved, starting_with
 from .requests import (
     RefusedField,
     choice_requests,
@@ -101,8 +101,9 @@ class DynamoHandler:
             first = self._chunks(answers[0], 0, replica)
             head = await anext(first)  # its prompt's pages are cached before the others start
             others = [self._chunks(a, i, replica) for i, a in enumerate(answers[1:], 1)]
-            async for chunk in interleaved([starting_with(head, first), *others]):
-                yield chunk
+            async with closing(interleaved([starting_with(head, first), *others])) as chunks:
+                async for chunk in chunks:  # closed with this stream: every answer's too
+                    yield chunk
         except EngineRequestError as error:
             raise _client_error(error.status, error.message) from None
         finally:
