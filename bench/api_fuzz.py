@@ -7,7 +7,7 @@ Unlike the test (`tests/test_api_fuzz.py`, bounded and derandomized), failures a
 counted and the run goes on; afterwards the server must hold nothing (`IDLE`) and stop
 leaving no process.
 
-    python -m bench.api_fuzz --examples 1200      # ~10,000 requests over 9 operations
+    python -m bench.api_fuzz --examples 2000      # N per operation with inputs: ~5N requests
     python -m bench.api_fuzz --url http://127.0.0.1:8000 --examples 50   # a running server
 """
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     add_arch_argument(parser)
     parser.add_argument("--url", help="fuzz this running server instead of starting one")
-    parser.add_argument("--examples", type=int, default=1200, help="cases per operation")
+    parser.add_argument("--examples", type=int, default=2000, help="cases per operation")
     # a valid request may take long: n = 128 answers of a whole context each
     parser.add_argument("--request-timeout", type=float, default=300.0, help="a hang, seconds")
     parser.add_argument("--seed", type=int, default=47)
