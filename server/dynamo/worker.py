@@ -182,7 +182,7 @@ async def serve_dynamo(
     ]
     await register_model(
         ModelInput.Tokens,
-        ModelType.Chat,
+        ModelType.Chat | ModelType.Completions,  # /v1/completions too
         endpoint,
         settings.model_path,
         settings.served_model_names[0],
