@@ -57,8 +57,8 @@ def test_errors_are_documented_as_the_openai_error_the_server_answers(qwen2_vl_t
 
 
 def test_any_model_id_is_looked_up_and_an_unknown_one_named(qwen2_vl_tiny: Path) -> None:
-    """`/v1/models/{id}` takes any id, a line break included (the fuzzer's: Starlette's
-    `path` parameter stops at one, which answered an unrouted 404 naming no field)."""
+    """`/v1/models/{id}` takes any id, a line break included (Starlette's `path`
+    parameter stops at one): an unknown one is a 404 naming `model`."""
     app = create_app(settings(qwen2_vl_tiny), FakeEngine(lambda request: Script([[1]])))
     with TestClient(app) as client:
         for model_id in ("a%0Ab", "org/name", "x%0D"):

@@ -11,12 +11,11 @@ import io
 
 import httpx
 
+from bench.api_fuzz import IDLE  # the owners' counts once nothing runs
 from tests.reference import make_image
 from tests.server_harness import REPO, iris_server, stop, wait_until_gone
 
 FAULT_SEED = 424242
-IDLE = {"iris_kv_cache_used_pages": 0.0, "iris_scheduler_pinned_images": 0.0,
-        "iris_shm_arena_pinned_entries": 0.0, "iris_num_requests_running": 0.0}  # fmt: skip
 
 
 def chat_body(**extra) -> dict:

@@ -55,7 +55,7 @@ _CHAT_ERRORS = [
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
-    ({"stop_token_ids": [1696548]}, "stop_token_ids"),  # the fuzzer's: a 500 in the sampler
+    ({"stop_token_ids": [1696548]}, "stop_token_ids"),  # the sampler indexes logits by it
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # over --max-logprobs
@@ -101,7 +101,7 @@ _PARTS_NOT_TAKEN = {
              "'file' are not supported (file inputs are not supported)"),
     "image": ({"type": "image", "image": "https://x/a.png"}, "'image' are not supported;"),
     "made up": ({"type": "hologram"}, "'hologram' are not supported;"),
-    "a type not a string": ({"type": {}}, "of type {} are not supported;"),  # the fuzzer's
+    "a type not a string": ({"type": {}}, "of type {} are not supported;"),
     "no type": ({"text": "hi"}, "a content part needs a type"),
     "not an object": ("hi", "a content part must be an object"),
 }  # fmt: skip
