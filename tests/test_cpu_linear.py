@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from iris_serve.ipc.messages import Sampling
-from iris_serve.scheduler.models.cpu_linear import OneDNNPackedLinear
+from iris_serve.scheduler.models.cpu_linear import OneDNNPackedLinear, dense_product
 from iris_serve.scheduler.models.linear_method import (
     DENSE,
     LinearLayer,
@@ -80,7 +80,8 @@ def test_after_loading_only_the_packed_copy_remains():
     layers = _packed_layers([(64, 96, True)], torch.float32)
     layer = layers[0]
     x = torch.randn(3, 64)
-    expected = F.linear(x, layer.weight, layer.bias)
+    with torch.no_grad():  # no autograd graph of the test's own holding the weight
+        expected = F.linear(x, layer.weight, layer.bias)
     released = weakref.ref(layer.weight)
     process_linears_after_loading(layers)
     gc.collect()
@@ -141,3 +142,19 @@ def test_the_engine_packs_by_default_holds_1x_and_aten_gives_the_same_tokens(
 
     tokens = {kind: engine.generate([prompt], greedy) for kind, engine in engines.items()}
     assert tokens["onednn"] == tokens["aten"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_unpacked_weights_product_is_pytorchs_linear(dtype):
+    """The path of dequantized copies and the LM head: rows of any leading shape, a bias,
+    and a transposed view (AWQ's and GPTQ's buffers hold the weight as `[in, out]`)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 96, generator=generator).to(dtype)
+    weight_t = torch.randn(96, 40, generator=generator).to(dtype)
+    bias = torch.randn(40, generator=generator).to(dtype)
+    expected = F.linear(x.float(), weight_t.t().float(), bias.float())
+    got = dense_product(x, weight_t.t(), bias)
+    assert got.dtype == dtype and got.shape == (2, 5, 40)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    assert dense_product(x[:0], weight_t.t()).shape == (0, 5, 40)

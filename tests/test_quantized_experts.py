@@ -82,7 +82,9 @@ def test_a_ranks_fp8_experts_hold_its_share_and_compute_as_the_dequantized_ones(
     x = torch.randn(7, HIDDEN)
     chosen = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 2], [0, 0], [2, 0], [0, 2]])  # 1 idle
     weights = torch.rand(7, 2)
-    torch.testing.assert_close(experts(x, chosen, weights), dense(x, chosen, weights))
+    got, expected = experts(x, chosen, weights), dense(x, chosen, weights)
+    scale = expected.abs().max()  # the CPU kernel sums in its own order: float32's rounding
+    torch.testing.assert_close(got / scale, expected / scale, rtol=0, atol=1e-6)
 
 
 class OneLayer(torch.nn.Module):

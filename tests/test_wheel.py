@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = SOURCE_DIRS  # the folders that install as iris_serve.<folder>
 SOURCES = ("pyproject.toml", "README.md", *PACKAGES)
 PACKAGE_DATA = ("chat_template.jinja", "corpus.txt")
+KERNELS = REPO / "scheduler" / "cpu_kernels"  # C++ sources, shipped as package data
 
 
 def pip(*args: str) -> None:
@@ -92,6 +93,8 @@ def test_the_wheel_holds_only_the_iris_serve_namespace(wheel: Path):
             assert f"iris_serve/{init.relative_to(REPO).as_posix()}" in names
     for data in PACKAGE_DATA:
         assert f"iris_serve/tiny_checkpoint/{data}" in names
+    for source in (*KERNELS.glob("*.cpp"), *KERNELS.glob("*.h")):  # built on first use
+        assert f"iris_serve/{source.relative_to(REPO).as_posix()}" in names
     record = zipfile.ZipFile(wheel).read(f"{dist_info}/RECORD").decode()
     assert {line.split(",")[0] for line in record.splitlines()} == set(names)
 

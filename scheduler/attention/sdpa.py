@@ -20,6 +20,10 @@ cache has fragmented by evicting), it gathers its pages into one K and one V per
 first, a page-sized copy each: one SDPA call instead of one per run and layer; a prefill
 chunk concatenates them.
 
+On a CPU every decode of a step goes through our C++ paged decode attention in one
+call instead (`cpu_decode.py`), over its runs as they lie; the per-sequence paths above
+stay for where it cannot run.
+
 Host work per step is O(new tokens + runs).
 """
 
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 
 from ..kv.kv_cache import KVCache
 from .base import AttentionBackend, SequenceChunk, new_token_slots
+from .cpu_decode import BatchedDecodes
 
 SlotSpan = tuple[int, int]  # (first slot, number of slots)
 SPLIT_MIN_NEW_TOKENS = 512  # on the CPU, a chunk after history this long splits its attention
@@ -71,6 +76,8 @@ class SdpaStep:
         slots = [slot for chunk in chunks for slot in new_token_slots(chunk, page_size)]
         self.slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)
         self.items: list[_Item] = []
+        decode_rows: list[int] = []
+        decode_spans: list[tuple[SlotSpan, ...]] = []
         row = 0
         for chunk in chunks:
             rows = slice(row, row + chunk.num_new)
@@ -84,6 +91,9 @@ class SdpaStep:
                 self.items.append(_Item(rows, spans, is_decode=False, mask=None, split=True))
                 continue
             spans = _context_spans(chunk, page_size, chunk.context_len)
+            if chunk.is_decode:
+                decode_rows.append(rows.start)
+                decode_spans.append(spans)
             if chunk.is_decode and len(spans) >= GATHER_MIN_RUNS:
                 pages = _context_pages(chunk, page_size, device)
                 self.items.append(_Item(rows, spans, True, None, False, pages, chunk.context_len))
@@ -93,6 +103,7 @@ class SdpaStep:
                 mask = torch.ones(chunk.num_new, chunk.context_len, dtype=torch.bool)
                 mask = mask.tril(diagonal=chunk.num_cached).to(device)
             self.items.append(_Item(rows, spans, chunk.is_decode, mask))
+        self.decodes = BatchedDecodes.of(kv_cache, decode_rows, decode_spans, device)
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -101,7 +112,10 @@ class SdpaStep:
         keys, values = self.kv_cache.layer(layer_idx)  # [kv_heads, slots, head_dim]
         num_kv_heads = keys.shape[0]
         out = torch.empty_like(q)
+        decoded = self.decodes is not None and self.decodes.attend(q, keys, values, out)
         for item in self.items:
+            if decoded and item.is_decode:
+                continue
             query = q[item.rows]  # [new, heads, head_dim]
             if not item.spans:
                 out[item.rows] = _causal(query, k[item.rows], v[item.rows])

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .cpu_linear import dense_product
 from .dequantized import (
     NIBBLES_PER_WORD,
     DequantizingMethod,
@@ -87,8 +88,7 @@ class AwqLinear(DequantizingMethod):
         hand_to_kernel(layer, qweight.device, self.dtype, self.group_size, common_form)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.matmul(x, self.dequantized_t(layer, x.dtype))
-        return out if bias is None else out + bias
+        return dense_product(x, self.dequantized_t(layer, x.dtype).t(), bias)
 
     def dequantized_t(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         """`Wt` `[K, N]` in `dtype`, in this thread's buffer (valid until the next call)."""

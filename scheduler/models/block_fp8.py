@@ -12,9 +12,12 @@ own grid and a tensor-parallel slice needs no 128-aligned boundary. Weights stay
 a quarter of float32's bytes; the buffer holds one layer dequantized.
 
 On a CPU activations stay in the model's dtype (weight-only), which is what transformers
-runs for these checkpoints. On CUDA our Triton GEMMs compute without the buffer: on a
-device with FP8 tensor cores with the activations quantized to e4m3 per row and weight
-block (the format's "dynamic" activation scheme, as vLLM runs it:
+runs for these checkpoints: up to `FUSED_ROWS` rows (a decode step) through our C++ kernel
+(`cpu_kernels/fp8_linear.cpp`), which reads each e4m3 byte once and widens it in
+registers, so a step costs what the bytes cost to read; more rows (a prefill chunk), or
+where the kernel cannot be built, through the buffer. On CUDA our Triton GEMMs compute
+without the buffer: on a device with FP8 tensor cores with the activations quantized to
+e4m3 per row and weight block (the format's "dynamic" activation scheme, as vLLM runs it:
 `triton_quant.block_fp8_linear_fp8_activations`), elsewhere weight-only, dequantizing
 tile by tile (`triton_quant.block_fp8_linear`).
 """
@@ -25,9 +28,10 @@ import functools
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
+from .cpu_linear import dense_product
 from .dequantized import (
     DequantizingMethod,
     ThreadBuffers,
@@ -40,6 +44,8 @@ from .loader import ShapeMismatch, Weight, load_parameter, materialized
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
+FUSED_ROWS = 16  # rows up to which the CPU kernel beats dequantize + GEMM (where they cross)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` beside `X.weight`
 
 
@@ -48,6 +54,7 @@ class BlockFp8Linear(DequantizingMethod):
     layers); the dequantization buffer is per thread, as the encoder runs beside the steps."""
 
     name: ClassVar[str] = "block-fp8"
+    cpu_kernel: bool = False  # whether `cpu_kernels/fp8_linear.cpp` loaded (CPU layers)
 
     def create_weights(
         self, layer: LinearLayer, in_features: int, out_features: int, bias: bool
@@ -75,6 +82,8 @@ class BlockFp8Linear(DequantizingMethod):
         """Where a slice starts inside a block (row-parallel, unaligned), each column's block
         in the held grid, once (an index on the weight's device); aligned slices need none."""
         offset, (first, _) = _column_offset(layer), _column_blocks(layer)
+        if layer.weight.device.type == "cpu" and self.dtype in KERNEL_DTYPES:
+            self.cpu_kernel = cpu_kernels.load("fp8_linear")
         if offset % BLOCK:
             columns = torch.arange(layer.in_features, device=layer.weight.device)
             layer.register_buffer("scale_columns", (offset + columns) // BLOCK - first, False)
@@ -89,7 +98,22 @@ class BlockFp8Linear(DequantizingMethod):
                 gemm = triton_quant.block_fp8_linear_fp8_activations
             out = gemm(x, layer.weight, scales, _column_offset(layer) % BLOCK)
             return out if bias is None else out + bias
-        return F.linear(x, self.dequantized(layer, x.dtype), bias)
+        rows = x.numel() // layer.in_features
+        if self.cpu_kernel and 0 < rows <= FUSED_ROWS and x.dtype in KERNEL_DTYPES:
+            return self._fused(layer, x, bias)
+        return dense_product(x, self.dequantized(layer, x.dtype), bias)
+
+    def _fused(
+        self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`x` times the layer through the C++ kernel (a few rows, on a CPU)."""
+        flat = x.reshape(-1, layer.in_features).contiguous()
+        codes, scales = layer.weight.view(torch.uint8), registered(layer.weight_scale_inv)
+        out = torch.ops.iris_fp8.block_fp8_linear(
+            flat, codes, scales, _column_offset(layer) % BLOCK
+        )
+        out = out.view(*x.shape[:-1], layer.out_features)
+        return out if bias is None else out + bias
 
     def dequantized(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         """The layer's weight in `dtype`, in this thread's buffer (valid until the next call)."""

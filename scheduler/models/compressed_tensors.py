@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .cpu_linear import dense_product
 from .dequantized import (
     NIBBLES_PER_WORD,
     DequantizingMethod,
@@ -90,7 +91,7 @@ class PackedW4A16Linear(DequantizingMethod):
         hand_to_kernel(layer, packed.device, self.dtype, self.group_size, common_form)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.dequantized(layer, x.dtype), bias)
+        return dense_product(x, self.dequantized(layer, x.dtype), bias)
 
     def dequantized(self, layer: LinearLayer, dtype: torch.dtype) -> torch.Tensor:
         """`W` `[N, K]` in `dtype`, in this thread's buffer (valid until the next call)."""

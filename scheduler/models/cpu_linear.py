@@ -17,10 +17,23 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from .linear_method import LinearLayer, LinearMethod
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def dense_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x · weightᵀ (+ bias)` for a weight nobody packed ahead (a quantized layer's
+    dequantized copy, the LM head): in float32 on a CPU through oneDNN, unpacked, which
+    on AMD processors is faster than `F.linear`'s MKL path at every row count; elsewhere
+    (bfloat16 included, where the two are even) `F.linear`."""
+    if x.dtype == weight.dtype == torch.float32 and x.numel() and can_pack(x.device, x.dtype):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -12,7 +12,9 @@ linear layer: this rank's rows and columns of the weights (its share of I) and t
 expanded along the rows to `[E, rows, blocks]` over the column blocks its columns fall in,
 so a tensor-parallel slice needs no 128-aligned boundary. On CUDA every expert's rows
 go through our grouped Triton GEMM in one launch (`grouped_product`), the weights
-dequantized tile by tile in registers; elsewhere through a dequantized copy (`dequantized`).
+dequantized tile by tile in registers; on a CPU an expert's few rows (a decode step's)
+through our C++ kernel as `block_fp8` layers do (`cpu_product`); elsewhere through a
+dequantized copy (`dequantized`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .block_fp8 import BLOCK, FP8, dequantized_blocks
+from .. import cpu_kernels
+from .block_fp8 import BLOCK, FP8, FUSED_ROWS, KERNEL_DTYPES, dequantized_blocks
+from .cpu_linear import dense_product
 from .dequantized import ThreadBuffers
 from .loader import ShapeMismatch, Weight, materialized
 
@@ -107,6 +111,19 @@ def dequantized(
         weight.view(num * rows, cols), grid.view(num * rows, -1), columns, dtype, scales.buffers
     )
     return flat.view(num, rows, cols)
+
+
+def cpu_product(experts: RoutedExperts, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """`x` (rows routed to `expert`) times its projection `name` on a CPU: up to
+    `block_fp8.FUSED_ROWS` rows through the C++ kernel, more through a dequantized copy."""
+    scales = experts.fp8
+    assert scales is not None  # held in block FP8
+    if x.shape[0] <= FUSED_ROWS and x.dtype in KERNEL_DTYPES and cpu_kernels.load("fp8_linear"):
+        weight, grid = getattr(experts, name), getattr(experts, name + SCALE)
+        codes = weight[expert].view(torch.uint8)
+        kernel = torch.ops.iris_fp8.block_fp8_linear
+        return kernel(x.contiguous(), codes, grid[expert], scales.k_shift[name])
+    return dense_product(x, dequantized(experts, name, expert, x.dtype))
 
 
 def grouped_product(

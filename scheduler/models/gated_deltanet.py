@@ -19,8 +19,10 @@ A prefill runs the recurrence in chunks of `CHUNK_SIZE` tokens counted from the 
 first token (`chunked_delta_rule`): within a chunk the delta updates form one unit
 lower-triangular system, solved at once, so only the passage from chunk to chunk is
 sequential. A decode step applies the recurrence itself (`recurrent_delta_step`), batched
-over the step's sequences. The two forms agree up to fp rounding, so a prompt prefilled
-over several calls matches one call up to rounding too.
+over the step's sequences; on a CPU through our C++ kernel instead, in place on the state
+slots (`cpu_kernels/gated_delta.cpp`: two passes over each S, no gather or scatter). The
+two forms agree up to fp rounding, so a prompt prefilled over several calls matches one
+call up to rounding too.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
 from ..hybrid.linear_state import LinearStates, LinearStepContext
 from .config import VLModelConfig
 from .layers import rms_normalized
@@ -170,6 +173,17 @@ def _state_after(
     last = log_decay[:, count - 1, None]  # [H, 1]
     decayed_k = k[:, :count] * (last - log_decay[:, :count]).exp()[..., None]
     return state * last.exp()[..., None] + decayed_k.transpose(-1, -2) @ writes[:, :count]
+
+
+def _kernel_steps(recurrent: torch.Tensor) -> bool:
+    """Whether a decode step over these states (one layer's) runs the C++ kernel: on a
+    CPU, value heads in whole vectors (16 floats), where the kernel built."""
+    return (
+        recurrent.device.type == "cpu"
+        and recurrent.shape[-1] % 16 == 0
+        and recurrent.shape[-1] <= 256
+        and cpu_kernels.load("gated_delta")
+    )
 
 
 def l2_normalized(x: torch.Tensor) -> torch.Tensor:
@@ -326,6 +340,10 @@ class GatedDeltaNet(nn.Module):
         mixed, conv_state = causal_conv_step(columns, conv[slots], self.conv1d.weight)
         conv.index_copy_(0, slots, conv_state)
         q, k, v = self._heads(mixed)
+        if _kernel_steps(recurrent):
+            kernel = torch.ops.iris_gdn.gated_delta_decode
+            inputs = (x.contiguous() for x in (q, k, v, g, beta))
+            return kernel(*inputs, recurrent, slots)
         out, state = recurrent_delta_step(q, k, v, g, beta, recurrent[slots])
         recurrent.index_copy_(0, slots, state)
         return out

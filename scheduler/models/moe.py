@@ -31,6 +31,7 @@ from torch import nn
 
 from . import fp8_experts, int4_experts
 from .config import MoEConfig, VLModelConfig
+from .cpu_linear import dense_product
 from .layers import GatedMLP
 from .linear_method import LinearLayer, LinearMethod, use_method
 from .loader import Weight, load_parameter, materialized
@@ -158,17 +159,17 @@ class RoutedExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, name: str, rows: torch.Tensor) -> torch.Tensor:
         """`_grouped_linear` over projection `name`. In block FP8 on CUDA through our
-        grouped Triton GEMM, no count read back (CUDA graphs); on a CPU only the experts
-        with rows are dequantized, one at a time (the loop reads the counts anyway);
-        elsewhere every expert at once."""
+        grouped Triton GEMM, no count read back (CUDA graphs); on a CPU one expert with
+        rows at a time (the loop reads the counts anyway; `fp8_experts.cpu_product`);
+        elsewhere every expert dequantized at once."""
         weight = getattr(self, name)
         if weight.dtype != fp8_experts.FP8:
             return _grouped_linear(x, weight, rows)
         if x.is_cuda:
             return fp8_experts.grouped_product(self, name, x, rows)
         if x.device.type == "cpu":
-            return _looped_linear(
-                x, rows, weight.shape[1], lambda e: fp8_experts.dequantized(self, name, e, x.dtype)
+            return _looped(
+                x, rows, weight.shape[1], lambda e, xs: fp8_experts.cpu_product(self, name, e, xs)
             )
         return _grouped_linear(x, fp8_experts.dequantized(self, name, None, x.dtype), rows)
 
@@ -218,19 +219,22 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -
     if _grouped_mm_works(x.device.type, x.dtype) and _aligned(x, weight):
         ends = torch.cumsum(rows, 0, dtype=torch.int32)
         return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
-    return _looped_linear(x, rows, weight.shape[1], weight.__getitem__)
+    return _looped(x, rows, weight.shape[1], lambda e, xs: dense_product(xs, weight[e]))
 
 
-def _looped_linear(
-    x: torch.Tensor, rows: torch.Tensor, out_features: int, weight_of: Callable[[int], torch.Tensor]
+def _looped(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    out_features: int,
+    product: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """`_grouped_linear` as a loop over the groups with rows (one `.tolist()` of the
-    counts): group e's rows times `weight_of(e).T`, `[out_features, in]`."""
+    counts): `product(e, group e's rows)`, `[count, out_features]`."""
     out = x.new_empty(x.shape[0], out_features)
     start = 0
     for expert, count in enumerate(rows.tolist()):
         if count:
-            out[start : start + count] = F.linear(x[start : start + count], weight_of(expert))
+            out[start : start + count] = product(expert, x[start : start + count])
             start += count
     return out
 

@@ -20,6 +20,7 @@ from torch import nn
 from ..hybrid.linear_state import LinearStepContext
 from .attention_api import AttentionContext
 from .config import VLModelConfig
+from .cpu_linear import dense_product
 from .layers import PACKED_SHARDS
 from .loader import Weight, load_named_weights, unpack_name
 from .qwen2_lm import Qwen2Model
@@ -122,7 +123,7 @@ class Qwen2VLForCausalLM(nn.Module):
         Under tensor parallelism each rank computes its vocabulary range's logits and every
         rank gets all of them (a collective: every rank calls this)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.config.tp.all_gather_last(torch.nn.functional.linear(hidden, weight)).float()
+        return self.config.tp.all_gather_last(dense_product(hidden, weight)).float()
 
     def reset_buffers(self) -> None:
         """Recomputes non-persistent buffers (rotary frequencies), e.g. after `to_empty`."""

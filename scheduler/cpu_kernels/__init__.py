@@ -1,0 +1,24 @@
+"""C++ kernels of our own for the CPU paths PyTorch has no fast kernel for, built on first use.
+
+Each kernel is one C++ file here registering its operators with PyTorch (`TORCH_LIBRARY`);
+`load(name)` compiles it once per machine into a cache (`build.py`) and loads it, so
+`torch.ops.<library>.<op>` can be called like any PyTorch operator, inside PyTorch's
+thread pool. Where it cannot be built (no compiler, a CPU without AVX2, another
+architecture), `load` logs one line saying why and returns False, and the caller keeps
+its PyTorch path: every kernel here is a faster way to compute what a PyTorch path
+already computes, and is tested against it.
+
+- `fp8_linear.cpp` (`torch.ops.iris_fp8.block_fp8_linear`): block-FP8 weights times a
+  few rows (a decode step), reading each byte once (`models/block_fp8.py`,
+  `models/fp8_experts.py`).
+- `paged_attention.cpp` (`torch.ops.iris_attention.paged_decode_attention`): every decode
+  of a step over its page runs in the cache, in one call (`attention/cpu_decode.py`).
+- `gated_delta.cpp` (`torch.ops.iris_gdn.gated_delta_decode`): Gated DeltaNet's decode
+  step, in place on the state slots (`models/gated_deltanet.py`).
+"""
+
+from __future__ import annotations
+
+from .build import disabled, load
+
+__all__ = ["disabled", "load"]

@@ -1,0 +1,200 @@
+// Decode attention over the paged KV cache on a CPU: every decoding sequence of a step in
+// one call, reading each sequence's keys and values once, where it is. A task of PyTorch's
+// thread pool is (sequence, KV head, part of the context of at most kPart tokens); each
+// keeps, for every query head sharing that KV head, a running maximum, its sum of
+// exponentials and an unnormalised output (online softmax over blocks of one vector of
+// tokens), and the parts are merged by their log-sum-exps. Float32 arithmetic throughout;
+// bfloat16 caches are widened as they are read and the output rounded once.
+//
+// The cache is head-major, `[kv_heads, slots, head_dim]` per layer, and a context is a list
+// of runs of consecutive slots (`sdpa.py`'s spans), so nothing is gathered.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace iris;
+
+constexpr int64_t kPart = 256;      // context tokens per task
+constexpr int64_t kMaxGroup = 16;   // query heads per KV head
+constexpr int64_t kMaxDim = 256;    // head_dim
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Span {
+  int64_t first_slot, length;
+};
+
+template <typename T>
+struct Layer {
+  const T* keys;
+  const T* values;
+  int64_t head_stride;  // elements between KV heads (slots * head_dim)
+};
+
+// One task's result, unnormalised: its share of the output and its softmax statistics.
+struct Partial {
+  float* out;      // [group, dim]
+  float* maximum;  // [group]
+  float* total;    // [group]
+};
+
+// Attention of `group` query rows (`q`, float32, already scaled) over `tokens` [first, last)
+// of a context given as `spans`, for KV head `head`.
+template <typename T>
+void attend_part(const float* q, int64_t group, int64_t dim, const Layer<T>& layer, int64_t head,
+                 const Span* spans, int64_t num_spans, int64_t first, int64_t last, Partial part) {
+  const int64_t vectors = dim / kLanes;
+  for (int64_t g = 0; g < group; ++g) {
+    part.maximum[g] = kNegInf;
+    part.total[g] = 0;
+    std::fill(part.out + g * dim, part.out + (g + 1) * dim, 0.0f);
+  }
+  alignas(64) float scores[kMaxGroup][kLanes];
+  alignas(64) float weights[kMaxGroup][kLanes];
+  int64_t span_start = 0;  // the context position of the current span's first token
+  for (int64_t s = 0; s < num_spans && span_start < last; span_start += spans[s].length, ++s) {
+    const int64_t from = std::max(first, span_start), to = std::min(last, span_start + spans[s].length);
+    for (int64_t t = from; t < to; t += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, to - t);
+      const int64_t slot = spans[s].first_slot + (t - span_start);
+      const T* keys = layer.keys + head * layer.head_stride + slot * dim;
+      const T* values = layer.values + head * layer.head_stride + slot * dim;
+      if (t + 2 * kLanes <= to) {  // the block after next: a run's slots are consecutive
+        const char* next_keys = reinterpret_cast<const char*>(keys + 2 * kLanes * dim);
+        const char* next_values = reinterpret_cast<const char*>(values + 2 * kLanes * dim);
+        for (int64_t byte = 0; byte < kLanes * dim * int64_t(sizeof(T)); byte += 64) {
+          __builtin_prefetch(next_keys + byte);
+          __builtin_prefetch(next_values + byte);
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the group
+        Vec acc[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) acc[g] = zero();
+        for (int64_t i = 0; i < vectors; ++i) {
+          const Vec k = load(keys + j * dim + i * kLanes);
+          for (int64_t g = 0; g < group; ++g) acc[g] = fma(load(q + g * dim + i * kLanes), k, acc[g]);
+        }
+        for (int64_t g = 0; g < group; ++g) scores[g][j] = sum(acc[g]);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t j = n; j < kLanes; ++j) scores[g][j] = kNegInf;
+        const Vec block = load(scores[g]);
+        const float maximum = std::max(part.maximum[g], max_of(block));
+        const float correction = exp_nonpositive(part.maximum[g] - maximum);
+        const Vec w = exp_nonpositive(add(block, broadcast(-maximum)));
+        store(weights[g], w);
+        part.total[g] = part.total[g] * correction + sum(w);
+        part.maximum[g] = maximum;
+        if (correction != 1.0f) {
+          float* out = part.out + g * dim;
+          for (int64_t i = 0; i < vectors; ++i)
+            store(out + i * kLanes, mul(load(out + i * kLanes), broadcast(correction)));
+        }
+      }
+      for (int64_t i = 0; i < vectors; ++i) {  // values: the outputs' vector i kept in registers
+        Vec acc[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) acc[g] = load(part.out + g * dim + i * kLanes);
+        for (int64_t j = 0; j < n; ++j) {
+          const Vec v = load(values + j * dim + i * kLanes);
+          for (int64_t g = 0; g < group; ++g) acc[g] = fma(broadcast(weights[g][j]), v, acc[g]);
+        }
+        for (int64_t g = 0; g < group; ++g) store(part.out + g * dim + i * kLanes, acc[g]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+         const int64_t* span_data, const int64_t* sequence_spans, double scale, at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(0);
+  const int64_t group = heads / kv_heads;
+  const Layer<T> layer{keys.data_ptr<T>(), values.data_ptr<T>(), keys.stride(0)};
+  const Span* spans = reinterpret_cast<const Span*>(span_data);
+  std::vector<int64_t> first_part(batch + 1, 0), lengths(batch, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t s = sequence_spans[b]; s < sequence_spans[b + 1]; ++s) lengths[b] += spans[s].length;
+    first_part[b + 1] = first_part[b] + std::max<int64_t>(1, (lengths[b] + kPart - 1) / kPart);
+  }
+  std::vector<int64_t> sequence_of(first_part[batch]);
+  for (int64_t b = 0; b < batch; ++b)
+    std::fill(sequence_of.begin() + first_part[b], sequence_of.begin() + first_part[b + 1], b);
+  const int64_t parts = first_part[batch];
+  // float32 queries, scaled once
+  std::vector<float> queries(batch * heads * dim);
+  const T* q_data = q.data_ptr<T>();
+  for (int64_t i = 0; i < batch * heads * dim; ++i) queries[i] = static_cast<float>(q_data[i]) * scale;
+  std::vector<float> outs(parts * heads * dim), maxima(parts * heads), totals(parts * heads);
+  at::parallel_for(0, parts * kv_heads, 1, [&](int64_t first_task, int64_t last_task) {
+    for (int64_t task = first_task; task < last_task; ++task) {
+      const int64_t part = task / kv_heads, head = task % kv_heads, b = sequence_of[part];
+      const int64_t first = (part - first_part[b]) * kPart, last = std::min(lengths[b], first + kPart);
+      const int64_t row = part * heads + head * group;
+      Partial result{outs.data() + row * dim, maxima.data() + row, totals.data() + row};
+      attend_part(queries.data() + (b * heads + head * group) * dim, group, dim, layer, head,
+                  spans + sequence_spans[b], sequence_spans[b + 1] - sequence_spans[b], first, last, result);
+    }
+  });
+  T* out_data = out.data_ptr<T>();
+  at::parallel_for(0, batch * heads, 1, [&](int64_t first_row, int64_t last_row) {
+    std::vector<float> merged(dim);
+    for (int64_t r = first_row; r < last_row; ++r) {
+      const int64_t b = r / heads, h = r % heads;
+      float maximum = kNegInf;
+      for (int64_t p = first_part[b]; p < first_part[b + 1]; ++p) maximum = std::max(maximum, maxima[p * heads + h]);
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      float total = 0;
+      for (int64_t p = first_part[b]; p < first_part[b + 1]; ++p) {
+        const float weight = exp_nonpositive(maxima[p * heads + h] - maximum);
+        total += totals[p * heads + h] * weight;
+        const float* part_out = outs.data() + (p * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) merged[d] += part_out[d] * weight;
+      }
+      const float inverse = total > 0 ? 1.0f / total : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) out_data[r * dim + d] = static_cast<T>(merged[d] * inverse);
+    }
+  });
+}
+
+// q [batch, heads, dim]; keys, values [kv_heads, slots, dim] (a layer of the cache);
+// spans [S, 2] int64 (first slot, length); sequence_spans [batch + 1] int64 (sequence b's
+// spans are rows sequence_spans[b]..sequence_spans[b+1] of spans). Returns [batch, heads, dim].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                  const at::Tensor& spans, const at::Tensor& sequence_spans, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q [B, H, D], keys/values [Hkv, slots, D]");
+  TORCH_CHECK(q.is_contiguous() && spans.is_contiguous() && sequence_spans.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(keys.strides() == values.strides() && keys.stride(2) == 1 && keys.stride(1) == q.size(2),
+              "keys and values are [kv_heads, slots, head_dim] with consecutive slots");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(), "one dtype");
+  TORCH_CHECK(spans.scalar_type() == at::kLong && sequence_spans.scalar_type() == at::kLong, "int64 spans");
+  TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 2 && sequence_spans.numel() == q.size(0) + 1, "span shapes");
+  const int64_t dim = q.size(2), kv_heads = keys.size(0);
+  TORCH_CHECK(dim % kLanes == 0 && dim <= kMaxDim, "head_dim a multiple of the vector, at most 256");
+  TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxGroup, "query heads per KV head");
+  at::Tensor out = at::empty_like(q);
+  const int64_t* span_data = spans.data_ptr<int64_t>();
+  const int64_t* sequence_data = sequence_spans.data_ptr<int64_t>();
+  if (q.scalar_type() == at::kFloat)
+    run<float>(q, keys, values, span_data, sequence_data, scale, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    run<c10::BFloat16>(q, keys, values, span_data, sequence_data, scale, out);
+  else
+    TORCH_CHECK(false, "paged_decode_attention computes float32 or bfloat16");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(iris_attention, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor spans, "
+        "Tensor sequence_spans, float scale) -> Tensor",
+        &paged_decode_attention);
+}

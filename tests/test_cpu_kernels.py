@@ -1,0 +1,198 @@
+"""Our C++ CPU kernels (`scheduler/cpu_kernels`) build on a machine like CI's, compute what
+their PyTorch paths compute, and where one cannot be built the PyTorch path runs with a
+line saying why. The block-FP8 kernel against the layer's own dequantized weights: every
+e4m3 code, ragged shapes (rows, outputs and inputs not whole vectors, tiles or blocks), a
+row-parallel slice starting inside a block, float32 and bfloat16. The paged decode
+attention against torch's SDPA per sequence: long contexts split across parts, a run per
+page, grouped query heads, decodes beside a prefill chunk. Gated DeltaNet's decode step against
+its batched products, in place on the state slots."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from iris_serve.scheduler import cpu_kernels
+from iris_serve.scheduler.attention import SequenceChunk, cpu_decode
+from iris_serve.scheduler.attention.sdpa import SdpaBackend
+from iris_serve.scheduler.cpu_kernels import build
+from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
+from iris_serve.scheduler.models import block_fp8
+from iris_serve.scheduler.models.block_fp8 import BlockFp8Linear
+from iris_serve.scheduler.models.gated_deltanet import recurrent_delta_step
+from iris_serve.scheduler.models.linear_method import LinearLayer, use_method
+from iris_serve.scheduler.models.tensor_parallel import RowParallelLinear, TPShard
+from iris_serve.tiny_checkpoint.fp8 import dequantize, quantize
+
+torch.set_num_threads(2)
+
+
+def fp8_layer(
+    layer: LinearLayer, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype
+) -> LinearLayer:
+    use_method(layer.to(dtype), BlockFp8Linear(dtype=dtype))  # the bias in the model's dtype
+    layer.load_weight("weight", q, None)
+    layer.load_weight("weight_scale_inv", s, None)
+    if layer.bias is not None:
+        layer.load_weight("bias", torch.randn(layer.out_features).to(dtype), None)
+    layer.method.process_after_loading(layer)
+    return layer
+
+
+def fused_calls(monkeypatch) -> list[int]:
+    """The row counts of each call that went through the kernel."""
+    calls: list[int] = []
+    fused = BlockFp8Linear._fused
+
+    def counted(self, layer, x, bias):
+        calls.append(x.numel() // layer.in_features)
+        return fused(self, layer, x, bias)
+
+    monkeypatch.setattr(BlockFp8Linear, "_fused", counted)
+    return calls
+
+
+def test_the_kernels_build_on_this_machine():
+    """CI's machine has a C++ compiler and AVX-512: the fast path is the one tested."""
+    for kernel in ("fp8_linear", "paged_attention", "gated_delta"):
+        assert cpu_kernels.load(kernel), f"{kernel}: see the log line of iris.cpu_kernels"
+
+
+def test_every_e4m3_code_comes_out_exact():
+    """All 254 finite codes, each block's scale its own: one-hot rows pick single weights,
+    so each output is a code's value times its scale, with nothing to round."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)
+    q = finite.repeat(2 * 256 // finite.numel() + 1)[: 2 * 256].view(256, 2).t().contiguous()
+    s = torch.tensor([[0.75, 3e-3]], dtype=torch.bfloat16)
+    layer = fp8_layer(LinearLayer(256, 2, bias=False), q, s, torch.float32)
+    expected = (q.float() * s.float().repeat_interleave(128, dim=1)).t()
+    for first in range(0, 256, 16):  # 16 one-hot rows a call: the kernel's largest
+        assert torch.equal(layer(torch.eye(256)[first : first + 16]), expected[first : first + 16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [None, 1])
+def test_a_few_rows_go_through_the_kernel_and_equal_the_dequantized_product(
+    dtype, rank, monkeypatch
+):
+    """203 outputs (not whole groups of 4 rows) by 300 inputs (a partial last block and
+    vector), 1 to 16 rows through the kernel, 17 through the buffer; rank 1 of 2 of a
+    row-parallel layer reads columns 150..299, starting 22 into block 1."""
+    generator = torch.Generator().manual_seed(0)
+    q, s = quantize(torch.randn(203, 300, generator=generator), torch.bfloat16)
+    weight = dequantize(q, s)
+    if rank is None:
+        layer = fp8_layer(LinearLayer(300, 203, bias=True), q, s, dtype)
+    else:
+        tp = TPShard(rank=rank, size=2)
+        layer = fp8_layer(RowParallelLinear(300, 203, bias=False, tp=tp), q, s, dtype)
+        weight = weight[:, 150:]
+    calls = fused_calls(monkeypatch)
+    for rows in (1, 3, 5, 16, 17):
+        x = torch.randn(rows, layer.in_features, generator=generator).to(dtype)
+        bias = None if layer.bias is None else layer.bias.float()
+        expected = F.linear(x.float(), weight, bias)
+        scale = expected.abs().max()
+        tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+        got = layer.method.apply(layer, x, layer.bias)  # rank 1's share, before the all-reduce
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float() / scale, expected / scale, rtol=0, atol=tolerance)
+    assert calls == [1, 3, 5, 16]
+
+
+def test_a_prompt_of_rows_keeps_its_shape_through_the_kernel():
+    """Inputs of [batch, tokens, features] come back as [batch, tokens, outputs]."""
+    q, s = quantize(torch.randn(64, 128), torch.bfloat16)
+    layer = fp8_layer(LinearLayer(128, 64, bias=False), q, s, torch.float32)
+    x = torch.randn(2, 3, 128)
+    torch.testing.assert_close(layer(x), x @ dequantize(q, s).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_with_the_kernels_off_the_buffer_path_runs(monkeypatch, caplog):
+    monkeypatch.setenv("IRIS_CPU_KERNELS", "0")
+    with caplog.at_level(logging.INFO, logger="iris.cpu_kernels"):
+        assert not build.load.__wrapped__("fp8_linear")
+    assert "IRIS_CPU_KERNELS=0" in caplog.text
+
+
+def test_a_kernel_that_does_not_build_says_why_and_is_not_used(tmp_path, monkeypatch, caplog):
+    (tmp_path / "broken.cpp").write_text("this is not C++\n")
+    monkeypatch.setattr(build, "SOURCES", tmp_path)
+    monkeypatch.setenv("IRIS_KERNEL_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="iris.cpu_kernels"):
+        assert not build.load.__wrapped__("broken")
+    assert "broken did not build" in caplog.text and "error" in caplog.text
+    assert not list((tmp_path / "cache").iterdir())  # no half-written library left
+
+
+def test_an_fp8_layer_whose_kernel_did_not_load_computes_through_the_buffer(monkeypatch):
+    monkeypatch.setattr(block_fp8.cpu_kernels, "load", lambda name: False)
+    calls = fused_calls(monkeypatch)
+    q, s = quantize(torch.randn(64, 128), torch.bfloat16)
+    layer = fp8_layer(LinearLayer(128, 64, bias=False), q, s, torch.float32)
+    x = torch.randn(1, 128)
+    torch.testing.assert_close(layer(x), x @ dequantize(q, s).t())
+    assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_decodes_through_the_kernel_equal_sdpa_per_sequence(dtype, monkeypatch):
+    """Three decodes around a prefill chunk (their rows not consecutive), contexts of 5, 300
+    and 700 tokens (one part, two, three: merged by log-sum-exps) over pages handed out in
+    reverse (a run per page), 4 query heads on 2 KV heads: the kernel's rows equal torch's
+    SDPA run per sequence, and the chunk's rows are untouched by it."""
+    heads, kv_heads, dim, page = 4, 2, 32, 16
+    layout = KVLayout(1, kv_heads, dim, page, dtype)
+    cache = KVCache(layout, num_pages=128, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    cache.slots.copy_(torch.randn(cache.slots.shape, generator=generator).to(dtype))
+    contexts = [5, 300, 40, 700]  # the third is a prefill chunk of 8 after 32 cached
+    chunks = []
+    for i, context in enumerate(contexts):
+        pages = cache.pool.allocate(-(-context // page))[::-1]
+        new = 8 if i == 2 else 1
+        chunks.append(SequenceChunk.of(pages, context - new, new))
+    rows = sum(chunk.num_new for chunk in chunks)
+    q, k, v = (torch.randn(rows, h, dim, generator=generator).to(dtype) for h in (heads, 2, 2))
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    step = SdpaBackend(cache, torch.device("cpu")).prepare(chunks)
+    assert step.decodes is not None
+    got = step.attend(0, q, k, v)
+    monkeypatch.setattr(cpu_decode.BatchedDecodes, "of", classmethod(lambda *_: None))
+    expected = SdpaBackend(cache, torch.device("cpu")).prepare(chunks).attend(0, q, k, v)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    assert torch.equal(got[2:10], expected[2:10])  # the prefill chunk: the same path
+
+
+def test_decodes_the_kernel_cannot_run_go_through_sdpa():
+    """A head size that is not whole vectors: no batch, the per-sequence path."""
+    cache = KVCache(KVLayout(1, 2, 24, 16, torch.float32), 8, torch.device("cpu"))
+    chunks = [SequenceChunk.of(cache.pool.allocate(1), 3, 1)]
+    assert SdpaBackend(cache, torch.device("cpu")).prepare(chunks).decodes is None
+
+
+def test_a_gated_deltanet_decode_step_advances_its_slots_in_place():
+    """Two sequences in slots 3 and 1 of 5, 4 value heads, Dk 32 and Dv 48: outputs and
+    new states equal the batched products' (`recurrent_delta_step`), and the other slots'
+    states are untouched."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, dk, dv = 2, 4, 32, 48
+    states = torch.randn(5, heads, dk, dv, generator=generator)
+    q, k = (F.normalize(torch.randn(batch, heads, dk, generator=generator), dim=-1) for _ in "qk")
+    v = torch.randn(batch, heads, dv, generator=generator)
+    g = -torch.rand(batch, heads, generator=generator)
+    beta = torch.rand(batch, heads, generator=generator)
+    slots = torch.tensor([3, 1])
+    expected_out, expected_states = recurrent_delta_step(q, k, v, g, beta, states[slots])
+    before = states.clone()
+    assert cpu_kernels.load("gated_delta")
+    out = torch.ops.iris_gdn.gated_delta_decode(q, k, v, g, beta, states, slots)
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states[slots], expected_states, rtol=1e-5, atol=1e-5)
+    for other in (0, 2, 4):
+        assert torch.equal(states[other], before[other])
