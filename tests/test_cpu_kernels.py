@@ -5,7 +5,8 @@ e4m3 code, ragged shapes (rows, outputs and inputs not whole vectors, tiles or b
 row-parallel slice starting inside a block, float32 and bfloat16. The paged decode
 attention against torch's SDPA per sequence: long contexts split across parts, a run per
 page, grouped query heads, decodes beside a prefill chunk. Gated DeltaNet's decode step against
-its batched products, in place on the state slots."""
+its batched products, in place on the state slots. The RMS norms and the rotary embedding
+in one pass each."""
 
 from __future__ import annotations
 
@@ -20,9 +21,16 @@ from iris_serve.scheduler.attention import SequenceChunk, cpu_decode
 from iris_serve.scheduler.attention.sdpa import SdpaBackend
 from iris_serve.scheduler.cpu_kernels import build
 from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
-from iris_serve.scheduler.models import block_fp8
+from iris_serve.scheduler.models import block_fp8, layers
 from iris_serve.scheduler.models.block_fp8 import BlockFp8Linear
 from iris_serve.scheduler.models.gated_deltanet import recurrent_delta_step
+from iris_serve.scheduler.models.layers import (
+    RMSNorm,
+    ZeroCenteredRMSNorm,
+    apply_rotary,
+    fused_rms_norm,
+    rms_normalized,
+)
 from iris_serve.scheduler.models.linear_method import LinearLayer, use_method
 from iris_serve.scheduler.models.tensor_parallel import RowParallelLinear, TPShard
 from iris_serve.tiny_checkpoint.fp8 import dequantize, quantize
@@ -57,7 +65,7 @@ def fused_calls(monkeypatch) -> list[int]:
 
 def test_the_kernels_build_on_this_machine():
     """CI's machine has a C++ compiler and AVX-512: the fast path is the one tested."""
-    for kernel in ("fp8_linear", "paged_attention", "gated_delta"):
+    for kernel in ("fp8_linear", "paged_attention", "gated_delta", "rms_norm", "rotary"):
         assert cpu_kernels.load(kernel), f"{kernel}: see the log line of iris.cpu_kernels"
 
 
@@ -122,11 +130,11 @@ def test_with_the_kernels_off_the_buffer_path_runs(monkeypatch, caplog):
 def test_a_kernel_that_does_not_build_says_why_and_is_not_used(tmp_path, monkeypatch, caplog):
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     monkeypatch.setattr(build, "SOURCES", tmp_path)
-    monkeypatch.setenv("IRIS_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("IRIS_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="iris.cpu_kernels"):
         assert not build.load.__wrapped__("broken")
     assert "broken did not build" in caplog.text and "error" in caplog.text
-    assert not list((tmp_path / "cache").iterdir())  # no half-written library left
+    assert not list((tmp_path / "cache" / "kernels").iterdir())  # no half-written library
 
 
 def test_an_fp8_layer_whose_kernel_did_not_load_computes_through_the_buffer(monkeypatch):
@@ -169,11 +177,19 @@ def test_a_steps_decodes_through_the_kernel_equal_sdpa_per_sequence(dtype, monke
     assert torch.equal(got[2:10], expected[2:10])  # the prefill chunk: the same path
 
 
-def test_decodes_the_kernel_cannot_run_go_through_sdpa():
-    """A head size that is not whole vectors: no batch, the per-sequence path."""
-    cache = KVCache(KVLayout(1, 2, 24, 16, torch.float32), 8, torch.device("cpu"))
-    chunks = [SequenceChunk.of(cache.pool.allocate(1), 3, 1)]
-    assert SdpaBackend(cache, torch.device("cpu")).prepare(chunks).decodes is None
+def test_decodes_the_kernel_cannot_run_or_speed_up_go_through_sdpa():
+    """A head size that is not whole vectors, and a single float32 decode (SDPA streams it
+    as fast): no batch, the per-sequence path; one bfloat16 decode, or two in float32,
+    are batched."""
+
+    def batched(head_dim: int, dtype: torch.dtype, decodes: int) -> bool:
+        cache = KVCache(KVLayout(1, 2, head_dim, 16, dtype), 8, torch.device("cpu"))
+        chunks = [SequenceChunk.of(cache.pool.allocate(1), 3, 1) for _ in range(decodes)]
+        return SdpaBackend(cache, torch.device("cpu")).prepare(chunks).decodes is not None
+
+    assert not batched(24, torch.float32, 2)
+    assert not batched(32, torch.float32, 1)
+    assert batched(32, torch.bfloat16, 1) and batched(32, torch.float32, 2)
 
 
 def test_a_gated_deltanet_decode_step_advances_its_slots_in_place():
@@ -196,3 +212,48 @@ def test_a_gated_deltanet_decode_step_advances_its_slots_in_place():
     torch.testing.assert_close(states[slots], expected_states, rtol=1e-5, atol=1e-5)
     for other in (0, 2, 4):
         assert torch.equal(states[other], before[other])
+
+
+def test_the_rms_norms_in_one_pass_round_as_transformers_order_does():
+    """Rows of 96 (not whole vectors' worth of 16 after 80), bfloat16: both norms against
+    their PyTorch ops to one rounding step at most; float32 keeps PyTorch's ops."""
+    dtype = torch.bfloat16
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 96, generator=generator) * 4).to(dtype)
+    weight = (torch.randn(96, generator=generator) * 0.5 + 1).to(dtype)
+    assert cpu_kernels.load("rms_norm")
+    for zero_centered, module in ((False, RMSNorm(96)), (True, ZeroCenteredRMSNorm(96))):
+        module = module.to(dtype).requires_grad_(False)
+        module.weight.copy_(weight)
+        assert fused_rms_norm(x, module.weight, 1e-6, zero_centered) is not None
+        got = module(x)
+        expected = (
+            (rms_normalized(x, 1e-6) * (1.0 + weight.float())).to(dtype)
+            if zero_centered
+            else weight * rms_normalized(x, 1e-6).to(dtype)
+        )
+        assert got.dtype == dtype and got.shape == x.shape
+        tolerance = 1.6e-2  # one step of bfloat16's 2^-7
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+        assert fused_rms_norm(x.transpose(0, 1), module.weight, 1e-6, zero_centered) is None
+        assert fused_rms_norm(x.float(), module.weight.float(), 1e-6, zero_centered) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary", [32, 16])
+def test_the_rotary_embedding_in_one_pass_rounds_as_pytorchs_ops(dtype, rotary):
+    """A query slice of a fused projection's rows (heads contiguous, tokens strided), whole
+    rotary and partial (Qwen3.5's: the last dims pass through): bit for bit PyTorch's
+    ops, which round each product and the sum in x's dtype."""
+    generator = torch.Generator().manual_seed(0)
+    fused = torch.randn(5, 3 * 4 * 32, generator=generator).to(dtype)
+    x = fused[:, : 4 * 32].view(5, 4, 32)  # [tokens, heads, head_dim], token stride 384
+    angles = torch.rand(5, rotary, generator=generator) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    assert cpu_kernels.load("rotary") and layers._rotary_kernel_runs(x, cos, sin)
+    got = apply_rotary(x, cos, sin)
+    reference = x.clone()  # contiguous: the same values through PyTorch's ops
+    rotated = reference[..., :rotary]
+    expected = rotated * cos[:, None] + layers.rotate_half(rotated) * sin[:, None]
+    expected = torch.cat((expected, reference[..., rotary:]), dim=-1)
+    assert torch.equal(got, expected)

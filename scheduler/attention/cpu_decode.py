@@ -6,7 +6,9 @@ one core busy on a short context and pays its call overhead per sequence.
 
 `BatchedDecodes.of` returns None where the kernel cannot run (another device, a cache
 dtype other than float32 or bfloat16, a head size that is not a whole number of vectors,
-or the kernel did not build), and `sdpa` attends to each decode itself as before.
+or the kernel did not build) or gains nothing (a single float32 decode, which torch's
+flash attention streams from memory as fast), and `sdpa` attends to each decode itself
+as before.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class BatchedDecodes:
             or layout.dtype not in KERNEL_DTYPES
             or layout.head_dim % VECTOR
             or layout.head_dim > MAX_HEAD_DIM
+            or (layout.dtype == torch.float32 and len(rows) == 1)
             or not cpu_kernels.load("paged_attention")
         ):
             return None

@@ -15,6 +15,10 @@ already computes, and is tested against it.
   of a step over its page runs in the cache, in one call (`attention/cpu_decode.py`).
 - `gated_delta.cpp` (`torch.ops.iris_gdn.gated_delta_decode`): Gated DeltaNet's decode
   step, in place on the state slots (`models/gated_deltanet.py`).
+- `rms_norm.cpp` (`torch.ops.iris_norm.rms_norm`): an RMS norm in one pass per row, in
+  transformers' order of roundings (`models/layers.py`).
+- `rotary.cpp` (`torch.ops.iris_rotary.rotary`): the rotary embedding of a query or key
+  tensor in one pass, rounding as PyTorch's ops do (`models/layers.py`).
 """
 
 from __future__ import annotations

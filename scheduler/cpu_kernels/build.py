@@ -1,14 +1,15 @@
 """Compiling a kernel's C++ file into a shared library PyTorch loads, once per machine.
 
-A kernel is `name.cpp` with the headers here (`vec.h`: the SIMD vector they share).
-The library links against the running torch (its headers, `libc10`, `libtorch_cpu` and
-the OpenMP runtime torch ships, so `at::parallel_for` shares torch's threads) and is built
-with `-march=native`, so the cache key holds everything it depends on: the source, the
-flags, torch's version, the compiler's and the CPU's feature flags. The cache is
-`$IRIS_KERNEL_CACHE`, else `$XDG_CACHE_HOME/iris_serve/kernels` (`~/.cache/...`); a
-build writes a file of its own and renames it into place, so processes starting together
-(tensor-parallel ranks, test workers) never load a half-written library, and a new build
-removes the kernel's older ones.
+A kernel is `name.cpp` with the headers here (`vec.h`: the SIMD vector they share). The
+library links against the running torch (its headers, `libc10`, `libtorch_cpu` and the
+OpenMP runtime torch ships, so `at::parallel_for` shares torch's threads) and is built
+with `-march=native` and `-ffp-contract=off` (a product and a sum written apart stay
+rounded apart, as PyTorch's ops round them; FMAs are written as FMAs), so the cache key
+holds everything it depends on: the source, the headers, the flags, torch's version, the
+compiler's and the CPU's feature flags. The cache is `$IRIS_CACHE_DIR/kernels`, else
+`~/.cache/iris/kernels`; a build writes a file of its own and renames it into place, so
+processes starting together (tensor-parallel ranks, test workers) never load a
+half-written library, and a new build removes the kernel's older ones.
 `IRIS_CPU_KERNELS=0` turns every kernel off (their PyTorch paths run instead).
 """
 
@@ -28,7 +29,16 @@ import torch
 logger = logging.getLogger("iris.cpu_kernels")
 
 SOURCES = Path(__file__).resolve().parent
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++20",
+    "-w",
+)
 COMPILE_TIMEOUT_S = 300
 
 
@@ -73,11 +83,10 @@ def _remove_older_builds(library: Path, name: str) -> None:
 
 
 def _cache_dir() -> Path:
-    configured = os.environ.get("IRIS_KERNEL_CACHE")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "iris_serve" / "kernels"
+    """`$IRIS_CACHE_DIR/kernels`, else `~/.cache/iris/kernels` (beside the built-in
+    checkpoints' `models`)."""
+    base = os.environ.get("IRIS_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "iris") / "kernels"
 
 
 def _key(source: Path, compiler: str) -> str:

@@ -2,7 +2,9 @@
 
 Every function here reproduces transformers' Qwen2-VL arithmetic step for step (which
 dtype each op runs in included), so fp32 results agree to rounding and bf16 results
-round the same way.
+round the same way. On a CPU the rotary embedding (and in bfloat16 the RMS norms) run as
+one C++ pass each instead (`apply_rotary`, `fused_rms_norm`), in the same order of
+roundings.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
 from .tensor_parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -29,6 +32,26 @@ def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def fused_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+) -> torch.Tensor | None:
+    """The norm in one C++ pass per row on a CPU in bfloat16 (`cpu_kernels/rms_norm.cpp`,
+    the same order of roundings as the modules below), or None where it does not run:
+    another device, float32 (whose sum of squares the kernel adds in another order, which
+    moves the fp32 parity suite's logits past its bar), a weight in another dtype, a
+    strided x, autograd recording, or the kernel did not build."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or weight.dtype != x.dtype
+        or not x.is_contiguous()
+        or (torch.is_grad_enabled() and weight.requires_grad)
+        or not cpu_kernels.load("rms_norm")
+    ):
+        return None
+    return torch.ops.iris_norm.rms_norm(x, weight, eps, zero_centered)
+
+
 class RMSNorm(nn.Module):
     """Normalises in fp32, casts back, then scales (transformers' order)."""
 
@@ -38,6 +61,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_rms_norm(x, self.weight, self.eps, zero_centered=False)
+        if fused is not None:
+            return fused
         return self.weight * rms_normalized(x, self.eps).to(x.dtype)
 
 
@@ -54,6 +80,9 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_rms_norm(x, self.weight, self.eps, zero_centered=True)
+        if fused is not None:
+            return fused
         return (rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
@@ -124,10 +153,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `apply_rotary` takes the C++ kernel: on a CPU, float32 or bfloat16 throughout,
+    each token's heads contiguous, contiguous cos/sin, autograd not recording x."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 3
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and cos.dtype == sin.dtype == x.dtype
+        and cos.dim() == 2
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and cpu_kernels.load("rotary")
+    )
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x `[N, heads, D]`, cos/sin `[N, R]` (already in x's dtype for the LM): rotates the
     first R dims of each head and passes the others through (R < D: Qwen3.5's partial
-    rotary)."""
+    rotary). On a CPU in one C++ pass, rounding as these ops do (`cpu_kernels/rotary.cpp`)."""
+    if _rotary_kernel_runs(x, cos, sin):
+        return torch.ops.iris_rotary.rotary(x, cos, sin)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     rotary = cos.shape[-1]
     if rotary == x.shape[-1]:
