@@ -55,12 +55,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
       for (int64_t r = first; r < last; ++r) norm_row(xs + r * h, ws, outs + r * h, h, epsilon, zero_centered);
     });
   };
-  if (x.scalar_type() == at::kFloat)
-    run(static_cast<float*>(nullptr));
-  else if (x.scalar_type() == at::kBFloat16)
-    run(static_cast<c10::BFloat16*>(nullptr));
-  else
-    TORCH_CHECK(false, "rms_norm computes float32 or bfloat16");
+  with_element_type(x.scalar_type(), "rms_norm", run);
   return out;
 }
 

@@ -10,7 +10,11 @@
 
 #include <algorithm>
 
+#include "vec.h"
+
 namespace {
+
+using iris::with_element_type;
 
 template <typename T>
 inline T round_to(float v) {
@@ -52,12 +56,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       }
     });
   };
-  if (x.scalar_type() == at::kFloat)
-    run(static_cast<float*>(nullptr));
-  else if (x.scalar_type() == at::kBFloat16)
-    run(static_cast<c10::BFloat16*>(nullptr));
-  else
-    TORCH_CHECK(false, "rotary computes float32 or bfloat16");
+  with_element_type(x.scalar_type(), "rotary", run);
   return out;
 }
 

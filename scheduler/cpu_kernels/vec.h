@@ -3,7 +3,9 @@
 // -march=native (build.py), so the widest the build machine has is the one compiled.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -105,6 +107,18 @@ inline Vec exp_nonpositive(Vec x) {
 #else
   return _mm256_and_ps(result, _mm256_cmp_ps(x, low, _CMP_GE_OQ));
 #endif
+}
+
+// Calls `run` with a null pointer of the C++ type of `dtype` (float32 or bfloat16), so a
+// generic lambda can take the element type from it.
+template <typename Run>
+void with_element_type(c10::ScalarType dtype, const char* kernel, Run&& run) {
+  if (dtype == c10::ScalarType::Float)
+    run(static_cast<float*>(nullptr));
+  else if (dtype == c10::ScalarType::BFloat16)
+    run(static_cast<c10::BFloat16*>(nullptr));
+  else
+    TORCH_CHECK(false, kernel, " computes float32 or bfloat16");
 }
 
 inline float exp_nonpositive(float x) {
