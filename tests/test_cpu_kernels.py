@@ -83,22 +83,24 @@ def test_every_e4m3_code_comes_out_exact():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rank", [None, 1])
+@pytest.mark.parametrize(("inputs", "rank"), [(300, None), (300, 1), (256, None), (256, 1)])
 def test_a_few_rows_go_through_the_kernel_and_equal_the_dequantized_product(
-    dtype, rank, monkeypatch
+    dtype, inputs, rank, monkeypatch
 ):
-    """203 outputs (not whole groups of 4 rows) by 300 inputs (a partial last block and
-    vector), 1 to 16 rows through the kernel, 17 through the buffer; rank 1 of 2 of a
-    row-parallel layer reads columns 150..299, starting 22 into block 1."""
+    """203 outputs (not whole groups of 4 rows), 1 to 16 rows through the kernel, 17
+    through the buffer. 300 inputs: a partial last block and vector, and rank 1 of 2 of a
+    row-parallel layer reads columns 150..299, starting 22 into block 1. 256 inputs: whole
+    blocks, so bfloat16 takes the AVX512-BF16 pair products where the CPU has them (rank
+    1's columns 128..255 too)."""
     generator = torch.Generator().manual_seed(0)
-    q, s = quantize(torch.randn(203, 300, generator=generator), torch.bfloat16)
+    q, s = quantize(torch.randn(203, inputs, generator=generator), torch.bfloat16)
     weight = dequantize(q, s)
     if rank is None:
-        layer = fp8_layer(LinearLayer(300, 203, bias=True), q, s, dtype)
+        layer = fp8_layer(LinearLayer(inputs, 203, bias=True), q, s, dtype)
     else:
         tp = TPShard(rank=rank, size=2)
-        layer = fp8_layer(RowParallelLinear(300, 203, bias=False, tp=tp), q, s, dtype)
-        weight = weight[:, 150:]
+        layer = fp8_layer(RowParallelLinear(inputs, 203, bias=False, tp=tp), q, s, dtype)
+        weight = weight[:, inputs // 2 :]
     calls = fused_calls(monkeypatch)
     for rows in (1, 3, 5, 16, 17):
         x = torch.randn(rows, layer.in_features, generator=generator).to(dtype)
