@@ -259,3 +259,16 @@ def test_the_rotary_embedding_in_one_pass_rounds_as_pytorchs_ops(dtype, rotary):
     expected = rotated * cos[:, None] + layers.rotate_half(rotated) * sin[:, None]
     expected = torch.cat((expected, reference[..., rotary:]), dim=-1)
     assert torch.equal(got, expected)
+
+
+def test_a_span_outside_the_cache_is_refused_not_read():
+    """The kernel checks every span against the cache before reading a slot."""
+    assert cpu_kernels.load("paged_attention")
+    keys = values = torch.zeros(2, 64, 16)
+    q = torch.zeros(1, 4, 16)
+    kernel = torch.ops.iris_attention.paged_decode_attention
+    bounds = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel(q, keys, values, torch.tensor([[60, 8]]), bounds, 0.25)
+    with pytest.raises(RuntimeError, match="rise within the spans"):
+        kernel(q, keys, values, torch.tensor([[0, 8]]), torch.tensor([0, 2]), 0.25)

@@ -21,9 +21,6 @@ import torch
 from .. import cpu_kernels
 from ..kv.kv_cache import KVCache
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-VECTOR = 16  # head_dim must be whole vectors of the widest SIMD the kernel compiles for
-MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 
 SlotSpan = tuple[int, int]  # (first slot, number of slots)
@@ -56,9 +53,9 @@ class BatchedDecodes:
         if (
             not rows
             or device.type != "cpu"
-            or layout.dtype not in KERNEL_DTYPES
-            or layout.head_dim % VECTOR
-            or layout.head_dim > MAX_HEAD_DIM
+            or layout.dtype not in cpu_kernels.DTYPES
+            or layout.head_dim % cpu_kernels.VECTOR_FLOATS
+            or layout.head_dim > cpu_kernels.MAX_HEAD_DIM
             or (layout.dtype == torch.float32 and len(rows) == 1)
             or not cpu_kernels.load("paged_attention")
         ):

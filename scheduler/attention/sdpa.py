@@ -37,9 +37,8 @@ import torch.nn.functional as F
 
 from ..kv.kv_cache import KVCache
 from .base import AttentionBackend, SequenceChunk, new_token_slots
-from .cpu_decode import BatchedDecodes
+from .cpu_decode import BatchedDecodes, SlotSpan
 
-SlotSpan = tuple[int, int]  # (first slot, number of slots)
 SPLIT_MIN_NEW_TOKENS = 512  # on the CPU, a chunk after history this long splits its attention
 GATHER_MIN_RUNS = 8  # a decode whose context has this many runs gathers its pages first
 

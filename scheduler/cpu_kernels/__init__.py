@@ -23,6 +23,12 @@ already computes, and is tested against it.
 
 from __future__ import annotations
 
+import torch
+
 from .build import disabled, load
 
-__all__ = ["disabled", "load"]
+DTYPES = (torch.float32, torch.bfloat16)  # what every kernel here computes in
+VECTOR_FLOATS = 16  # a head's size must be whole vectors of the widest SIMD compiled for
+MAX_HEAD_DIM = 256  # the largest head the attention and Gated DeltaNet kernels keep in registers
+
+__all__ = ["DTYPES", "MAX_HEAD_DIM", "VECTOR_FLOATS", "disabled", "load"]

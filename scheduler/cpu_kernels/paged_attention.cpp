@@ -121,7 +121,12 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   const Span* spans = reinterpret_cast<const Span*>(span_data);
   std::vector<int64_t> first_part(batch + 1, 0), lengths(batch, 0);
   for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t s = sequence_spans[b]; s < sequence_spans[b + 1]; ++s) lengths[b] += spans[s].length;
+    for (int64_t s = sequence_spans[b]; s < sequence_spans[b + 1]; ++s) {
+      TORCH_CHECK(spans[s].first_slot >= 0 && spans[s].length >= 0 &&
+                      spans[s].first_slot + spans[s].length <= keys.size(1),
+                  "a span outside the cache's slots");
+      lengths[b] += spans[s].length;
+    }
     first_part[b + 1] = first_part[b] + std::max<int64_t>(1, (lengths[b] + kPart - 1) / kPart);
   }
   std::vector<int64_t> sequence_of(first_part[batch]);
@@ -176,6 +181,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(), "one dtype");
   TORCH_CHECK(spans.scalar_type() == at::kLong && sequence_spans.scalar_type() == at::kLong, "int64 spans");
   TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 2 && sequence_spans.numel() == q.size(0) + 1, "span shapes");
+  const int64_t* bounds = sequence_spans.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(bounds[b] >= 0 && bounds[b] <= bounds[b + 1] && bounds[b + 1] <= spans.size(0),
+                "sequence_spans must rise within the spans");
   const int64_t dim = q.size(2), kv_heads = keys.size(0);
   TORCH_CHECK(dim % kLanes == 0 && dim <= kMaxDim, "head_dim a multiple of the vector, at most 256");
   TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxGroup, "query heads per KV head");

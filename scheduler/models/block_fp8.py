@@ -45,7 +45,6 @@ from .loader import ShapeMismatch, Weight, load_parameter, materialized
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
 FUSED_ROWS = 16  # rows up to which the CPU kernel beats dequantize + GEMM (where they cross)
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` beside `X.weight`
 
 
@@ -82,7 +81,7 @@ class BlockFp8Linear(DequantizingMethod):
         """Where a slice starts inside a block (row-parallel, unaligned), each column's block
         in the held grid, once (an index on the weight's device); aligned slices need none."""
         offset, (first, _) = _column_offset(layer), _column_blocks(layer)
-        if layer.weight.device.type == "cpu" and self.dtype in KERNEL_DTYPES:
+        if layer.weight.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES:
             self.cpu_kernel = cpu_kernels.load("fp8_linear")
         if offset % BLOCK:
             columns = torch.arange(layer.in_features, device=layer.weight.device)
@@ -99,7 +98,7 @@ class BlockFp8Linear(DequantizingMethod):
             out = gemm(x, layer.weight, scales, _column_offset(layer) % BLOCK)
             return out if bias is None else out + bias
         rows = x.numel() // layer.in_features
-        if self.cpu_kernel and 0 < rows <= FUSED_ROWS and x.dtype in KERNEL_DTYPES:
+        if self.cpu_kernel and 0 < rows <= FUSED_ROWS and x.dtype in cpu_kernels.DTYPES:
             return self._fused(layer, x, bias)
         return dense_product(x, self.dequantized(layer, x.dtype), bias)
 

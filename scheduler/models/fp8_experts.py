@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .. import cpu_kernels
-from .block_fp8 import BLOCK, FP8, FUSED_ROWS, KERNEL_DTYPES, dequantized_blocks
+from .block_fp8 import BLOCK, FP8, FUSED_ROWS, dequantized_blocks
 from .cpu_linear import dense_product
 from .dequantized import ThreadBuffers
 from .loader import ShapeMismatch, Weight, materialized
@@ -118,7 +118,11 @@ def cpu_product(experts: RoutedExperts, name: str, expert: int, x: torch.Tensor)
     `block_fp8.FUSED_ROWS` rows through the C++ kernel, more through a dequantized copy."""
     scales = experts.fp8
     assert scales is not None  # held in block FP8
-    if x.shape[0] <= FUSED_ROWS and x.dtype in KERNEL_DTYPES and cpu_kernels.load("fp8_linear"):
+    if (
+        x.shape[0] <= FUSED_ROWS
+        and x.dtype in cpu_kernels.DTYPES
+        and cpu_kernels.load("fp8_linear")
+    ):
         weight, grid = getattr(experts, name), getattr(experts, name + SCALE)
         codes = weight[expert].view(torch.uint8)
         kernel = torch.ops.iris_fp8.block_fp8_linear

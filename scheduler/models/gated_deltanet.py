@@ -177,11 +177,11 @@ def _state_after(
 
 def _kernel_steps(recurrent: torch.Tensor) -> bool:
     """Whether a decode step over these states (one layer's) runs the C++ kernel: on a
-    CPU, value heads in whole vectors (16 floats), where the kernel built."""
+    CPU, value heads in whole vectors, where the kernel built."""
     return (
         recurrent.device.type == "cpu"
-        and recurrent.shape[-1] % 16 == 0
-        and recurrent.shape[-1] <= 256
+        and recurrent.shape[-1] % cpu_kernels.VECTOR_FLOATS == 0
+        and recurrent.shape[-1] <= cpu_kernels.MAX_HEAD_DIM
         and cpu_kernels.load("gated_delta")
     )
 

@@ -159,7 +159,7 @@ def _rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return (
         x.device.type == "cpu"
         and x.dim() == 3
-        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dtype in cpu_kernels.DTYPES
         and cos.dtype == sin.dtype == x.dtype
         and cos.dim() == 2
         and x.stride(2) == 1
