@@ -11,6 +11,7 @@ in one pass each."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -125,8 +126,32 @@ def test_a_prompt_of_rows_keeps_its_shape_through_the_kernel():
 def test_with_the_kernels_off_the_buffer_path_runs(monkeypatch, caplog):
     monkeypatch.setenv("IRIS_CPU_KERNELS", "0")
     with caplog.at_level(logging.INFO, logger="iris.cpu_kernels"):
-        assert not build.load.__wrapped__("fp8_linear")
+        assert not build.build_and_load("fp8_linear")
     assert "IRIS_CPU_KERNELS=0" in caplog.text
+
+
+def test_threads_asking_for_a_kernel_at_once_build_it_once(monkeypatch):
+    """The encoder's thread and the step's both reach a kernel on their first use."""
+    builds: list[str] = []
+    started, release = threading.Event(), threading.Event()
+
+    def slow_build(name: str) -> bool:
+        builds.append(name)
+        started.set()
+        assert release.wait(30), "the test never released the build"
+        return True
+
+    monkeypatch.setattr(build, "build_and_load", slow_build)
+    monkeypatch.setattr(build, "_loaded", {})
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda: results.append(build.load("k"))) for _ in "ab"]
+    for thread in threads:
+        thread.start()
+    assert started.wait(30), "no thread started the build"
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert builds == ["k"] and results == [True, True]
 
 
 def test_a_kernel_that_does_not_build_says_why_and_is_not_used(tmp_path, monkeypatch, caplog):
@@ -134,7 +159,7 @@ def test_a_kernel_that_does_not_build_says_why_and_is_not_used(tmp_path, monkeyp
     monkeypatch.setattr(build, "SOURCES", tmp_path)
     monkeypatch.setenv("IRIS_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="iris.cpu_kernels"):
-        assert not build.load.__wrapped__("broken")
+        assert not build.build_and_load("broken")
     assert "broken did not build" in caplog.text and "error" in caplog.text
     assert not list((tmp_path / "cache" / "kernels").iterdir())  # no half-written library
 

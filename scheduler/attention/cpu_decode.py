@@ -7,8 +7,8 @@ one core busy on a short context and pays its call overhead per sequence.
 `BatchedDecodes.of` returns None where the kernel cannot run (another device, a cache
 dtype other than float32 or bfloat16, a head size that is not a whole number of vectors,
 or the kernel did not build) or gains nothing (a single float32 decode, which torch's
-flash attention streams from memory as fast), and `sdpa` attends to each decode itself
-as before.
+flash attention streams from memory as fast), and `sdpa` attends to each decode on its
+own.
 """
 
 from __future__ import annotations

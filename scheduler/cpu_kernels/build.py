@@ -8,20 +8,22 @@ rounded apart, as PyTorch's ops round them; FMAs are written as FMAs), so the ca
 holds everything it depends on: the source, the headers, the flags, torch's version, the
 compiler's and the CPU's feature flags. The cache is `$IRIS_CACHE_DIR/kernels`, else
 `~/.cache/iris/kernels`; a build writes a file of its own and renames it into place, so
-processes starting together (tensor-parallel ranks, test workers) never load a
-half-written library, and a new build removes the kernel's older ones.
+builds running together (tensor-parallel ranks, test workers) never load a half-written
+library, and a new build removes the kernel's older ones. Within a process a lock makes
+one build of a kernel however many threads ask for it first.
 `IRIS_CPU_KERNELS=0` turns every kernel off (their PyTorch paths run instead).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import threading
+import uuid
 from pathlib import Path
 
 import torch
@@ -47,10 +49,24 @@ def disabled() -> bool:
     return os.environ.get("IRIS_CPU_KERNELS", "1") == "0"
 
 
-@functools.cache
+_loaded: dict[str, bool] = {}
+_loading = threading.Lock()  # the encoder's thread and the step's may ask for one at once
+
+
 def load(name: str) -> bool:
-    """Builds (or finds in the cache) and loads the kernel `name` (`name.cpp` here); False,
-    with one logged line saying why, where it cannot."""
+    """Builds (or finds in the cache) and loads the kernel `name` (`name.cpp` here), once
+    per process; False, with one logged line saying why, where it cannot."""
+    loaded = _loaded.get(name)
+    if loaded is not None:
+        return loaded
+    with _loading:
+        if name not in _loaded:
+            _loaded[name] = build_and_load(name)
+        return _loaded[name]
+
+
+def build_and_load(name: str) -> bool:
+    """`load` without its memory: builds only when the cache has no library for this key."""
     if disabled():
         logger.info("CPU kernel %s: off (IRIS_CPU_KERNELS=0)", name)
         return False
@@ -115,7 +131,7 @@ def _compile(compiler: str, source: Path, library: Path) -> str | None:
     from torch.utils import cpp_extension
 
     library.parent.mkdir(parents=True, exist_ok=True)
-    partial = library.with_name(f"{library.stem}.{os.getpid()}.partial")
+    partial = library.with_name(f"{library.stem}.{uuid.uuid4().hex}.partial")  # this build's
     includes = [f"-I{path}" for path in (SOURCES, *cpp_extension.include_paths())]
     links = []
     for path in cpp_extension.library_paths():
