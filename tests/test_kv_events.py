@@ -20,6 +20,7 @@ from iris_serve.ipc.local import PromptInput
 from iris_serve.ipc.messages import Prompt, Sampling
 from iris_serve.scheduler.kv.event_publisher import KvEventsConfig, ZmqEventPublisher
 from iris_serve.scheduler.kv.kv_events import (
+    HOST_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -180,3 +181,49 @@ def test_the_stream_has_sequence_numbers_and_replays_what_was_missed(tmp_path) -
 def test_a_bad_kv_events_config_refuses_to_start_naming_what_is_wrong(text, field) -> None:
     with pytest.raises(ValueError, match=field):
         KvEventsConfig.parse(text)
+
+
+def test_the_host_tier_is_its_own_medium(model_dir, builder) -> None:
+    """An evicted page the host tier takes moves to the host's medium under the same ids;
+    the tier's own drops remove it there; a returning prompt reloaded from the host is
+    announced on the device again."""
+    probe = cpu_engine(model_dir)
+    page_bytes = (16 << 20) // probe.kv_cache.num_pages
+    engine = cpu_engine(
+        model_dir, kv_events_config=EVENTS, kv_cache_memory=8 * page_bytes,
+        kv_offload_bytes=12 * page_bytes,
+    )  # fmt: skip
+    device: set[int] = set()
+    host: set[int] = set()
+    ever_on_device: set[int] = set()
+
+    def follow(events: list) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                on = host if event.medium == HOST_MEDIUM else device
+                assert not on & set(event.block_hashes), "announced twice on one medium"
+                on |= set(event.block_hashes)
+                if on is host:  # a page reaches the host only from the device
+                    assert set(event.block_hashes) <= ever_on_device - device
+                    assert event.token_ids and len(event.block_hashes) == 1
+                ever_on_device.update(device)
+            elif isinstance(event, BlockRemoved):
+                on = host if event.medium == HOST_MEDIUM else device
+                assert set(event.block_hashes) <= on, "removed what was never announced"
+                on -= set(event.block_hashes)
+
+    prompts = [
+        with_routing(chat_prompt(builder, f"prompt number {i} " * 6, [make_image(56, 56, seed=i)]), i)
+        for i in range(5)
+    ]  # fmt: skip
+    for index, prompt in enumerate(prompts):
+        follow(run(engine, f"r{index}", prompt))
+    assert host, "evicted pages went to the host tier's medium"
+    assert len(host) == engine.kv_events.num_host_blocks <= engine.host_tier.num_pages
+    assert len(device) == engine.kv_events.num_blocks
+    back = set()
+    for event in run(engine, "again", prompts[-2]):  # spilled a while ago, reloaded now
+        follow([event])
+        if isinstance(event, BlockStored) and event.medium is None:
+            back |= set(event.block_hashes)
+    assert back & host, "a page reloaded from the host is on both media"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from itertools import count
 from typing import Literal
@@ -182,6 +182,7 @@ class HostTier:
         self.bytes_to_device = 0
         self.copy_seconds = 0.0
         self.failed_reloads = 0
+        self.on_page_drop: Callable[[bytes], None] | None = None  # a page's key (wiring.py)
 
     @property
     def num_pages(self) -> int:
@@ -206,22 +207,24 @@ class HostTier:
         self._touch(("page", key))
         return True
 
-    def spill_page(self, page: int, key: bytes, token_bytes: bytes) -> None:
+    def spill_page(self, page: int, key: bytes, token_bytes: bytes) -> bool:
         """The prefix cache evicts device page `page` (content `key`): its KV goes to a
         block, before anything overwrites the page. A page the tier holds already is only
-        touched; one that does not fit is dropped (the tier never refuses an eviction)."""
+        touched; one that does not fit is dropped (the tier never refuses an eviction).
+        Whether the tier holds the page now."""
         name = ("page", key)
         if name in self._entries:
             self._entries.move_to_end(name)
-            return
+            return True
         if not self._make_room(self.page_bytes):
-            return
+            return False
         block = self._free_blocks.pop()
         self._copy(HostCopy("page_out", page, block))
         self._entries[name] = _Page(block, token_bytes)
         self.usage_bytes += self.page_bytes
         self.pages_spilled += 1
         self.bytes_to_host += self.page_bytes
+        return True
 
     def reload_page(self, key: bytes, token_bytes: bytes, page: int) -> bool:
         """Copies the tier's page `key` into device page `page`; False when it is gone or
@@ -363,6 +366,9 @@ class HostTier:
         self.usage_bytes -= self._nbytes(entry)
         if isinstance(entry, _Page):
             self._free_blocks.append(entry.block)
+            if self.on_page_drop is not None:
+                assert isinstance(name, tuple)  # ("page", key)
+                self.on_page_drop(name[1])
         elif isinstance(entry, _State):
             self._copy(HostCopy("state_drop", -1, entry.host))
             self.num_states -= 1

@@ -8,6 +8,12 @@ it announces a request's pages as it registers them or finds them cached
 (`PrefixCache.register`), and the page pool's evictions remove them (`wiring.py`).
 `publisher.py` sends the batches.
 
+**The host tier** is a medium of its own (`medium` "CPU", vLLM's name for its CPU
+offload tier, which Dynamo's router weighs apart from the device's): an evicted page the
+host tier takes is removed from the device and stored on the host under the same block
+ids, and removed from the host when the tier drops it. A page reloaded from the host is
+announced on the device again and stays on the host.
+
 **Block ids.** A router links blocks by opaque 63-bit ids (parents, removals) and matches
 by a hash it computes itself over each block's tokens and the ids of the images in it.
 Iris keys a page by content; a router keys an image by its own id (`ImageRef.routing_hash`:
@@ -32,6 +38,7 @@ routing hash, the first 8 bytes of the content key stand in for it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -41,6 +48,7 @@ from ...ipc.messages import ImageRef
 from ..step.request import Request
 
 BLOCK_ID_MASK = (1 << 63) - 1  # routers take signed 64-bit ids
+HOST_MEDIUM = "CPU"  # vLLM's medium of its CPU offload tier
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -93,19 +101,38 @@ def image_identifier(image: ImageRef) -> str:
     return f"{routing_hash(image):016x}{image.key.hex()}{0:016x}"
 
 
-class KvEventLog:
-    """The events since the last `take`, and which block ids stand for which page key."""
+@dataclass(frozen=True)
+class _Block:
+    """One announced block, as its `BlockStored` said it (to say it again on the host)."""
 
-    def __init__(self, page_size: int) -> None:
+    id: int
+    parent: int | None
+    token_ids: list[int]
+    extra_keys: list[tuple[str, int]] | None
+    mm_info: dict[str, Any] | None
+
+
+class KvEventLog:
+    """The events since the last `take`, and which block ids stand for which page key, on
+    the device and on the host tier."""
+
+    def __init__(self, page_size: int, host_tier: bool = False) -> None:
         self.page_size = page_size
-        self._ids_by_key: dict[bytes, list[int]] = {}
+        self.host_tier = host_tier  # blocks keep what their host announcement needs
+        self._blocks_by_key: dict[bytes, list[_Block]] = {}
         self._announced: set[int] = set()
+        self._host_by_key: dict[bytes, list[_Block]] = {}
         self._events: list[KvEvent] = [AllBlocksCleared()]  # whatever a router knew is gone
 
     @property
     def num_blocks(self) -> int:
-        """Block ids announced and not removed (a page may stand for several)."""
+        """Block ids announced on the device and not removed (a page may stand for several)."""
         return len(self._announced)
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Block ids announced on the host tier and not removed."""
+        return sum(len(blocks) for blocks in self._host_by_key.values())
 
     def announce(self, request: Request) -> None:
         """The request's first `page_table.num_registered_pages` pages are cached (its own
@@ -126,12 +153,40 @@ class KvEventLog:
                 run_start = None
         table.mark_announced(count)
 
-    def removed(self, key: bytes) -> None:
-        """The page cached under `key` was evicted: every id announced for it goes."""
-        ids = self._ids_by_key.pop(key, None)
-        if ids:
-            self._announced.difference_update(ids)
-            self._events.append(BlockRemoved(ids))
+    def removed(self, key: bytes, to_host: bool = False) -> None:
+        """The page cached under `key` was evicted from the device: every id announced for
+        it goes; `to_host`: the host tier holds the page now, so its ids are stored there
+        (those not yet)."""
+        blocks = self._blocks_by_key.pop(key, None)
+        if not blocks:
+            return
+        self._announced.difference_update(block.id for block in blocks)
+        self._events.append(BlockRemoved([block.id for block in blocks]))
+        if not to_host:
+            return
+        on_host = self._host_by_key.setdefault(key, [])
+        known = {block.id for block in on_host}
+        for block in blocks:
+            if block.id in known:
+                continue
+            on_host.append(block)
+            self._events.append(
+                BlockStored(
+                    block_hashes=[block.id],
+                    parent_block_hash=block.parent,
+                    token_ids=block.token_ids,
+                    block_size=self.page_size,
+                    medium=HOST_MEDIUM,
+                    extra_keys=None if block.extra_keys is None else [block.extra_keys],
+                    block_mm_infos=None if block.mm_info is None else [block.mm_info],
+                )
+            )
+
+    def host_dropped(self, key: bytes) -> None:
+        """The host tier dropped the page `key`: every id stored there for it goes."""
+        blocks = self._host_by_key.pop(key, None)
+        if blocks:
+            self._events.append(BlockRemoved([block.id for block in blocks], HOST_MEDIUM))
 
     def take(self) -> list[KvEvent]:
         events, self._events = self._events, []
@@ -169,9 +224,15 @@ class KvEventLog:
             ]
             mm_infos.append({"mm_objects": objects} if objects else None)
         keys = request.page_table.keys
-        for index in range(start, end):
+        for offset, index in enumerate(range(start, end)):
             self._announced.add(ids[index])
-            self._ids_by_key.setdefault(keys[index], []).append(ids[index])
+            if self.host_tier:
+                parent = ids[index - 1] if index else None
+                tokens = request.token_ids(index * size, (index + 1) * size)
+                block = _Block(ids[index], parent, tokens, extra[offset], mm_infos[offset])
+            else:
+                block = _Block(ids[index], None, [], None, None)
+            self._blocks_by_key.setdefault(keys[index], []).append(block)
         self._events.append(
             BlockStored(
                 block_hashes=list(ids[start:end]),

@@ -8,7 +8,9 @@ what it calls, and the two cross-owner links are made here.
 - A hybrid model's prefix matches end at a page whose linear-state snapshot the state
   slots can restore (`PrefixCache.require_snapshots`).
 - With KV events (`--kv-events-config`), the prefix cache announces what it registers
-  (`PrefixCache.events`) and the pool's evictions remove it (`KvEventLog.removed`).
+  (`PrefixCache.events`) and the pool's evictions remove it (`KvEventLog.removed`), or
+  move it to the host tier's medium where the tier took the page; the tier's own drops
+  remove it there (`HostTier.on_page_drop`).
 
 What the caches decide for the device during planning (slot clears and copies, host
 copies) they record for the planner, which hands it over in the step plan.
@@ -59,29 +61,30 @@ def build_caches(config: EngineConfig, state: DeviceState, record_copies: bool) 
         else StateSlots.for_pool(config, state.linear_states, prefix_cache, host_tier)
     )
     kv_events = (
-        KvEventLog(config.page_size)
+        KvEventLog(config.page_size, host_tier=host_tier is not None)
         if config.kv_events is not None and prefix_cache is not None
         else None
     )
-    evictions: list[Callable[[int, bytes, bytes], None]] = []
-    if host_tier is not None and prefix_cache is not None:
-        evictions.append(host_tier.spill_page)
-    if kv_events is not None:
-        assert prefix_cache is not None
+    if prefix_cache is not None:
         prefix_cache.events = kv_events
-        evictions.append(lambda page, key, tokens: kv_events.removed(key))
-    if evictions:
-        pool.on_evict = evictions[0] if len(evictions) == 1 else _each(evictions)
+        if host_tier is not None or kv_events is not None:
+            pool.on_evict = _evicted(host_tier, kv_events)
+        if host_tier is not None and kv_events is not None:
+            host_tier.on_page_drop = kv_events.host_dropped
     if state_slots is not None and prefix_cache is not None:
         prefix_cache.require_snapshots(state_slots.has_snapshot)
     return Caches(host_tier, prefix_cache, embedding_cache, state_slots, kv_events)
 
 
-def _each(
-    callbacks: list[Callable[[int, bytes, bytes], None]],
+def _evicted(
+    host_tier: HostTier | None, kv_events: KvEventLog | None
 ) -> Callable[[int, bytes, bytes], None]:
-    def call(page: int, key: bytes, tokens: bytes) -> None:
-        for callback in callbacks:
-            callback(page, key, tokens)
+    """The pool's eviction hook: the page to the host tier (where there is one), then its
+    events (removed from the device; stored on the host if the tier took it)."""
 
-    return call
+    def evicted(page: int, key: bytes, tokens: bytes) -> None:
+        on_host = host_tier is not None and host_tier.spill_page(page, key, tokens)
+        if kv_events is not None:
+            kv_events.removed(key, to_host=on_host)
+
+    return evicted
