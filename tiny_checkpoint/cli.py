@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "compressed-tensors pack-quantized (4-bit symmetric, groups of 32)",
     )
     parser.add_argument(
+        "--sym",
+        action="store_true",
+        help="with --quant gptq: symmetric (every zero point 8), as Qwen's GPTQ-Int4 "
+        "releases; vLLM's CPU build takes no other",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         help="with --like: where random values are drawn (cuda is much faster; values differ "
@@ -88,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.arch and (args.num_layers, args.vision_depth, args.device) != (None, None, "cpu"):
         parser.error("--num-layers, --vision-depth and --device go with --like")
+    if args.sym and args.quant != "gptq":
+        parser.error("--sym goes with --quant gptq")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
     target = args.out
@@ -111,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                 write = {
                     "fp8": write_fp8, "awq": write_awq, "gptq": write_gptq, "w4a16": write_w4a16,
                 }[args.quant]  # fmt: skip
-                out, what = write(out, target), f"{what}, {args.quant}"
+                options = {"symmetric": True} if args.sym else {}
+                out, what = write(out, target, **options), f"{what}, {args.quant}"
     except (OSError, ValueError) as exc:
         print(f"iris tiny-model: error: {exc}", file=sys.stderr)
         return 1

@@ -4,7 +4,8 @@ round-to-nearest (`quantized.py` picks the tensors): each decoder projection `X`
 (int32 `[G, N/8]`, nibble i of word j holding column 8j + i, stored as zero - 1),
 `X.scales` (fp16 `[G, N]`) and `X.g_idx` (int32 `[K]`), its bias as it was, and
 config.json's `quantization_config` {quant_method "gptq", bits 4, group_size, desc_act,
-sym false, checkpoint_format "gptq"}. With `desc_act` the rows are grouped in an order of
+sym, checkpoint_format "gptq"}: asymmetric (a zero per group and column) unless
+`symmetric` (every zero 8, as Qwen's GPTQ-Int4 releases, and all vLLM's CPU kernel takes). With `desc_act` the rows are grouped in an order of
 their own (a seeded permutation here, activation order in a real one), so `g_idx` is not
 monotone. The twin: `Wt[k, n] = (q[k, n] - z[g_idx[k], n]) · s[g_idx[k], n]`, stored as
 `X.weight = Wt.T`.
@@ -30,7 +31,11 @@ GROUP_SIZE = 32  # the tiny checkpoints' widths (64, 192) are not multiples of 1
 
 
 def write_gptq(
-    src: str | Path, out: str | Path, group_size: int = GROUP_SIZE, desc_act: bool = False
+    src: str | Path,
+    out: str | Path,
+    group_size: int = GROUP_SIZE,
+    desc_act: bool = False,
+    symmetric: bool = False,
 ) -> Path:
     """The GPTQ checkpoint of the full-precision one in `src`, written to `out`."""
 
@@ -38,7 +43,7 @@ def write_gptq(
         # the projections of one input (q/k/v, gate/up) share its order, as in a real one
         seed = zlib.crc32(name.rsplit(".", 2)[0].encode())
         g_idx = row_groups(weight.shape[1], group_size, desc_act, seed)
-        qweight, qzeros, scales = quantize(weight.t(), g_idx, group_size)
+        qweight, qzeros, scales = quantize(weight.t(), g_idx, group_size, symmetric)
         stem = name.removesuffix(".weight")
         return {
             f"{stem}.qweight": qweight, f"{stem}.qzeros": qzeros,
@@ -50,7 +55,7 @@ def write_gptq(
         "bits": 4,
         "group_size": group_size,
         "desc_act": desc_act,
-        "sym": False,
+        "sym": symmetric,
         "checkpoint_format": "gptq",
     }
     return quantized.write_quantized(src, out, stored, config, "gptq")
@@ -88,10 +93,10 @@ def row_groups(rows: int, group: int, desc_act: bool, seed: int) -> torch.Tensor
 
 
 def quantize(
-    wt: torch.Tensor, g_idx: torch.Tensor, group: int
+    wt: torch.Tensor, g_idx: torch.Tensor, group: int, symmetric: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(qweight, qzeros, scales) of a float `Wt` `[K, N]`, asymmetric round-to-nearest per
-    group of the rows `g_idx` puts together."""
+    """(qweight, qzeros, scales) of a float `Wt` `[K, N]`, round-to-nearest per group of
+    the rows `g_idx` puts together: asymmetric, or around a zero of 8 (AutoGPTQ's `sym`)."""
     import torch
 
     rows, cols = wt.shape
@@ -104,9 +109,12 @@ def quantize(
     high = torch.full((groups, cols), float("-inf")).scatter_reduce(
         0, index[:, None].expand(rows, cols), w, "amax"
     )
+    if symmetric:
+        high = torch.maximum(high.abs(), low.abs())
+        low = -high
     scales = ((high - low) / 15).clamp(min=1e-6).to(torch.float16)
     s = scales.float()
-    zeros = (-low / s).round().clamp(0, 15)
+    zeros = torch.full_like(s, 8.0) if symmetric else (-low / s).round().clamp(0, 15)
     q = ((w / s[index]).round() + zeros[index]).clamp(0, 15).to(torch.int32)
     qweight = _pack(q.view(rows // PACK, PACK, cols).permute(0, 2, 1)).contiguous()
     qzeros = _pack((zeros.to(torch.int32) - 1).clamp(min=0).view(groups, cols // PACK, PACK))
