@@ -204,11 +204,12 @@ class TokenizeRequest(_Message, tag=_TOKENIZE):
     `chat_template_kwargs` (checked by the server) and `tools` go to the chat template.
 
     A token-id `prompt` may come with media (a cluster frontend that templated and
-    tokenized the chat itself, `server/dynamo/`): `image_urls` in prompt order, one image
-    placeholder in the prompt each, with the id the frontend's router knows each by
-    (`image_routing_hashes`, see `ImageRef.routing_hash`); `expected_prompt_len` is the
-    prompt's length once expanded as the frontend counted it, and a worker whose
-    expansion differs refuses the request rather than serve other positions."""
+    tokenized the chat itself, `server/dynamo/`): `image_urls` and `video_urls` in prompt
+    order, one image or video placeholder in the prompt each, with the id the frontend's
+    router knows each image by (`image_routing_hashes`, see `ImageRef.routing_hash`);
+    `expected_prompt_len` is the prompt's length once expanded as the frontend counted it,
+    and a worker whose expansion differs refuses the request rather than serve other
+    positions."""
 
     request_id: str
     sampling: Sampling
@@ -225,12 +226,14 @@ class TokenizeRequest(_Message, tag=_TOKENIZE):
     image_urls: list[str] | None = None
     image_routing_hashes: list[int] | None = None
     expected_prompt_len: int | None = None
+    video_urls: list[str] | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("exactly one of `messages` and `prompt` must be set")
-        if self.image_urls is not None and not isinstance(self.prompt, list):
-            raise ValueError("`image_urls` come with a token-id `prompt` only")
+        media = self.image_urls is not None or self.video_urls is not None
+        if media and not isinstance(self.prompt, list):
+            raise ValueError("`image_urls` and `video_urls` come with a token-id `prompt` only")
         hashes = self.image_routing_hashes
         if hashes is not None and len(hashes) != len(self.image_urls or ()):
             raise ValueError("one `image_routing_hashes` entry per image URL")

@@ -3,7 +3,7 @@ KV router, two `iris serve --dynamo` workers on the tiny Qwen2.5-VL checkpoint, 
 127.0.0.1 with file discovery and the ZMQ event plane, and one plain `iris serve` to
 compare with.
 
-What a user of the fleet relies on: image chats through the frontend answer as one Iris
+What a user of the fleet relies on: image and video chats through the frontend answer as one Iris
 node does; an agent's next turn lands on the worker that holds its history and finds it
 cached (the router follows Iris's KV events, images included); a cancelled stream frees
 its pages; what Iris refuses comes back through the frontend as an error naming it and
@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from bench.dynamo_fleet import DynamoFleet, FleetProcess, dynamo_fleet
 from iris_serve.ipc.shm_names import sweep_orphans
 from tests.reference import make_image
 from tests.server_harness import RunningServer, iris_server
+from tests.video_clips import make_clip, video_data_url
 
 MODEL = "iris-tiny"  # --served-model-name of every server here
 SYSTEM = "You are a careful assistant for a desktop agent. " * 12  # a long shared head
@@ -49,6 +51,9 @@ def fleet(qwen2_5_vl_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         limits = ("--limit-mm-per-prompt", "3", "--served-model-name", MODEL)
         with dynamo_fleet(qwen2_5_vl_tiny, run_dir, workers=2, worker_args=limits) as running:
+            for worker in running.workers:  # a node the router lists already answers /health
+                health = httpx.get(f"{worker.url}/health", timeout=10)
+                assert health.status_code == 200, f"{worker.name}: {health.status_code}"
             yield running
     finally:
         sweep_orphans()  # a killed worker's segments, as the next Iris start would
@@ -88,7 +93,10 @@ def streamed_text(base_url: str, messages: list[dict]) -> str:
     return "".join(text)
 
 
-def test_image_chats_through_the_frontend_answer_as_one_iris_node(
+VIDEO_PART = {"type": "video_url", "video_url": {"url": video_data_url(make_clip(8, fps=4.0))}}
+
+
+def test_image_and_video_chats_through_the_frontend_answer_as_one_iris_node(
     fleet: DynamoFleet, single: RunningServer
 ) -> None:
     conversations = [
@@ -96,6 +104,8 @@ def test_image_chats_through_the_frontend_answer_as_one_iris_node(
         [{"role": "system", "content": "Be brief."},
          {"role": "user", "content": [{"type": "text", "text": "Compare"}, image_part(2),
                                       image_part(3, 56), {"type": "text", "text": "please."}]}],
+        [{"role": "user", "content": [image_part(4, 56), VIDEO_PART,
+                                      {"type": "text", "text": "What happens?"}]}],
     ]  # fmt: skip
     for messages in conversations:
         want = chat(single.base_url, messages)
@@ -216,6 +226,29 @@ def test_what_iris_refuses_is_an_error_naming_it_and_costs_nothing(fleet: Dynamo
     wait_idle(fleet)
     ok = chat(fleet.base_url, [{"role": "user", "content": [image_part(6)]}])
     assert ok.status_code == 200, ok.text
+
+
+def test_pages_spilled_to_the_host_tier_still_route_the_prompt_back(
+    qwen2_5_vl_tiny: Path, tmp_path: Path
+) -> None:
+    """A node's host tier is a medium the router reads: a prompt whose pages were evicted
+    from the device into host memory still counts as overlap there (without the host's
+    events only its first block, which every prompt shares, would)."""
+    small = ("--served-model-name", MODEL, "--kv-cache-memory", "1MiB", "--kv-offload-gib", "0.01")
+    with dynamo_fleet(qwen2_5_vl_tiny, tmp_path, workers=1, worker_args=small) as one:
+        stories = [[{"role": "user", "content": f"Story {i}: " + "word " * 500}] for i in range(6)]
+        for story in stories:  # 33 blocks each; the device holds 128: the first spills
+            assert chat(one.base_url, story, max_tokens=1).status_code == 200
+        again = chat(one.base_url, stories[0], max_tokens=1)
+        assert again.status_code == 200, again.text
+        [worker] = one.workers
+        assert worker.metric("iris_prefix_cache_host_hit_tokens_total") > 0
+        routed = re.findall(r"overlap_blocks=(\d+)", ANSI.sub("", one.frontend.log))
+        blocks = again.json()["usage"]["prompt_tokens"] // 16
+        assert int(routed[-1]) >= blocks // 2, f"the router saw {routed[-1]} of {blocks} blocks"
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def running_worker(fleet: DynamoFleet) -> FleetProcess:

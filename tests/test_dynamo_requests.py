@@ -10,6 +10,7 @@ not serve.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,7 @@ from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from iris_serve.tokenizer_worker.worker import TokenizerWorker
 from tests.reference import make_image
 from tests.test_tokenizer_worker import data_url, release_all
+from tests.video_clips import make_clip, video_data_url
 from tests.worker_harness import worker_factory
 
 
@@ -97,6 +99,35 @@ def test_a_tokenized_prompt_expands_as_a_chat_does(worker, builder) -> None:
     assert worker.arena.num_pinned == 0
 
 
+def test_a_tokenized_prompt_with_a_video_expands_as_a_chat_does(worker, builder) -> None:
+    """The frontend sends a video as one placeholder and its URL, with no routing id."""
+    image, video = data_url(make_image(56, 56, seed=3)), video_data_url(make_clip(8, fps=4.0))
+    content = [{"type": "image_url", "image_url": {"url": image}},
+               {"type": "video_url", "video_url": {"url": video}},
+               {"type": "text", "text": "What happens?"}]  # fmt: skip
+    as_chat = worker.handle(TokenizeRequest("c2", Sampling(), messages=[
+        {"role": "user", "content": content}]))  # fmt: skip
+    assert isinstance(as_chat, EngineRequest), as_chat
+    templated = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "What happens?"}]
+    request = frontend_request(builder, [image])
+    request["token_ids"] = builder.encode(
+        builder.render_chat([{"role": "user", "content": templated}])
+    )
+    request["multi_modal_data"]["video_url"] = [{"Url": video}]
+    out = worker.handle(tokenize_request(request, "d4", {}))
+    assert isinstance(out, EngineRequest), out
+    assert unpack_token_ids(out.token_ids) == unpack_token_ids(as_chat.token_ids)
+    assert len(out.images) == len(as_chat.images) > 2  # the image and the video's patches
+    assert [(i.offset, i.length, i.key, i.grid_thw) for i in out.images] == [
+        (i.offset, i.length, i.key, i.grid_thw) for i in as_chat.images
+    ]
+    assert out.images[0].routing_hash == 0xABC0  # the image's; the video's patches have none
+    assert all(i.routing_hash is None for i in out.images[1:])
+    release_all(worker, as_chat)
+    release_all(worker, out)
+    assert worker.arena.num_pinned == 0
+
+
 def test_an_expansion_other_than_the_frontends_is_refused_and_holds_nothing(
     worker, builder
 ) -> None:
@@ -124,15 +155,16 @@ def test_a_placeholder_count_other_than_the_images_is_refused(worker, builder) -
         ("sampling_options", {"n": 0}, "sampling_options.n"),
         ("sampling_options", {"use_beam_search": True}, "sampling_options.use_beam_search"),
         ("stop_conditions", {"max_thinking_tokens": 9}, "stop_conditions.max_thinking_tokens"),
-        ("multi_modal_data", {"video_url": [{"Url": "x"}]}, "multi_modal_data.video_url"),
+        ("multi_modal_data", {"audio_url": [{"Url": "x"}]}, "multi_modal_data.audio_url"),
+        ("multi_modal_data", {"video_url": [{"Uri": "x"}]}, "multi_modal_data.video_url[0]"),
         ("sampling_options", {"guided_decoding": {"structural_tag": "x"}}, "structural_tag"),
     ],
 )
 def test_an_option_iris_does_not_serve_is_refused_by_name(builder, section, options, field) -> None:
     request = frontend_request(builder, [])
     request[section] = {**(request.get(section) or {}), **options}
-    with pytest.raises(RefusedField, match=field.replace(".", r"\.")):
-        tokenize_request(request, "d4", {})
+    with pytest.raises(RefusedField, match=re.escape(field)):
+        tokenize_request(request, "d5", {})
 
 
 @pytest.mark.parametrize(

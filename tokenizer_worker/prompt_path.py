@@ -5,8 +5,8 @@ URLs are fetched in parallel (`media`); the images and videos are pinned in the 
 (`image_parts`, `video_parts`); the placeholders are expanded to each one's tokens, and
 every image and temporal patch of a video becomes an `ImageRef` at its span, in prompt
 order. A plain prompt (text or token ids) takes no media, unless a cluster frontend
-tokenized the chat itself and sends its image URLs beside the ids (`image_urls`). A request with media URLs is
-turned inside `media_work()`, which the worker process uses to tell the scheduler that
+tokenized the chat itself and sends its media URLs beside the ids (`image_urls`,
+`video_urls`). A request with media URLs is turned inside `media_work()`, which the worker process uses to tell the scheduler that
 it takes a core meanwhile (`MediaWork`). Client errors are raised
 (`BadRequest`, `ChatError`, `MediaError`, `EntryTooLarge`), and a full arena raises
 `NoRoom`; whatever fails, the pins this request took are dropped first.
@@ -71,9 +71,9 @@ class PromptPath:
         size = self._image_size(request)
         if request.messages is None:
             assert request.prompt is not None
-            if request.image_urls:
+            if request.image_urls or request.video_urls:
                 with self.media_work():
-                    return self._prompt_with_images(request, size)
+                    return self._prompt_with_media(request, size)
             return self._expand(request, self._prompt_ids(request.prompt), [], [], [], [])
         chat = parse_messages(request.messages)
         # From here to the pinned pixels, the worker is busy: the notice goes out before
@@ -100,12 +100,42 @@ class PromptPath:
             raise BadRequest(f"the chat template rejected the messages: {e}") from None
         ids = self.builder.encode(text)
         self._check_placeholders(ids, len(parts), len(video_parts), "messages")
+        image_fetch = (chat.image_urls, chat.image_url_parts)
+        video_fetch = (chat.video_urls, chat.video_url_parts)
+        return self._media_request(request, ids, parts, video_parts, image_fetch, video_fetch, size)
+
+    def _prompt_with_media(self, request: TokenizeRequest, size: ImageSize) -> EngineRequest:
+        """A token-id prompt that a cluster frontend templated, one placeholder per URL of
+        `image_urls` and of `video_urls`: the media go the way of a chat's (media rules,
+        keys, processor cache, arena), each named `image_url[i]` / `video_url[i]` in errors."""
+        assert isinstance(request.prompt, list)
+        urls, video_urls = request.image_urls or [], request.video_urls or []
+        parts = [ImagePart(url, None, f"image_url[{i}]") for i, url in enumerate(urls)]
+        video_parts = [VideoPart(url, None, f"video_url[{i}]") for i, url in enumerate(video_urls)]
+        self._check_limits(parts, video_parts)
+        ids = self._prompt_ids(request.prompt, len(parts), len(video_parts))
+        image_fetch = (urls, [part.where for part in parts])
+        video_fetch = (video_urls, [part.where for part in video_parts])
+        return self._media_request(request, ids, parts, video_parts, image_fetch, video_fetch, size)
+
+    def _media_request(
+        self,
+        request: TokenizeRequest,
+        ids: list[int],
+        parts: list[ImagePart],
+        video_parts: list[VideoPart],
+        image_fetch: tuple[list[str], list[str]],
+        video_fetch: tuple[list[str], list[str]],
+        size: ImageSize,
+    ) -> EngineRequest:
+        """The media fetched (`*_fetch`: their URLs and where each is), pinned and expanded
+        into `ids`; whatever fails, this request's pins are dropped first."""
         self.images.check_uuids(parts, size)
         options = video_options(request)
         if self.videos is not None:
             self.videos.check_uuids(video_parts, options)
-        encoded = self.fetcher.fetch_all(chat.image_urls, chat.image_url_parts)
-        encoded_videos = self.fetcher.fetch_all(chat.video_urls, chat.video_url_parts, video=True)
+        encoded = self.fetcher.fetch_all(*image_fetch)
+        encoded_videos = self.fetcher.fetch_all(*video_fetch, video=True)
         images = self.images.load(parts, encoded, size)
         videos: list[LoadedVideo] = []
         try:
@@ -120,23 +150,6 @@ class PromptPath:
             self.images.release(images)
             if self.videos is not None:
                 self.videos.release(videos)
-            raise
-
-    def _prompt_with_images(self, request: TokenizeRequest, size: ImageSize) -> EngineRequest:
-        """A token-id prompt that a cluster frontend templated, one image placeholder per
-        URL of `image_urls`: the images go the way of a chat's (media rules, keys,
-        processor cache, arena), each named `image_url[i]` in errors."""
-        assert isinstance(request.prompt, list) and request.image_urls is not None
-        urls = request.image_urls
-        parts = [ImagePart(url, None, f"image_url[{i}]") for i, url in enumerate(urls)]
-        self._check_limits(parts, [])
-        ids = self._prompt_ids(request.prompt, len(parts))
-        encoded = self.fetcher.fetch_all(urls, [part.where for part in parts])
-        images = self.images.load(parts, encoded, size)
-        try:
-            return self._expand(request, ids, parts, images, [], [])
-        except BaseException:
-            self.images.release(images)
             raise
 
     def _expand(
@@ -219,7 +232,9 @@ class PromptPath:
         except ValueError as e:
             raise BadRequest(str(e), "min_pixels") from None
 
-    def _prompt_ids(self, prompt: str | list[int], num_images: int = 0) -> list[int]:
+    def _prompt_ids(
+        self, prompt: str | list[int], num_images: int = 0, num_videos: int = 0
+    ) -> list[int]:
         if isinstance(prompt, str):
             ids = self.builder.encode(prompt, add_special_tokens=True)
         else:
@@ -230,7 +245,7 @@ class PromptPath:
             ids = list(prompt)
         if not ids:
             raise BadRequest("the prompt is empty", "prompt")
-        self._check_placeholders(ids, num_images, 0, "prompt")
+        self._check_placeholders(ids, num_images, num_videos, "prompt")
         return ids
 
     def _check_placeholders(

@@ -2,11 +2,13 @@
 outputs → the chunks the frontend reads (`docs/scale-out.md`, "A fleet").
 
 Dynamo's frontend templates and tokenizes the chat itself: a request carries `token_ids`
-(one image placeholder per image), the images' URLs (`multi_modal_data.image_url`), the
-id its router keyed each image by (`extra_args.mm_hashes`: xxh3_64 of the URL string),
-the prompt's length once its images are expanded as the frontend counted them
-(`mm_routing_info.expanded_prompt_len`), and the sampling and stop options, null where
-the client left them out. The tokenizer worker takes it from there, as for a chat
+(one placeholder per image and per video), the media's URLs (`multi_modal_data.image_url`,
+`.video_url`), the id its router keyed each image by (`extra_args.mm_hashes`: xxh3_64 of
+the URL string), the prompt's length once its images are expanded as the frontend counted
+them (`mm_routing_info.expanded_prompt_len`), and the sampling and stop options, null
+where the client left them out. A video comes with neither a routing id nor a count (the
+frontend cannot count its frames unseen), so the router routes a video request on its
+text before the video. The tokenizer worker takes it from there, as for a chat
 request of `iris serve` (media rules, keys, processor cache, arena), and refuses a prompt
 whose expansion differs from the frontend's count.
 
@@ -55,19 +57,22 @@ class RefusedField(ValueError):
         self.field = field
 
 
-def image_urls(request: Mapping[str, Any]) -> list[str]:
-    """The request's image URLs in prompt order; a video or other media is refused."""
+_MEDIA = ("image_url", "video_url")  # the frontend's kinds of `multi_modal_data` Iris takes
+
+
+def media_urls(request: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The request's image and video URLs, each in prompt order; other media is refused."""
     media = request.get("multi_modal_data") or {}
-    urls = []
+    urls: dict[str, list[str]] = {kind: [] for kind in _MEDIA}
     for kind, items in media.items():
-        if kind != "image_url":
-            raise RefusedField(f"multi_modal_data.{kind}", "Iris takes images from Dynamo")
+        if kind not in urls:
+            raise RefusedField(f"multi_modal_data.{kind}", "Iris takes images and videos")
         for index, item in enumerate(items or ()):
             url = item.get("Url") if isinstance(item, dict) else None
             if not isinstance(url, str):
-                raise RefusedField(f"multi_modal_data.image_url[{index}]", "no image URL")
-            urls.append(url)
-    return urls
+                raise RefusedField(f"multi_modal_data.{kind}[{index}]", "no URL")
+            urls[kind].append(url)
+    return urls["image_url"], urls["video_url"]
 
 
 def routing_hashes(request: Mapping[str, Any], count: int) -> list[int] | None:
@@ -182,7 +187,7 @@ def tokenize_request(
     token_ids = request.get("token_ids")
     if not isinstance(token_ids, list) or not token_ids:
         raise RefusedField("token_ids", "the prompt is empty")
-    urls = image_urls(request)
+    urls, video_urls = media_urls(request)
     expected = (request.get("mm_routing_info") or {}).get("expanded_prompt_len")
     options = sampling(request, defaults)
     choices(request)  # a malformed `n` is refused with the rest
@@ -197,7 +202,8 @@ def tokenize_request(
         prompt=list(token_ids),
         image_urls=urls or None,
         image_routing_hashes=routing_hashes(request, len(urls)) if urls else None,
-        expected_prompt_len=expected if urls else None,
+        expected_prompt_len=expected if urls or video_urls else None,
+        video_urls=video_urls or None,
     )
 
 

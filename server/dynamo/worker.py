@@ -160,6 +160,17 @@ async def serve_dynamo(
         image_uuids_per_worker=config.image_uuids_per_worker,
     )
     await client.start()
+    status = uvicorn.Server(
+        uvicorn.Config(
+            node_status_app(client.metrics),
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            log_config=None,
+        )
+    )
+    status.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours below
+    status_task = await _started(status)  # /health answers before the router can route here
     first = schedulers[0]
     runtime_config = ModelRuntimeConfig()
     runtime_config.total_kv_blocks = first.kv_pages
@@ -201,17 +212,6 @@ async def serve_dynamo(
     model = settings.served_model_names[0]
     where = f"Dynamo endpoint {config.endpoint}"
     logger.info(banner(model, where, schedulers, config.num_workers, config.arena_bytes))
-    status = uvicorn.Server(
-        uvicorn.Config(
-            node_status_app(client.metrics),
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            log_config=None,
-        )
-    )
-    status.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours above
-    status_task = asyncio.ensure_future(status.serve())
     freeze_startup_heap()
     stopping = asyncio.ensure_future(stop.wait())
     try:
@@ -232,6 +232,16 @@ async def serve_dynamo(
         await asyncio.gather(serving, return_exceptions=True)
         await client.close()
     return 1 if failure else 0
+
+
+async def _started(status: uvicorn.Server) -> asyncio.Task:
+    """Serves the node's /health and /metrics, returning once they answer."""
+    task = asyncio.ensure_future(status.serve())
+    while not status.started:
+        if task.done():  # it could not bind: uvicorn logged why
+            raise RuntimeError(f"the node's /health and /metrics did not start: {task!r}")
+        await asyncio.sleep(0.01)  # uvicorn's startup sets `started`; nothing to await
+    return task
 
 
 async def _drain(handler: DynamoHandler, timeout: float) -> None:
