@@ -7,7 +7,7 @@ workloads.
     python -m bench.peers [--size small] [--arch ARCH | --model DIR]
         [--peers iris,vllm,transformers] [--workloads image,append,window,decode,video,clips]
         [--client builtin|vllm] [--vllm-venv DIR] [--iris-flags FLAGS] [--quick] [--out DIR]
-        [--variant NAME=FLAGS ...] [--kv-tokens N]
+        [--variant NAME=FLAGS ...] [--kv-tokens N] [--vllm-env NAME=VALUE ...]
 
 This is `bench.serve_load` (same workloads, same measurement, same report) with other
 servers: `serve_load` compares Iris with Iris (flag variants, another commit), this
@@ -206,9 +206,13 @@ def make_servers(args: argparse.Namespace, wanted: list[str], model_dir: Path, l
                 "--max-model-len",
                 str(args.kv_tokens),
             ]
-        server = VllmServer(model_dir, venv, extra, kv_cache_gib=kv, log_path=logs / "vllm.log")
+        env = dict(item.split("=", 1) for item in args.vllm_env)
+        server = VllmServer(
+            model_dir, venv, extra, kv_cache_gib=kv, log_path=logs / "vllm.log", env=env
+        )
         command = shlex.join(["vllm", "serve", "MODEL_DIR", *vllm_flags(model_dir, "vllm"), *extra])
-        how = f"{vllm_version(venv)} (CPU build): `VLLM_CPU_KVCACHE_SPACE={kv} {command}`"
+        settings = " ".join([f"VLLM_CPU_KVCACHE_SPACE={kv}", *args.vllm_env])
+        how = f"{vllm_version(venv)} (CPU build): `{settings} {command}`"
         servers.append(Server("vLLM", server, how))
     if "transformers" in wanted:
         import transformers
@@ -235,6 +239,14 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="NAME=FLAGS",
         help="one more Iris server, named 'Iris NAME', with FLAGS instead of "
         "--iris-flags (repeatable)",
+    )
+    parser.add_argument(
+        "--vllm-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for vLLM's server (repeatable), e.g. "
+        "VLLM_CPU_NUM_OF_RESERVED_CPU=0: its compute on every core, as Iris's",
     )
     parser.add_argument(
         "--kv-tokens",

@@ -92,11 +92,20 @@ def max_model_len(model_dir: Path, wanted: int = MAX_MODEL_LEN) -> int:
 
 def serve_dtype(model_dir: Path) -> str:
     """float32, Iris's dtype on a CPU, except for a checkpoint with linear-attention layers
-    (Qwen3.5's Gated DeltaNet, the test vLLM itself makes): vLLM's CPU kernels for those
-    take bfloat16 only. In float32 the server starts and becomes healthy, then the first
+    (Qwen3.5's Gated DeltaNet, the test vLLM itself makes) or 4-bit weights: vLLM's CPU
+    kernels for those take bfloat16 only. In float32 the server starts and becomes healthy, then the first
     request kills its engine (`AssertionError: CPU GDN attention requires BF16.`)."""
     hybrid = "linear_attention" in (text_config(model_dir).get("layer_types") or ())
-    return "bfloat16" if hybrid else "float32"
+    return "bfloat16" if hybrid or four_bit(model_dir) else "float32"
+
+
+def four_bit(model_dir: Path) -> bool:
+    """An AWQ or GPTQ checkpoint: vLLM's CPU kernel for those (`CPUWNA16LinearKernel`)
+    computes in bfloat16 or float16, so the peer serves it in bfloat16 (Iris too, with
+    `--iris-flags '--dtype bfloat16'`, for the same arithmetic)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    return method in ("awq", "gptq")
 
 
 def video_flags(model_dir: Path) -> list[str]:

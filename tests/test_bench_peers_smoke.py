@@ -121,6 +121,19 @@ def test_vllm_serves_hybrid_checkpoints_in_bfloat16(tmp_path: Path, arch: str, d
     assert flags[flags.index("--dtype") + 1] == dtype
 
 
+@pytest.mark.parametrize(
+    ("method", "dtype"), [("awq", "bfloat16"), ("gptq", "bfloat16"), ("fp8", "float32")]
+)
+def test_vllm_serves_four_bit_checkpoints_in_bfloat16(tmp_path: Path, method: str, dtype: str):
+    """vLLM's CPU kernel for AWQ and GPTQ weights takes bfloat16 or float16 only."""
+    build_config("qwen2_5_vl", "small").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    flags = serve_flags(tmp_path, "peer")
+    assert flags[flags.index("--dtype") + 1] == dtype
+
+
 def test_install_script_carries_the_recipe():
     script = REPO / INSTALL_SCRIPT
     subprocess.run(["bash", "-n", str(script)], check=True)
@@ -237,6 +250,19 @@ def test_iris_flags_reach_iris_and_its_row_says_so(tmp_path: Path, qwen2_5_vl_ti
     [iris] = peers.make_servers(args, ["iris"], qwen2_5_vl_tiny, tmp_path)
     assert iris.server.flags[-2:] == ["--dtype", "bfloat16"]
     assert "--dtype bfloat16`" in iris.how
+
+
+def test_vllm_env_reaches_vllm_and_its_row_says_so(tmp_path: Path, qwen2_5_vl_tiny: Path):
+    venv = tmp_path / "vllm-cpu"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\necho 0.32.0+cpu\n")  # its version
+    (venv / "bin" / "python").chmod(0o755)
+    reserved = "VLLM_CPU_NUM_OF_RESERVED_CPU=0"
+    args = peers.parse_arguments(["--model", str(qwen2_5_vl_tiny), "--vllm-env", reserved])
+    args.vllm_venv = venv
+    [vllm] = peers.make_servers(args, ["vllm"], qwen2_5_vl_tiny, tmp_path)
+    assert vllm.server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert f"VLLM_CPU_KVCACHE_SPACE=4 {reserved} vllm serve MODEL_DIR" in vllm.how
 
 
 def test_agents_taking_turns_come_back_from_the_host_tier(tmp_path: Path, qwen2_5_vl_tiny: Path):
