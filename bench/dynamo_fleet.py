@@ -109,6 +109,8 @@ def fleet_env(run_dir: Path, marker: str) -> dict[str, str]:
         "DYN_LOG": os.environ.get("DYN_LOG", "warn,dynamo_llm::kv_router=info"),
         "DYN_SELF_HOST_METADATA": "0",
         "HOME": str(run_dir),  # the frontend copies model cards under ~/.cache/dynamo
+        # ... but Iris's cache (built-in checkpoints, compiled CPU kernels) stays the user's
+        "IRIS_CACHE_DIR": os.environ.get("IRIS_CACHE_DIR") or str(Path.home() / ".cache/iris"),
         "HF_HUB_OFFLINE": "1",
         "IRIS_TEST_MARKER": marker,
     }

@@ -5,10 +5,17 @@ One process group on this machine: two Dynamo frontends (`--router-mode kv` and
 `round-robin`) over the same two `iris serve --dynamo` workers, and a third worker under
 its own model name (one node). Each configuration serves its own agents (other
 screenshots, other system prompts, so no configuration finds another's cache); an agent's
-turn adds a new screenshot to its history. Requests go one at a time, agents in turn, each
-for one token, so a request's latency is its time to first token. Reported per
-configuration: the returning turns' TTFT and the prefix hit rate (cached over prompt
-tokens), and the ratios the issue asks for.
+turn adds a new screenshot to its history. The agents run at once, each taking its turns
+one after another, each turn for one token, so a request's latency is its time to first
+token, queueing included. Each node's KV cache holds `--node-kv-tokens`: by default about
+half the agents' final histories, so one node (or two that each see every agent) cannot
+keep them all, and two that split the agents can: the case a fleet is for. Reported per
+configuration: the returning turns' TTFT, the prefix hit rate (cached over prompt
+tokens), the busier node's share of the prompt tokens, and the ratios the issue asks for.
+
+Why at once: with requests one at a time no node is ever loaded, and Dynamo's KV router
+then sends every agent to the node that holds their shared system prompt (its cost is
+overlap plus load, and the load is zero), so the fleet serves from one node.
 
     python -m bench.fleet_routing --size small            # the recorded run
     python -m bench.fleet_routing --quick                  # smoke (tests)
@@ -19,8 +26,10 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import json
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -47,48 +56,91 @@ def screenshot(seed: int, size: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def run_agents(
-    base_url: str, model: str, agents: int, turns: int, size: int, seed: int
-) -> list[tuple[int, float, int, int]]:
-    """`(turn, seconds, prompt tokens, cached tokens)` of every request."""
-    histories = [
-        [{"role": "system", "content": SYSTEM * 20 + f"Session {seed}-{a}."}] for a in range(agents)
-    ]
+Turn = tuple[int, float, int, int]  # turn, seconds, prompt tokens, cached tokens
+
+
+def run_agent(
+    client: httpx.Client,
+    base_url: str,
+    model: str,
+    name: str,
+    turns: int,
+    size: int,
+    first_image: int,
+) -> list[Turn]:
+    """One agent's turns, each adding a screenshot to its history."""
+    history: list[dict] = [{"role": "system", "content": SYSTEM * 20 + f"Session {name}."}]
     results = []
-    with httpx.Client(timeout=300) as client:
-        for turn in range(turns):
-            for agent, history in enumerate(histories):
-                url = screenshot(seed * 10_000 + agent * 100 + turn, size)
-                history.append({"role": "user", "content": [
-                    {"type": "image_url", "image_url": {"url": url}},
-                    {"type": "text", "text": f"Step {turn}: what next?"}]})  # fmt: skip
-                body = {"model": model, "messages": history, "max_tokens": 1, "temperature": 0}
-                start = time.perf_counter()
-                response = client.post(f"{base_url}/v1/chat/completions", json=body)
-                seconds = time.perf_counter() - start
-                response.raise_for_status()
-                usage = response.json()["usage"]
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                results.append((turn, seconds, usage["prompt_tokens"], cached))
-                history.append({"role": "assistant", "content": f"I clicked item {turn}."})
+    for turn in range(turns):
+        url = screenshot(first_image + turn, size)
+        history.append({"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": f"Step {turn}: what next?"}]})  # fmt: skip
+        body = {"model": model, "messages": history, "max_tokens": 1, "temperature": 0}
+        start = time.perf_counter()
+        response = client.post(f"{base_url}/v1/chat/completions", json=body)
+        seconds = time.perf_counter() - start
+        response.raise_for_status()
+        usage = response.json()["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        results.append((turn, seconds, usage["prompt_tokens"], cached))
+        history.append({"role": "assistant", "content": f"I clicked item {turn}."})
     return results
 
 
-def summary(name: str, results: list[tuple[int, float, int, int]]) -> list[object]:
+def run_agents(
+    base_url: str, model: str, agents: int, turns: int, size: int, seed: int
+) -> list[Turn]:
+    """Every request of `agents` agents running at once, one thread each."""
+    results: list[list[Turn]] = [[] for _ in range(agents)]
+    failures: list[BaseException] = []
+
+    def agent(index: int) -> None:
+        try:
+            results[index] = run_agent(client, base_url, model, f"{seed}-{index}", turns,
+                                       size, seed * 10_000 + index * 100)  # fmt: skip
+        except BaseException as error:  # re-raised below, in the main thread
+            failures.append(error)
+
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=agents)) as client:
+        threads = [threading.Thread(target=agent, args=(i,)) for i in range(agents)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if failures:
+        raise failures[0]
+    return [turn for agent_turns in results for turn in agent_turns]
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """K and V of one token over every layer, in the checkpoint's float32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    return 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4
+
+
+def summary(name: str, results: list[Turn], node_tokens: list[float]) -> list[object]:
     returning = [r for r in results if r[0] > 0]
     ttfts = [r[1] * 1000 for r in returning]
     hit = sum(r[3] for r in returning) / max(1, sum(r[2] for r in returning))
     first = [r[1] * 1000 for r in results if r[0] == 0]
+    busier = max(node_tokens) / max(1.0, sum(node_tokens))
     return [name, len(returning), statistics.median(ttfts), statistics.fmean(ttfts), hit,
-            statistics.median(first)]  # fmt: skip
+            statistics.median(first), busier]  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    parser.add_argument("--agents", type=int, default=5)  # odd: round-robin moves agents
-    parser.add_argument("--turns", type=int, default=4)
+    # odd: requests arrive in waves of one per agent, and with an even count round-robin
+    # would send each agent to the same node every turn
+    parser.add_argument("--agents", type=int, default=7)
+    parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--node-kv-tokens", type=int, default=6144,
+                        help="each node's KV cache, in tokens (default: 6144)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="3 agents, 2 turns, small images")
     parser.add_argument("--name", default=None, help="result file (default fleet_routing_SIZE)")
     parser.add_argument("--results-dir", type=Path, default=None)
@@ -101,10 +153,11 @@ def main() -> None:
     env = fleet_env(run_dir, marker)
     kv = start_frontend("kv", run_dir, env)
     rr = start_frontend("round-robin", run_dir, env, name="frontend-rr")
-    named = ("--served-model-name", "iris")
+    cache = ("--kv-cache-memory", str(args.node_kv_tokens * kv_bytes_per_token(model_dir)))
+    named = ("--served-model-name", "iris", *cache)
     workers = [start_worker(f"iris-{i}", model_dir, named, run_dir, env) for i in range(2)]
     solo_args = ("--served-model-name", "iris-solo", "--dynamo-endpoint", "solo.backend.generate")
-    workers.append(start_worker("iris-solo", model_dir, solo_args, run_dir, env))
+    workers.append(start_worker("iris-solo", model_dir, (*solo_args, *cache), run_dir, env))
     fleet = DynamoFleet(kv, workers, marker, env)
     others = DynamoFleet(rr, [], marker, env)
     rows = []
@@ -114,17 +167,20 @@ def main() -> None:
         configs = [("one Iris node", kv.url, "iris-solo"), ("2 nodes, KV router", kv.url, "iris"),
                    ("2 nodes, round-robin", rr.url, "iris")]  # fmt: skip
         for seed, (name, url, model) in enumerate(configs, start=1):
+            before = [w.metric("iris_prompt_tokens_total") for w in workers]
             results = run_agents(url, model, args.agents, args.turns, args.image_size, seed)
-            rows.append(summary(name, results))
+            after = [w.metric("iris_prompt_tokens_total") for w in workers]
+            rows.append(summary(name, results, [a - b for a, b in zip(after, before, strict=True)]))
     finally:
         stop(others)
         stop(fleet)
     solo, kv_row, rr_row = rows
     header = ["configuration", "returning turns", "TTFT p50 ms", "TTFT mean ms",
-              "prefix hit rate", "first turn p50 ms"]  # fmt: skip
+              "prefix hit rate", "first turn p50 ms", "busier node's share"]  # fmt: skip
     body = (
-        f"{args.agents} agents x {args.turns} turns, a new {args.image_size}x{args.image_size} "
-        f"screenshot per turn, `{args.size}` Qwen2.5-VL, one request at a time (1 token each).\n\n"
+        f"{args.agents} agents at once x {args.turns} turns, a new "
+        f"{args.image_size}x{args.image_size} screenshot per turn, `{args.size}` Qwen2.5-VL, "
+        f"1 token per turn; each node's KV cache {args.node_kv_tokens} tokens.\n\n"
         + markdown_table(header, rows)
         + "\n\n"
         + markdown_table(
