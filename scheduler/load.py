@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import cpu_kernels
 from .config import EngineConfig
 from .kv.sizing import readable_bytes
 from .models.int4_cpu import Int4PackedCpuLinear
@@ -47,6 +48,9 @@ def load_rank_model(
     for experts in model.modules():
         if isinstance(experts, RoutedExperts):
             experts.stack_for_grouped_kernel()
+    if device.type == "cpu":
+        loaded = cpu_kernels.load_for(model)
+        say("CPU kernels: %s", ", ".join(loaded) or "none (PyTorch's paths)")
     say("model loaded in %.1f s", time.monotonic() - started)
     resident, dense = linear_weight_bytes(model)
     say(

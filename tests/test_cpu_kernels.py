@@ -35,6 +35,7 @@ from iris_serve.scheduler.models.layers import (
 from iris_serve.scheduler.models.linear_method import LinearLayer, use_method
 from iris_serve.scheduler.models.tensor_parallel import RowParallelLinear, TPShard
 from iris_serve.tiny_checkpoint.fp8 import dequantize, quantize
+from tests.reference import cpu_engine
 
 torch.set_num_threads(2)
 
@@ -152,6 +153,22 @@ def test_threads_asking_for_a_kernel_at_once_build_it_once(monkeypatch):
     for thread in threads:
         thread.join(30)
     assert builds == ["k"] and results == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("arch", "kernels"),
+    [("qwen2_5_vl", ["paged_attention", "rms_norm", "rotary"]),
+     ("qwen3_5", ["gated_delta", "paged_attention", "rms_norm", "rotary"])],
+)  # fmt: skip
+def test_a_cpu_engine_loads_its_models_kernels_before_any_request(
+    arch, kernels, request, monkeypatch
+):
+    """A build takes seconds (once per machine): at start-up, not in a request's TTFT."""
+    built: list[str] = []
+    monkeypatch.setattr(build, "build_and_load", lambda name: built.append(name) or True)
+    monkeypatch.setattr(build, "_loaded", {})
+    cpu_engine(request.getfixturevalue(f"{arch}_tiny"))
+    assert sorted(built) == kernels
 
 
 def test_a_kernel_that_does_not_build_says_why_and_is_not_used(tmp_path, monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""C++ kernels of our own for the CPU paths PyTorch has no fast kernel for, built on first use.
+"""C++ kernels of our own for the CPU paths PyTorch has no fast kernel for, built at start-up.
 
 Each kernel is one C++ file here registering its operators with PyTorch (`TORCH_LIBRARY`);
 `load(name)` compiles it once per machine into a cache (`build.py`) and loads it, so
@@ -6,7 +6,9 @@ Each kernel is one C++ file here registering its operators with PyTorch (`TORCH_
 thread pool. Where it cannot be built (no compiler, a CPU without AVX2, another
 architecture), `load` logs one line saying why and returns False, and the caller keeps
 its PyTorch path: every kernel here is a faster way to compute what a PyTorch path
-already computes, and is tested against it.
+already computes, and is tested against it. A module whose code calls one names it in its
+class's `CPU_KERNELS`; a CPU model loads them all as it loads (`load_for`), so no request
+waits for a build.
 
 - `fp8_linear.cpp` (`torch.ops.iris_fp8.block_fp8_linear`): block-FP8 weights times a
   few rows (a decode step), reading each byte once (`models/block_fp8.py`,
@@ -31,4 +33,12 @@ DTYPES = (torch.float32, torch.bfloat16)  # what every kernel here computes in
 VECTOR_FLOATS = 16  # a head's size must be whole vectors of the widest SIMD compiled for
 MAX_HEAD_DIM = 256  # the largest head the attention and Gated DeltaNet kernels keep in registers
 
-__all__ = ["DTYPES", "MAX_HEAD_DIM", "VECTOR_FLOATS", "disabled", "load"]
+__all__ = ["DTYPES", "MAX_HEAD_DIM", "VECTOR_FLOATS", "disabled", "load", "load_for"]
+
+
+def load_for(model: torch.nn.Module) -> list[str]:
+    """Loads, at start-up, every kernel a module of `model` may call (its class's
+    `CPU_KERNELS`), so that no request waits for a build (seconds each, once per
+    machine); the names that loaded. A module still checks `load` before each call."""
+    wanted = sorted({name for m in model.modules() for name in getattr(m, "CPU_KERNELS", ())})
+    return [name for name in wanted if load(name)]

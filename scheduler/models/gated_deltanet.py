@@ -228,6 +228,8 @@ class GatedDeltaNet(nn.Module):
     `in_proj_z` the output gate per value channel, `in_proj_b` β and `in_proj_a` the decay's
     input per value head: g = −exp(A_log)·softplus(a + dt_bias)."""
 
+    CPU_KERNELS: ClassVar[tuple[str, ...]] = ("gated_delta",)  # cpu_kernels.load_for
+
     DUMMY_FILL: ClassVar[dict[str, float]] = {"A_log": 0.0, "dt_bias": 1.0}  # decay e^-1.3
 
     def __init__(self, config: VLModelConfig, state_layer: int) -> None:

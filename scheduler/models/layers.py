@@ -55,6 +55,8 @@ def fused_rms_norm(
 class RMSNorm(nn.Module):
     """Normalises in fp32, casts back, then scales (transformers' order)."""
 
+    CPU_KERNELS: ClassVar[tuple[str, ...]] = ("rms_norm",)  # `fused_rms_norm`: cpu_kernels.load_for
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -71,6 +73,8 @@ class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm scaled by `1 + weight` (Qwen3.5's decoder stores its norm weights centred on
     zero). Scales in fp32 before casting back: transformers' order for this norm, unlike
     `RMSNorm`'s, so bf16 rounds differently."""
+
+    CPU_KERNELS: ClassVar[tuple[str, ...]] = ("rms_norm",)
 
     DUMMY_FILL: ClassVar[dict[str, float]] = {"weight": 0.0}  # `registry._init_dummy`: identity
 

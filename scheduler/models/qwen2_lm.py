@@ -8,6 +8,8 @@ which the loader fills from `q/k/v_proj` and `gate/up_proj`. Attention itself is
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -38,6 +40,8 @@ def qkv_projection(config: VLModelConfig, bias: bool, gated: bool = False) -> Co
 
 
 class Qwen2Attention(nn.Module):
+    CPU_KERNELS: ClassVar[tuple[str, ...]] = ("rotary", "paged_attention")  # cpu_kernels.load_for
+
     def __init__(self, config: VLModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx

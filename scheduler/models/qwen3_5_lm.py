@@ -15,6 +15,8 @@ The MLP is Qwen3's (dense, or routed experts plus Qwen3.5-MoE's shared expert).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -30,6 +32,8 @@ from .tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 
 class GatedAttention(nn.Module):
     """`kv_layer`: this layer's index among the full-attention layers (its KV cache layer)."""
+
+    CPU_KERNELS: ClassVar[tuple[str, ...]] = ("rotary", "paged_attention")  # cpu_kernels.load_for
 
     def __init__(self, config: VLModelConfig, kv_layer: int) -> None:
         super().__init__()

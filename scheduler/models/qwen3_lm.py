@@ -9,6 +9,8 @@ needs no mask. `Qwen3Model.build_mlp` is where the MoE decoder differs (`SparseM
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -21,6 +23,8 @@ from .tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 
 
 class Qwen3Attention(nn.Module):
+    CPU_KERNELS: ClassVar[tuple[str, ...]] = ("rotary", "paged_attention")  # cpu_kernels.load_for
+
     def __init__(self, config: VLModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
