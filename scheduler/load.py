@@ -49,7 +49,7 @@ def load_rank_model(
         if isinstance(experts, RoutedExperts):
             experts.stack_for_grouped_kernel()
     if device.type == "cpu":
-        loaded = cpu_kernels.load_for(model)
+        loaded = cpu_kernels.load_for(model, dtype)
         say("CPU kernels: %s", ", ".join(loaded) or "none (PyTorch's paths)")
     say("model loaded in %.1f s", time.monotonic() - started)
     resident, dense = linear_weight_bytes(model)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from iris_serve.scheduler.cpu_kernels.build import cache_dir as kernel_cache_dir
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -23,7 +25,8 @@ def bench_process(
 ) -> subprocess.CompletedProcess[str]:
     """`python -m module *args` from the repo root, as a user would run it (its own
     process, a private checkpoint cache, no hub), whatever its exit status."""
-    env = {"IRIS_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    env = {"IRIS_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "IRIS_KERNEL_CACHE_DIR": str(kernel_cache_dir())}  # built once per machine  # fmt: skip
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=REPO,

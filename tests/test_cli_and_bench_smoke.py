@@ -9,6 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from iris_serve.scheduler.cpu_kernels.build import cache_dir as kernel_cache_dir
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
 from tests.bench_smoke import check_provenance, markdown_tables, run_bench
 from tests.reference import chat_prompt, make_image, reference_tokens
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {
         "IRIS_CACHE_DIR": str(tmp_path / "cache"),
+        "IRIS_KERNEL_CACHE_DIR": str(kernel_cache_dir()),  # built once per machine
         "HF_HUB_OFFLINE": "1",
         "PATH": "/usr/bin:/bin",
     }

@@ -156,24 +156,34 @@ def test_threads_asking_for_a_kernel_at_once_build_it_once(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("arch", "kernels"),
-    [("qwen2_5_vl", ["paged_attention", "rms_norm", "rotary"]),
-     ("qwen3_5", ["gated_delta", "paged_attention", "rms_norm", "rotary"])],
+    ("arch", "dtype", "kernels"),
+    [("qwen2_5_vl", "float32", ["paged_attention", "rotary"]),
+     ("qwen3_5", "bfloat16", ["gated_delta", "paged_attention", "rms_norm", "rotary"])],
 )  # fmt: skip
 def test_a_cpu_engine_loads_its_models_kernels_before_any_request(
-    arch, kernels, request, monkeypatch
+    arch, dtype, kernels, request, monkeypatch
 ):
-    """A build takes seconds (once per machine): at start-up, not in a request's TTFT."""
+    """A build takes seconds (once per machine): at start-up, not in a request's TTFT;
+    only the kernels that run in the model's dtype (the norm's runs in bf16 only)."""
     built: list[str] = []
     monkeypatch.setattr(build, "build_and_load", lambda name: built.append(name) or True)
     monkeypatch.setattr(build, "_loaded", {})
-    cpu_engine(request.getfixturevalue(f"{arch}_tiny"))
+    cpu_engine(request.getfixturevalue(f"{arch}_tiny"), dtype=dtype)
     assert sorted(built) == kernels
+
+
+def test_the_kernel_cache_is_the_machines_unless_told(tmp_path, monkeypatch):
+    monkeypatch.delenv("IRIS_KERNEL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("IRIS_CACHE_DIR", str(tmp_path / "cache"))
+    assert build.cache_dir() == tmp_path / "cache" / "kernels"
+    monkeypatch.setenv("IRIS_KERNEL_CACHE_DIR", str(tmp_path / "kernels"))
+    assert build.cache_dir() == tmp_path / "kernels"  # a private checkpoint cache, shared builds
 
 
 def test_a_kernel_that_does_not_build_says_why_and_is_not_used(tmp_path, monkeypatch, caplog):
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     monkeypatch.setattr(build, "SOURCES", tmp_path)
+    monkeypatch.delenv("IRIS_KERNEL_CACHE_DIR", raising=False)
     monkeypatch.setenv("IRIS_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="iris.cpu_kernels"):
         assert not build.build_and_load("broken")

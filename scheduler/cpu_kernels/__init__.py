@@ -30,15 +30,22 @@ import torch
 from .build import disabled, load
 
 DTYPES = (torch.float32, torch.bfloat16)  # what every kernel here computes in
+# where each kernel is used: the RMS norm in bfloat16 only (in float32 its sum of squares,
+# added in another order than PyTorch's, moves the fp32 parity suite's logits past its bar)
+RUNS_IN: dict[str, tuple[torch.dtype, ...]] = {
+    "fp8_linear": DTYPES, "paged_attention": DTYPES, "gated_delta": DTYPES,
+    "rms_norm": (torch.bfloat16,), "rotary": DTYPES,
+}  # fmt: skip
 VECTOR_FLOATS = 16  # a head's size must be whole vectors of the widest SIMD compiled for
 MAX_HEAD_DIM = 256  # the largest head the attention and Gated DeltaNet kernels keep in registers
 
-__all__ = ["DTYPES", "MAX_HEAD_DIM", "VECTOR_FLOATS", "disabled", "load", "load_for"]
+__all__ = ["DTYPES", "MAX_HEAD_DIM", "RUNS_IN", "VECTOR_FLOATS", "disabled", "load", "load_for"]
 
 
-def load_for(model: torch.nn.Module) -> list[str]:
-    """Loads, at start-up, every kernel a module of `model` may call (its class's
-    `CPU_KERNELS`), so that no request waits for a build (seconds each, once per
-    machine); the names that loaded. A module still checks `load` before each call."""
-    wanted = sorted({name for m in model.modules() for name in getattr(m, "CPU_KERNELS", ())})
-    return [name for name in wanted if load(name)]
+def load_for(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """Loads, at start-up, every kernel a module of `model` may call in `dtype` (its
+    class's `CPU_KERNELS`, as `RUNS_IN` allows), so that no request waits for a build
+    (seconds each, once per machine); the names that loaded. A module still checks `load`
+    before each call."""
+    named = {name for m in model.modules() for name in getattr(m, "CPU_KERNELS", ())}
+    return [name for name in sorted(named) if dtype in RUNS_IN[name] and load(name)]

@@ -6,8 +6,8 @@ OpenMP runtime torch ships, so `at::parallel_for` shares torch's threads) and is
 with `-march=native` and `-ffp-contract=off` (a product and a sum written apart stay
 rounded apart, as PyTorch's ops round them; FMAs are written as FMAs), so the cache key
 holds everything it depends on: the source, the headers, the flags, torch's version, the
-compiler's and the CPU's feature flags. The cache is `$IRIS_CACHE_DIR/kernels`, else
-`~/.cache/iris/kernels`; a build writes a file of its own and renames it into place, so
+compiler's and the CPU's feature flags. The cache is `$IRIS_KERNEL_CACHE_DIR`, else
+`$IRIS_CACHE_DIR/kernels`, else `~/.cache/iris/kernels`; a build writes a file of its own and renames it into place, so
 builds running together (tensor-parallel ranks, test workers) never load a half-written
 library, and a new build removes the kernel's older ones. Within a process a lock makes
 one build of a kernel however many threads ask for it first.
@@ -78,7 +78,7 @@ def build_and_load(name: str) -> bool:
         logger.warning("CPU kernel %s: no C++ compiler (g++); PyTorch's path runs", name)
         return False
     source = SOURCES / f"{name}.cpp"
-    library = _cache_dir() / f"{name}-{_key(source, compiler)}.so"
+    library = cache_dir() / f"{name}-{_key(source, compiler)}.so"
     if not library.exists():
         error = _compile(compiler, source, library)
         if error:
@@ -98,9 +98,13 @@ def _remove_older_builds(library: Path, name: str) -> None:
             older.unlink(missing_ok=True)
 
 
-def _cache_dir() -> Path:
-    """`$IRIS_CACHE_DIR/kernels`, else `~/.cache/iris/kernels` (beside the built-in
-    checkpoints' `models`)."""
+def cache_dir() -> Path:
+    """`$IRIS_KERNEL_CACHE_DIR`, else `$IRIS_CACHE_DIR/kernels`, else `~/.cache/iris/kernels`
+    (beside the built-in checkpoints' `models`). A build belongs to the machine, not to a
+    checkpoint cache: a private checkpoint cache may still share the machine's kernels."""
+    explicit = os.environ.get("IRIS_KERNEL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
     base = os.environ.get("IRIS_CACHE_DIR")
     return (Path(base) if base else Path.home() / ".cache" / "iris") / "kernels"
 

@@ -37,12 +37,11 @@ def fused_rms_norm(
 ) -> torch.Tensor | None:
     """The norm in one C++ pass per row on a CPU in bfloat16 (`cpu_kernels/rms_norm.cpp`,
     the same order of roundings as the modules below), or None where it does not run:
-    another device, float32 (whose sum of squares the kernel adds in another order, which
-    moves the fp32 parity suite's logits past its bar), a weight in another dtype, a
-    strided x, autograd recording, or the kernel did not build."""
+    another device, float32 (`cpu_kernels.RUNS_IN` says why), a weight in another dtype,
+    a strided x, autograd recording, or the kernel did not build."""
     if (
         x.device.type != "cpu"
-        or x.dtype != torch.bfloat16
+        or x.dtype not in cpu_kernels.RUNS_IN["rms_norm"]
         or weight.dtype != x.dtype
         or not x.is_contiguous()
         or (torch.is_grad_enabled() and weight.requires_grad)
