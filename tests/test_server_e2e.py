@@ -502,13 +502,35 @@ def test_clean_shutdown_leaves_no_process_and_no_shared_memory(qwen2_vl_tiny, tm
 def test_a_child_killed_with_sigkill_stops_everything_cleanly(
     qwen2_vl_tiny, tmp_path, victim, flags
 ):
+    """Killed mid-step, with a stream in flight: the stream ends (no hang), the server
+    exits 1 naming the dead child, and nothing is left in /dev/shm or as a process."""
     with iris_server(qwen2_vl_tiny, *flags, tmp_path=tmp_path) as running:
         match = re.search(rf"started {victim} \(pid (\d+)\)", running.log)
         assert match, running.log
+        streaming, ended = threading.Event(), threading.Event()
+        body = {"messages": [{"role": "user", "content": "Count on."}], "max_tokens": 8000,
+                "ignore_eos": True, "stream": True, "temperature": 0}  # fmt: skip
+
+        def stream() -> None:
+            try:
+                url = f"{running.base_url}/v1/chat/completions"
+                with httpx.stream("POST", url, json=body, timeout=60) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            streaming.set()
+            except httpx.HTTPError:
+                pass  # the connection closed with the server: an end, not a hang
+            finally:
+                ended.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert streaming.wait(60), f"the stream never started:\n{running.log[-3000:]}"
         os.kill(int(match.group(1)), signal.SIGKILL)
         status = running.process.wait(timeout=60)
         assert status == 1
         assert f"{victim} (pid {match.group(1)}) died: killed by SIGKILL" in running.log
+        assert ended.wait(60), "the stream in flight did not end with the server"
         wait_until_gone(running)
 
 
