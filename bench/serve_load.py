@@ -174,6 +174,20 @@ class Server:
     server: IrisServer
     how: str
     rss_mib: float | None = None  # its processes' resident memory once warmed up
+    weights: str | None = None  # an Iris server's linear weights, as its start-up says
+
+
+LINEAR_WEIGHTS = re.compile(
+    r"linear weights: (.+?) resident per rank, ([\d.]+)x their dense size \((.*)\)$", re.M
+)
+
+
+def linear_weights(log: str) -> str | None:
+    """`"40.1 MiB (0.45x): onednn method; awq for 56 layers at 0.31x, through int4-cpu"`:
+    what an Iris server's start-up line says its linear layers hold per rank, that over
+    their dense size in the model's dtype, and how they compute; None for another server."""
+    found = LINEAR_WEIGHTS.search(log)
+    return None if found is None else f"{found.group(1)} ({found.group(2)}x): {found.group(3)}"
 
 
 def parse_variant(spec: str) -> tuple[str, list[str], dict[str, str]]:
@@ -270,6 +284,7 @@ def steps(
         if videos:
             video_scenario.warm_up(client, server, model, videos)
     entry.rss_mib = group_rss_bytes(server.process.pid) / 2**20
+    entry.weights = linear_weights(server.log)
     for round_ in range(plan.rounds):
         for i, w in enumerate(plan.workloads):
             seed = workload_seed(args, round_, i)

@@ -284,8 +284,10 @@ def report(
         summary_table(names, runs), "",
         "## Servers", "",
         markdown_table(
-            ["server", "started as", "RSS MiB, warmed up"],
-            [[s.name, s.how, "–" if s.rss_mib is None else s.rss_mib] for s in servers],
+            ["server", "started as", "RSS MiB, warmed up",
+             "linear weights per rank (÷ dense, its dtype)"],
+            [[s.name, s.how, "–" if s.rss_mib is None else s.rss_mib, s.weights or "–"]
+             for s in servers],
         ), "",
         "## Every run", "", runs_table(runs, plan),
     ]  # fmt: skip

@@ -64,9 +64,10 @@ def load_rank_model(
 
 def methods_used(model: Qwen2VLForCausalLM, method: LinearMethod) -> str:
     """ "onednn method", or with a quantized checkpoint "onednn method; block-fp8 for 8
-    layers" (", through int4-cpu" where a kernel took them once loaded; ", the routed
-    experts of 2 layers" where those are held quantized too): how the linear layers
-    compute (`method`: the settings' choice)."""
+    layers at 0.52x" (their bytes over their dense size in the model's dtype; ", through
+    int4-cpu" where a kernel took them once loaded; ", the routed experts of 2 layers"
+    where those are held quantized too): how the linear layers compute (`method`: the
+    settings' choice)."""
     fmt = model.quantization
     if fmt is None:
         return f"{method.name} method"
@@ -76,6 +77,10 @@ def methods_used(model: Qwen2VLForCausalLM, method: LinearMethod) -> str:
     quantized = [layer for layer in linear_layers(model) if layer.method.name in names]
     kernels = sorted({layer.method.name for layer in quantized} - {fmt})
     through = f", through {', '.join(kernels)}" if kernels else ""
+    held = sum(layer.method.resident_bytes(layer) for layer in quantized)
+    share = held / max(1, sum(layer.method.dense_bytes(layer) for layer in quantized))
     quantized = [layer for layer in quantized if id(layer) not in experts_layers]
     routed = f", the routed experts of {len(experts)} layers" if experts else ""
-    return f"{method.name} method; {fmt} for {len(quantized)} layers{through}{routed}"
+    return (
+        f"{method.name} method; {fmt} for {len(quantized)} layers at {share:.2f}x{through}{routed}"
+    )

@@ -40,6 +40,8 @@ def test_serve_load_quick_compares_a_named_variant_with_iris(tmp_path):
     assert list(dict.fromkeys(row[0] for row in summary)) == list(WORKLOADS)
     assert all(float(row[-1]) > 0 for row in summary), summary
     assert "OMP_WAIT_POLICY=PASSIVE iris serve MODEL_DIR" in servers[1][1]
+    weights = r"[\d.]+ \w?i?B \(1\.00x\): onednn method"  # the start-up line's
+    assert all(re.fullmatch(weights, row[3]) for row in servers), servers
     assert (
         servers[1][1].endswith("--max-itl-stretch 3`") and "--scheduler-threads 1" in servers[1][1]
     )

@@ -6,6 +6,7 @@ its weights held at a fraction of float32's bytes (FP8 ~1/4, the 4-bit ones ~1/6
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -341,11 +342,12 @@ def test_a_quantized_checkpoint_answers_as_transformers_on_its_dequantized_twin(
     small = (torch.float8_e4m3fn, torch.int32)
     assert all(getattr(layer, held_tensor).dtype in small for layer in quantized)
     assert not any(layer.method.name == name for layer in linear_layers(model.visual))
-    said = methods_used(model, DENSE)  # the start-up line's, with the settings' method
-    assert quantized and said == f"dense method; {name} for {len(quantized)} layers", said
     held_bytes = sum(layer.method.resident_bytes(layer) for layer in quantized)
-    dense_bytes = sum(layer.method.dense_bytes(layer) for layer in quantized)
+    dense_bytes = sum(layer.method.dense_bytes(layer) for layer in quantized)  # in fp32
     assert held_bytes < 0.3 * dense_bytes, (held_bytes, dense_bytes)
+    said = methods_used(model, DENSE)  # the start-up line's, with the settings' method
+    share = f"{held_bytes / dense_bytes:.2f}x"
+    assert said == f"dense method; {name} for {len(quantized)} layers at {share}", said
     resident, dense = linear_weight_bytes(model)
     assert resident < dense
 
@@ -361,7 +363,11 @@ def test_a_4_bit_checkpoint_in_bf16_answers_through_the_int4_kernel(qwen2_5_vl_t
     engine = cpu_engine(checkpoint, dtype="bfloat16", max_num_batched_tokens=96)
     kernel = [layer for layer in linear_layers(engine.model) if layer.method.name == "int4-cpu"]
     said = methods_used(engine.model, DENSE)
-    assert kernel and said == f"dense method; awq for {len(kernel)} layers, through int4-cpu"
+    # the kernel's packing: half a byte per weight, a bf16 scale and offset per group of 32
+    share = (0.5 + 4 / 32) / 2  # of bf16's 2 bytes: 0.31x (groups of 128: 0.27x)
+    assert kernel and said == (
+        f"dense method; awq for {len(kernel)} layers at {share:.2f}x, through int4-cpu"
+    ), said
     greedy = Sampling(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     [ours] = engine.generate([prompt], greedy)
     theirs, margins = hf_generate_with_margins(twin, prompt, MAX_NEW, torch.bfloat16)
@@ -403,6 +409,16 @@ def test_a_format_iris_does_not_read_is_refused_naming_it(tmp_path, quantization
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quantization}))
     with pytest.raises(ValueError, match=named):
         checkpoint_format(tmp_path)
+
+
+def test_iris_tiny_model_writes_4_bit_groups_of_the_size_asked_for(tmp_path):
+    out = tmp_path / "awq"
+    assert main_tiny_model(["--arch", "qwen2_vl", "--quant", "awq", "--group-size", "64",
+                            "--out", str(out)]) == 0  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 64
+    with pytest.raises(SystemExit):  # not a 4-bit format
+        main_tiny_model(["--arch", "qwen2_vl", "--quant", "fp8", "--group-size", "64",
+                         "--out", str(tmp_path / "fp8")])  # fmt: skip
 
 
 def test_iris_tiny_model_writes_the_fp8_layout_sharded_too(tmp_path):
@@ -461,4 +477,5 @@ def test_served_fp8_says_its_format_and_answers_as_transformers(qwen2_5_vl_tiny,
         assert answer.json()["choices"][0]["message"]["content"] == expected
         log = server.log
     assert "(Qwen2_5_VLForConditionalGeneration, block-fp8 weights, float32 on cpu)" in log
-    assert "(onednn method; block-fp8 for 8 layers)" in log  # 2 layers: qkv, o, gate_up, down
+    # 2 layers: qkv, o, gate_up, down; a byte per weight and a float32 scale per 128x128 block
+    assert re.search(r"\(onednn method; block-fp8 for 8 layers at 0\.2\dx\)", log), log

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         "compressed-tensors pack-quantized (4-bit symmetric, groups of 32)",
     )
     parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="with --quant awq|gptq|w4a16: input rows per scale (default 32, which the "
+        "tiny widths divide; releases use 128)",
+    )
+    parser.add_argument(
         "--sym",
         action="store_true",
         help="with --quant gptq: symmetric (every zero point 8), as Qwen's GPTQ-Int4 "
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-layers, --vision-depth and --device go with --like")
     if args.sym and args.quant != "gptq":
         parser.error("--sym goes with --quant gptq")
+    if args.group_size is not None and args.quant not in ("awq", "gptq", "w4a16"):
+        parser.error("--group-size goes with --quant awq, gptq or w4a16")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
     target = args.out
@@ -119,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                 write = {
                     "fp8": write_fp8, "awq": write_awq, "gptq": write_gptq, "w4a16": write_w4a16,
                 }[args.quant]  # fmt: skip
-                options = {"symmetric": True} if args.sym else {}
+                options: dict[str, object] = {"symmetric": True} if args.sym else {}
+                if args.group_size is not None:
+                    options["group_size"] = args.group_size
                 out, what = write(out, target, **options), f"{what}, {args.quant}"
     except (OSError, ValueError) as exc:
         print(f"iris tiny-model: error: {exc}", file=sys.stderr)
