@@ -107,6 +107,15 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.flush()
                     if self.release.wait(0.02):
                         return
+            elif self.path in ("/reset", "/cut"):  # half the body, then a reset or a close
+                self._head(200, {"Content-Length": str(len(PNG))})
+                self.wfile.write(PNG[: len(PNG) // 2])
+                self.wfile.flush()
+                if self.path == "/reset":  # SO_LINGER 0: close sends RST, not FIN
+                    self.connection.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                    )
+                self.close_connection = True
             elif self.path == "/stream-big":  # no Content-Length: read until close
                 self.close_connection = True
                 self._head(200, {})
@@ -168,6 +177,13 @@ def test_http_errors(server: str, path: str, message: str) -> None:
     with pytest.raises(MediaError, match=message) as error:
         local(timeout_s=5, max_bytes=KiB).fetch(f"{server}{path}")
     assert error.value.param == "messages"
+    assert error.value.status == 400
+
+
+@pytest.mark.parametrize("path", ["/reset", "/cut"])
+def test_a_host_that_resets_or_cuts_the_body_is_a_400_naming_the_url(server: str, path: str):
+    with pytest.raises(MediaError, match=rf"cannot fetch {server}{path}") as error:
+        local(timeout_s=5).fetch(f"{server}{path}")
     assert error.value.status == 400
 
 

@@ -243,7 +243,13 @@ class MediaFetcher:
                 length = response.headers.get("Content-Length", "")
                 if length.isdigit() and int(length) > kind.max_bytes:
                     raise MediaError(f"{_short(url)} is larger than {kind.max_bytes} bytes")
-                return self._read_capped(response, url, deadline, kind.max_bytes)
+                body = self._read_capped(response, url, deadline, kind.max_bytes)
+                if length.isdigit() and len(body) < int(length):  # http.client does not say
+                    raise MediaError(
+                        f"cannot fetch {_short(url)}: the body ended after {len(body)} of "
+                        f"its {length} bytes"
+                    )
+                return body
         except MediaError:
             raise
         except RefusedHost as e:
