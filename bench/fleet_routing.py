@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import json
 import statistics
 import tempfile
 import threading
@@ -41,6 +40,7 @@ from PIL import Image
 from iris_serve.tiny_checkpoint import builtin_checkpoint
 
 from .dynamo_fleet import DynamoFleet, fleet_env, start_frontend, start_worker, stop
+from .peers import kv_bytes_per_token
 from .results_io import markdown_table, write_result
 
 SYSTEM = "You operate a desktop for the user, one click at a time, and explain each step. "
@@ -113,14 +113,6 @@ def run_agents(
     return [turn for agent_turns in results for turn in agent_turns]
 
 
-def kv_bytes_per_token(model_dir: Path) -> int:
-    """K and V of one token over every layer, in the checkpoint's float32."""
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config", config)
-    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    return 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4
-
-
 def summary(name: str, results: list[Turn], node_tokens: list[float]) -> list[object]:
     returning = [r for r in results if r[0] > 0]
     ttfts = [r[1] * 1000 for r in returning]
@@ -153,7 +145,7 @@ def main() -> None:
     env = fleet_env(run_dir, marker)
     kv = start_frontend("kv", run_dir, env)
     rr = start_frontend("round-robin", run_dir, env, name="frontend-rr")
-    cache = ("--kv-cache-memory", str(args.node_kv_tokens * kv_bytes_per_token(model_dir)))
+    cache = ("--kv-cache-memory", str(args.node_kv_tokens * kv_bytes_per_token(model_dir, ())))
     named = ("--served-model-name", "iris", *cache)
     workers = [start_worker(f"iris-{i}", model_dir, named, run_dir, env) for i in range(2)]
     solo_args = ("--served-model-name", "iris-solo", "--dynamo-endpoint", "solo.backend.generate")

@@ -93,8 +93,9 @@ def max_model_len(model_dir: Path, wanted: int = MAX_MODEL_LEN) -> int:
 def serve_dtype(model_dir: Path) -> str:
     """float32, Iris's dtype on a CPU, except for a checkpoint with linear-attention layers
     (Qwen3.5's Gated DeltaNet, the test vLLM itself makes) or 4-bit weights: vLLM's CPU
-    kernels for those take bfloat16 only. In float32 the server starts and becomes healthy, then the first
-    request kills its engine (`AssertionError: CPU GDN attention requires BF16.`)."""
+    kernels for those take bfloat16 only. In float32 a hybrid checkpoint's server starts
+    and becomes healthy, then the first request kills its engine (`AssertionError: CPU GDN
+    attention requires BF16.`)."""
     hybrid = "linear_attention" in (text_config(model_dir).get("layer_types") or ())
     return "bfloat16" if hybrid or four_bit(model_dir) else "float32"
 

@@ -212,10 +212,11 @@ def test_the_host_tier_is_its_own_medium(model_dir, builder) -> None:
                 assert set(event.block_hashes) <= on, "removed what was never announced"
                 on -= set(event.block_hashes)
 
+    texts = [f"prompt number {i} " * 6 for i in range(5)]
     prompts = [
-        with_routing(chat_prompt(builder, f"prompt number {i} " * 6, [make_image(56, 56, seed=i)]), i)
-        for i in range(5)
-    ]  # fmt: skip
+        with_routing(chat_prompt(builder, text, [make_image(56, 56, seed=i)]), i)
+        for i, text in enumerate(texts)
+    ]
     for index, prompt in enumerate(prompts):
         follow(run(engine, f"r{index}", prompt))
     assert host, "evicted pages went to the host tier's medium"

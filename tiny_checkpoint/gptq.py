@@ -5,10 +5,10 @@ round-to-nearest (`quantized.py` picks the tensors): each decoder projection `X`
 `X.scales` (fp16 `[G, N]`) and `X.g_idx` (int32 `[K]`), its bias as it was, and
 config.json's `quantization_config` {quant_method "gptq", bits 4, group_size, desc_act,
 sym, checkpoint_format "gptq"}: asymmetric (a zero per group and column) unless
-`symmetric` (every zero 8, as Qwen's GPTQ-Int4 releases, and all vLLM's CPU kernel takes). With `desc_act` the rows are grouped in an order of
-their own (a seeded permutation here, activation order in a real one), so `g_idx` is not
-monotone. The twin: `Wt[k, n] = (q[k, n] - z[g_idx[k], n]) · s[g_idx[k], n]`, stored as
-`X.weight = Wt.T`.
+`symmetric` (every zero 8, as Qwen's GPTQ-Int4 releases, and all vLLM's CPU kernel
+takes). With `desc_act` the rows are grouped in an order of their own (a seeded
+permutation here, activation order in a real one), so `g_idx` is not monotone. The twin:
+`Wt[k, n] = (q[k, n] - z[g_idx[k], n]) · s[g_idx[k], n]`, stored as `X.weight = Wt.T`.
 
 Written apart from the scheduler's loader, so that a test of one against the other
 compares two readings of the format.

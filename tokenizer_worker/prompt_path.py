@@ -6,10 +6,11 @@ URLs are fetched in parallel (`media`); the images and videos are pinned in the 
 every image and temporal patch of a video becomes an `ImageRef` at its span, in prompt
 order. A plain prompt (text or token ids) takes no media, unless a cluster frontend
 tokenized the chat itself and sends its media URLs beside the ids (`image_urls`,
-`video_urls`). A request with media URLs is turned inside `media_work()`, which the worker process uses to tell the scheduler that
-it takes a core meanwhile (`MediaWork`). Client errors are raised
-(`BadRequest`, `ChatError`, `MediaError`, `EntryTooLarge`), and a full arena raises
-`NoRoom`; whatever fails, the pins this request took are dropped first.
+`video_urls`). A request with media URLs is turned inside `media_work()`, which the
+worker process uses to tell the scheduler that it takes a core meanwhile (`MediaWork`).
+Client errors are raised (`BadRequest`, `ChatError`, `MediaError`, `EntryTooLarge`), and
+a full arena raises `NoRoom`; whatever fails, the pins this request took are dropped
+first.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ with `-march=native` and `-ffp-contract=off` (a product and a sum written apart 
 rounded apart, as PyTorch's ops round them; FMAs are written as FMAs), so the cache key
 holds everything it depends on: the source, the headers, the flags, torch's version, the
 compiler's and the CPU's feature flags. The cache is `$IRIS_KERNEL_CACHE_DIR`, else
-`$IRIS_CACHE_DIR/kernels`, else `~/.cache/iris/kernels`; a build writes a file of its own and renames it into place, so
-builds running together (tensor-parallel ranks, test workers) never load a half-written
-library, and a new build removes the kernel's older ones. Within a process a lock makes
+`$IRIS_CACHE_DIR/kernels`, else `~/.cache/iris/kernels`; a build writes a file of its own
+and renames it into place, so builds running together (tensor-parallel ranks, test
+workers) never load a half-written library, and a new build removes the kernel's older
+ones. Within a process a lock makes
 one build of a kernel however many threads ask for it first.
 `IRIS_CPU_KERNELS=0` turns every kernel off (their PyTorch paths run instead).
 """

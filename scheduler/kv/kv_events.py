@@ -224,12 +224,13 @@ class KvEventLog:
             ]
             mm_infos.append({"mm_objects": objects} if objects else None)
         keys = request.page_table.keys
+        tokens = request.token_ids(start * size, end * size)
         for offset, index in enumerate(range(start, end)):
             self._announced.add(ids[index])
             if self.host_tier:
                 parent = ids[index - 1] if index else None
-                tokens = request.token_ids(index * size, (index + 1) * size)
-                block = _Block(ids[index], parent, tokens, extra[offset], mm_infos[offset])
+                page = tokens[offset * size : (offset + 1) * size]
+                block = _Block(ids[index], parent, page, extra[offset], mm_infos[offset])
             else:
                 block = _Block(ids[index], None, [], None, None)
             self._blocks_by_key.setdefault(keys[index], []).append(block)
@@ -237,7 +238,7 @@ class KvEventLog:
             BlockStored(
                 block_hashes=list(ids[start:end]),
                 parent_block_hash=ids[start - 1] if start else None,
-                token_ids=request.token_ids(start * size, end * size),
+                token_ids=tokens,
                 block_size=size,
                 extra_keys=extra if any(item is not None for item in extra) else None,
                 block_mm_infos=mm_infos if any(item is not None for item in mm_infos) else None,
