@@ -11,7 +11,8 @@ totals since start, exposed as they are (worker totals summed): nothing is added
 here, so nothing is counted twice. Histograms are observed here: the encoder timings
 each `EngineStats` carries, and per request, by the HTTP handlers, the time to first
 token (`observe_first_token`) and the rest at a finish reason (`observe_finished`); a
-request whose client left, or that failed, counts in the time to first token only.
+request whose client left, or that failed, counts in the time to first token only; one
+the server aborted because its client left counts in `iris_requests_abandoned_total`.
 
 Every series is labelled `model_name` (the first served name, vLLM's label). With
 data-parallel replicas every `iris_*` engine metric has one sample per replica,
@@ -150,6 +151,10 @@ class MetricsBoard:
             for _ in range(tokens):
                 series.inter_token.observe((at - before) / tokens)
 
+    def observe_abandoned(self) -> None:
+        """A request left the server before the engine finished it (aborted there)."""
+        self.observed.abandoned.labels(self.model_name).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -227,6 +232,15 @@ class _ServerSeries:
         )
         for reason in get_args(FinishReason):
             self.success.labels(model_name, reason)  # every reason reads 0 from the start
+        self.abandoned = Counter(
+            "iris_requests_abandoned",
+            "Requests the server aborted in the engine before they finished there: their "
+            "client left (a cancelled stream, a closed connection), or another choice of "
+            "the same request (n > 1) failed.",
+            ["model_name"],
+            registry=registry,
+        )
+        self.abandoned.labels(model_name)
 
 
 class _LatestStats:

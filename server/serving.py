@@ -354,6 +354,7 @@ class OpenAIServing:
         finally:
             self._in_flight.discard(request_id)
             if not settled:
+                self.metrics.observe_abandoned()
                 self._abort_soon(request_id)
 
     def _cut(self, finish_reason: str | None) -> APIError | None:
