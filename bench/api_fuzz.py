@@ -43,6 +43,7 @@ IDLE = {
     "iris_scheduler_pinned_images": 0.0,
     "iris_shm_arena_pinned_entries": 0.0,
     "iris_num_requests_running": 0.0,
+    "iris_linear_state_slots_held": 0.0,
 }
 # 4xx answers that name no request field: the path's method, the body's size, the key.
 NO_FIELD_STATUSES = {401, 405, 413}

@@ -416,10 +416,12 @@ class EngineStats(_Message, tag=_ENGINE_STATS):
     # denominator of `prefix_cache_hit_tokens`; 0 with the prefix cache off)
     prefix_cache_query_tokens: int = 0
     # hybrid models (Qwen3.5): requests' first admissions, those whose prefix hit restored
-    # a snapshot of the linear-attention state, and the snapshots kept now
+    # a snapshot of the linear-attention state, the snapshots kept now, and the working
+    # slots requests hold
     linear_state_snapshot_queries: int = 0
     linear_state_snapshot_hits: int = 0
     linear_state_snapshots: int = 0
+    linear_state_slots_held: int = 0
     # the host tier (`--kv-offload-gib`; zeros without it): prompt tokens and images its
     # reloads served, its capacity and use, entries, bytes each way and copy time
     prefix_cache_host_hit_tokens: int = 0

@@ -186,6 +186,9 @@ ENGINE_SERIES: tuple[Series[EngineStats], ...] = (
     Series("iris_linear_state_snapshots", "gauge",
            "Snapshots of the linear-attention state the prefix cache keeps (hybrid models).",
            lambda e: e.linear_state_snapshots),
+    Series("iris_linear_state_slots_held", "gauge",
+           "Working slots of the linear-attention state held by requests (hybrid models).",
+           lambda e: e.linear_state_slots_held),
     Series("iris_prefix_cache_host_hit_tokens_total", "counter",
            "Of the prefix cache's hit tokens, those reloaded from the host tier "
            "(--kv-offload-gib).",

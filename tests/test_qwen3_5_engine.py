@@ -42,11 +42,8 @@ def assert_idle(iris: Engine) -> None:
     pool = iris.kv_cache.pool
     assert pool.num_free == pool.num_pages
     slots = iris.state_slots
-    assert (
-        slots is not None
-        and not slots._held
-        and len(slots._free_working) == iris.config.max_num_seqs
-    )
+    assert slots is not None and len(slots._free_working) == iris.config.max_num_seqs
+    assert iris.stats().linear_state_slots_held == 0  # what /metrics shows
 
 
 def test_the_same_prompt_again_resumes_from_its_prompt_end_snapshot(hybrid_dir, hybrid_builder):
@@ -96,6 +93,11 @@ def test_an_evicted_snapshot_costs_a_recompute_not_a_wrong_token(hybrid_dir, hyb
     again, cached = run(iris, "a-again", a)
     assert iris.kv_cache.pool.num_cached > 0  # its pages may be cached: its state is not
     assert cached == 0 and again == first == hf_generate(hybrid_dir, a, MAX_NEW)
+    assert_idle(iris)
+    iris.add_request("running", b, GREEDY)
+    iris.step()
+    assert iris.stats().linear_state_slots_held == 1  # while it runs
+    list(iris.run_until_idle())
     assert_idle(iris)
 
 

@@ -26,7 +26,8 @@ from tests.server_harness import iris_server, stop, wait_until_gone
 MAX_TOKENS = 12
 IDLE = {"iris_kv_cache_used_pages": 0.0, "iris_scheduler_pinned_images": 0.0,
         "iris_shm_arena_pinned_entries": 0.0, "iris_num_requests_running": 0.0,
-        "iris_device_memory_peak_bytes": 0.0}  # on CPU: no device memory  # fmt: skip
+        "iris_device_memory_peak_bytes": 0.0,  # on CPU: no device memory
+        "iris_linear_state_slots_held": 0.0}  # fmt: skip
 
 
 def png_bytes(image) -> bytes:

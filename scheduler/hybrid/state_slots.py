@@ -126,6 +126,11 @@ class StateSlots(RequestResources):
     def num_stored(self) -> int:
         return len(self._stored)
 
+    @property
+    def num_held(self) -> int:
+        """Working slots held by requests (0 once none runs)."""
+        return len(self._held)
+
     def has_snapshot(self, key: bytes) -> bool:
         return key in self._stored or (self.host is not None and self.host.has_state(key))
 

@@ -275,6 +275,7 @@ class Engine:
             linear_state_snapshot_queries=0 if slots is None else slots.snapshot_queries,
             linear_state_snapshot_hits=0 if slots is None else slots.snapshot_hits,
             linear_state_snapshots=0 if slots is None else slots.num_stored,
+            linear_state_slots_held=0 if slots is None else slots.num_held,
             prefix_cache_host_hit_tokens=0 if prefix is None else prefix.host_hit_tokens,
             mm_embedding_cache_host_hits=cache.host_hits,
             host_tier_capacity_bytes=0 if host is None else host.capacity_bytes,
