@@ -13,6 +13,7 @@ import torch
 from . import cpu_kernels
 from .config import EngineConfig
 from .kv.sizing import readable_bytes
+from .models.cpu_linear import bound_primitive_caches
 from .models.int4_cpu import Int4PackedCpuLinear
 from .models.int4_kernel import Int4TritonLinear
 from .models.linear_method import (
@@ -39,6 +40,8 @@ def load_rank_model(
     say: Callable[..., None],
 ) -> Qwen2VLForCausalLM:
     """This rank's shard of `config.model` on `device` in `dtype`, ready to serve."""
+    if device.type == "cpu":
+        bound_primitive_caches()
     method = select_linear_method(device, dtype, config.cpu_linear)
     started = time.monotonic()
     say("loading %s on %s (%s)", config.model, device, str(dtype).removeprefix("torch."))

@@ -10,10 +10,17 @@ served figures both ways). vLLM's CPU build computes its linear layers the same 
 Only the packed copy stays, so a CPU model's linear weights take what they take dense.
 The LM head is built dense (the logits read its weight), and tied embeddings are the
 embedding's, never a linear layer's. `--cpu-linear aten` keeps PyTorch's path.
+
+oneDNN compiles a primitive per input shape and keeps it in two caches, its own and
+ideep's (PyTorch's wrapper), 1024 entries each unless told. A server's steps take rows of
+every count (the latency budget sizes prefill chunks from measured step times, decodes
+join and leave), so at those bounds the scheduler's memory grew by hundreds of MiB over a
+soak before it would level off; `bound_primitive_caches` caps both.
 """
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 import torch
@@ -22,6 +29,19 @@ import torch.nn.functional as F
 from .linear_method import LinearLayer, LinearMethod
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Entries per primitive cache: a step's few shapes (shared by every layer) and the recent
+# steps' stay cached; a shape that was not is compiled again (microseconds, once a step).
+PRIMITIVE_CACHE_CAPACITY = 128
+PRIMITIVE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_primitive_caches() -> None:
+    """Caps oneDNN's and ideep's primitive caches at `PRIMITIVE_CACHE_CAPACITY` entries
+    where the environment does not say otherwise. Each reads its variable at its first
+    use, so this runs before the model loads (in a process that used oneDNN already, the
+    caps it read stay)."""
+    for name in PRIMITIVE_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(PRIMITIVE_CACHE_CAPACITY))
 
 
 def dense_product(
