@@ -129,3 +129,23 @@ def test_server_startup_quick_times_each_variant(tmp_path):
     assert all(float(c["up s"]) > 0 and float(c["CPU s (start and stop)"]) > 0 for c in cells)
     assert all(float(c["stop s"]) > 0 for c in cells)
     assert all(float(c["stop s"]) >= 1 for c in cells if "in flight" in c["variant"])  # grace
+
+
+def test_soak_quick_serves_every_kind_without_an_unexpected_error(tmp_path):
+    """A few seconds of the soak's whole mix on one server: every kind answered as a client
+    expects, the owners' counts back to zero, a clean stop with nothing left in /dev/shm."""
+    from bench.soak_traffic import KINDS
+
+    out = tmp_path / "results"
+    run_bench("bench.soak", "--quick", "--out", str(out), cache_dir=tmp_path / "cache",
+              timeout=600)  # fmt: skip
+    text = (out / "soak_tiny_quick.md").read_text()
+    (_, verdict), (header, windows) = markdown_tables(text)[:2]
+    checks = {row[1]: row[2] for row in verdict}
+    assert checks["unexpected errors"] == "0", text
+    assert checks["owners' counts zero when idle"] == "yes"
+    assert checks["exit status; /dev/shm segments left"] == "0; 0"
+    assert len(windows) >= 2 and header[2] == "errors"
+    by_kind = dict(pair.rsplit(" ", 1) for pair in text.split("Requests by kind: ")[1]
+                   .splitlines()[0].split(", "))  # fmt: skip
+    assert set(by_kind) == set(KINDS) and all(int(n) >= 1 for n in by_kind.values())
