@@ -21,6 +21,8 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import json
+import statistics
 import threading
 import time
 from collections import Counter
@@ -206,13 +208,24 @@ def window_rows(run: Soaked, spans: list[tuple[float, float]]) -> list[list[obje
     return rows
 
 
-def rss_growth(run: Soaked) -> dict[str, float]:
-    """Each process's RSS growth over the run's last `RSS_SPAN_MINUTES` (or, in a shorter
-    run, over its second half)."""
-    end = run.samples[-1]
-    span = min(RSS_SPAN_MINUTES * 60, end.at / 2)
-    start = min(run.samples, key=lambda s: abs(s.at - (end.at - span)))
-    return {name: end.rss.get(name, 0) / bytes_ - 1 for name, bytes_ in start.rss.items() if bytes_}
+def rss_growth(run: Soaked) -> dict[str, tuple[float, float]]:
+    """Each process's RSS growth over the run's last `RSS_SPAN_MINUTES` (in a shorter run,
+    its second half), as a share of its mean there: `(trend, endpoints)`. The trend is the
+    least-squares slope through every sample of the span times its length, which the
+    allocator's swings of a few MiB either way do not move as they move two single samples.
+    """
+    end = run.samples[-1].at
+    span = min(RSS_SPAN_MINUTES * 60, end / 2)
+    kept = [s for s in run.samples if s.at >= end - span]
+    growth = {}
+    for name in kept[0].rss:
+        points = [(s.at, s.rss[name]) for s in kept if name in s.rss]
+        mean = statistics.fmean(rss for _, rss in points)
+        if len(points) < 2 or not mean:
+            continue
+        slope = statistics.linear_regression(*zip(*points, strict=True)).slope
+        growth[name] = (slope * span / mean, (points[-1][1] - points[0][1]) / mean)
+    return growth
 
 
 def verdict_rows(run: Soaked, spans: list[tuple[float, float]], window: float) -> list[list]:
@@ -234,15 +247,17 @@ def verdict_rows(run: Soaked, spans: list[tuple[float, float]], window: float) -
         return f"{last / second:.2f} ({'ok' if last / second <= P99_BAR else 'over'} {P99_BAR})"
 
     growth = rss_growth(run)
-    worst = max(growth, key=lambda n: growth[n])
+    worst = max(growth, key=lambda n: growth[n][0])
+    trend, endpoints = growth[worst]
     cancelled = sum(o.error == soak_traffic.EXPECTED for o in run.outcomes)
     return [
         [run.name, "requests (cancelled on purpose)", f"{len(run.outcomes)} ({cancelled})"],
         [run.name, "unexpected errors", sum(unexpected.values())],
         [run.name, "p99 TTFT, last full window / second", ratio("ttft")],
         [run.name, "p99 TPOT, last full window / second", ratio("tpot")],
-        [run.name, "largest RSS growth, last 15 min", f"{worst} {100 * growth[worst]:+.1f}% "
-         f"({'ok' if growth[worst] <= RSS_GROWTH_BAR else 'over'} {100 * RSS_GROWTH_BAR:.0f}%)"],
+        [run.name, "largest RSS growth, last 15 min: trend (endpoints)",
+         f"{worst} {100 * trend:+.1f}% ({100 * endpoints:+.1f}%), "
+         f"{'ok' if trend <= RSS_GROWTH_BAR else 'over'} {100 * RSS_GROWTH_BAR:.0f}%"],
         [run.name, "owners' counts zero when idle", run.idle_after],
         [run.name, "exit status; /dev/shm segments left", f"{run.exit_status}; {run.shm_left}"],
     ]  # fmt: skip
@@ -325,7 +340,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = report(runs, args, seconds)
     name = args.name or f"soak_{args.size}" + ("_quick" if args.quick else "")
     title = f"Soak: {', '.join(ARCH_TITLES[SERVERS[r.name][0]] for r in runs)} ({args.size})"
-    write_result(name, title, text, args.out)
+    path = write_result(name, title, text, args.out)
+    samples = {run.name: [{"at": x.at, "rss": x.rss, "shm_segments": x.shm_segments,
+                           **{m: x.metrics.get(m, 0.0) for m, _ in OCCUPANCY.values()}}
+                          for x in run.samples] for run in runs}  # fmt: skip
+    path.with_suffix(".json").write_text(json.dumps(samples, indent=1))
 
 
 if __name__ == "__main__":
