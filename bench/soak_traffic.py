@@ -77,6 +77,9 @@ class AnswerError(Exception):
     """An answer a client could not use; the message is the error's kind."""
 
 
+Check = Callable[[dict[str, Any]], None]  # raises AnswerError for an answer a client can't use
+
+
 def clip_pool(seed: int) -> list[bytes]:
     """`CLIPS` short MP4s, each of its own recording (written once per run)."""
     width, height = CLIP_SIZE
@@ -188,9 +191,6 @@ class User:
     def _slow(self) -> tuple[dict[str, Any], Check]:
         messages = [{"role": "user", "content": "Describe a busy street."}]
         return self._body(messages, stream=True, ignore_eos=True), _any
-
-
-Check = Callable[[dict[str, Any]], None]
 
 
 def _any(answer: dict[str, Any]) -> None:
