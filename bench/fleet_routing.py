@@ -8,7 +8,7 @@ screenshots, other system prompts, so no configuration finds another's cache); a
 turn adds a new screenshot to its history. The agents run at once, each taking its turns
 one after another, each turn for one token, so a request's latency is its time to first
 token, queueing included. Each node's KV cache holds `--node-kv-tokens`: by default about
-half the agents' final histories, so one node (or two that each see every agent) cannot
+two thirds of the agents' final histories, so one node (or two that each see every agent) cannot
 keep them all, and two that split the agents can: the case a fleet is for. Reported per
 configuration: the returning turns' TTFT, the prefix hit rate (cached over prompt
 tokens), the busier node's share of the prompt tokens, and the ratios the issue asks for.
@@ -129,10 +129,10 @@ def main() -> None:
     # odd: requests arrive in waves of one per agent, and with an even count round-robin
     # would send each agent to the same node every turn
     parser.add_argument("--agents", type=int, default=7)
-    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=448)
-    parser.add_argument("--node-kv-tokens", type=int, default=6144,
-                        help="each node's KV cache, in tokens (default: 6144)")  # fmt: skip
+    parser.add_argument("--node-kv-tokens", type=int, default=12288,
+                        help="each node's KV cache, in tokens (default: 12288)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="3 agents, 2 turns, small images")
     parser.add_argument("--name", default=None, help="result file (default fleet_routing_SIZE)")
     parser.add_argument("--results-dir", type=Path, default=None)
