@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from bench import soak_traffic
 from bench.api_fuzz import IDLE
@@ -108,9 +109,9 @@ def process_rss(server: IrisServer) -> dict[str, int]:
     return found
 
 
-def shm_segments(server: IrisServer) -> int:
-    assert server.process is not None
-    return len(list(Path("/dev/shm").glob(f"iris-{server.process.pid}-*")))
+def shm_segments(launcher_pid: int) -> int:
+    """The /dev/shm segments of the server whose launcher is `launcher_pid`."""
+    return len(list(Path("/dev/shm").glob(f"iris-{launcher_pid}-*")))
 
 
 def sample(soaked: Soaked, started: float) -> None:
@@ -120,7 +121,8 @@ def sample(soaked: Soaked, started: float) -> None:
         metrics = {}
     rss = process_rss(soaked.server)
     at = time.monotonic() - started
-    soaked.samples.append(Sample(at, rss, metrics, shm_segments(soaked.server)))
+    assert soaked.server.process is not None
+    soaked.samples.append(Sample(at, rss, metrics, shm_segments(soaked.server.process.pid)))
 
 
 async def drive(soaked: list[Soaked], users: int, seconds: float, period: float) -> None:
@@ -169,10 +171,8 @@ def settle(run: Soaked) -> None:
 
 
 def pct(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    """The `q` quantile as `bench.load_client` takes it (numpy's); None without values."""
+    return float(np.percentile(values, 100 * q)) if values else None
 
 
 def ms(value: float | None) -> str:
@@ -336,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for run in runs:
             pid = run.server.process.pid if run.server.process else None
             run.exit_status = run.server.stop()
-            run.shm_left = len(list(Path("/dev/shm").glob(f"iris-{pid}-*"))) if pid else 0
+            run.shm_left = shm_segments(pid) if pid else 0
     text = report(runs, args, seconds)
     name = args.name or f"soak_{args.size}" + ("_quick" if args.quick else "")
     title = f"Soak: {', '.join(ARCH_TITLES[SERVERS[r.name][0]] for r in runs)} ({args.size})"

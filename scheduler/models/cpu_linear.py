@@ -14,8 +14,8 @@ embedding's, never a linear layer's. `--cpu-linear aten` keeps PyTorch's path.
 oneDNN compiles a primitive per input shape and keeps it in two caches, its own and
 ideep's (PyTorch's wrapper), 1024 entries each unless told. A server's steps take rows of
 every count (the latency budget sizes prefill chunks from measured step times, decodes
-join and leave), so at those bounds the scheduler's memory grew by hundreds of MiB over a
-soak before it would level off; `bound_primitive_caches` caps both.
+join and leave), so at those bounds the scheduler's memory grows with every new row count
+for a long time before it levels off; `bound_primitive_caches` caps both.
 """
 
 from __future__ import annotations
