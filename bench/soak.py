@@ -5,7 +5,11 @@ histories and sliding windows, video questions, tool calls auto and forced, some
 `--minutes`, every cache bounded small so each fills early and then evicts.
 
     python -m bench.soak --minutes 32          # Qwen2.5-VL, Qwen3.5 with the host tier, TP 2
+    python -m bench.soak --minutes 31 --one-at-a-time    # each alone, one after another
     python -m bench.soak --servers qwen2_5_vl --minutes 5
+
+At once, the servers contend for the machine's cores, so their tails measure each other
+as much as themselves; `--one-at-a-time` gives each the machine alone for `--minutes`.
 
 Per server and per `--window-minutes`: requests, errors by kind, TTFT / TPOT p50 and p99,
 each process's RSS, and the owners' occupancy (KV pages held, the embedding cache, the
@@ -268,8 +272,9 @@ def report(runs: list[Soaked], args: argparse.Namespace, seconds: float) -> str:
     verdicts = [
         row for run in runs for row in verdict_rows(run, windows(run, window, seconds), window)
     ]
+    together = "one after another, each alone" if args.one_at_a_time else "all at once"
     parts = [
-        f"{len(runs)} server(s) on the generated `{args.size}` checkpoints, all at once on this "
+        f"{len(runs)} server(s) on the generated `{args.size}` checkpoints, {together} on this "
         f"machine, each under {args.users} closed-loop users cycling through "
         f"{', '.join(soak_traffic.KINDS)} for {seconds / 60:.1f} min; every cache bounded "
         f"small (`{' '.join(BOUNDS)}`). TTFT / TPOT from the streamed requests; RSS in MiB "
@@ -301,32 +306,14 @@ def report(runs: list[Soaked], args: argparse.Namespace, seconds: float) -> str:
     return "\n\n".join(parts)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="A soak of everything at once.")
-    add_common_arguments(parser, quick_help="one server, one user, 12 seconds (smoke test)")
-    parser.add_argument("--servers", default=",".join(SERVERS), help=f"of {', '.join(SERVERS)}")
-    parser.add_argument("--minutes", type=float, default=32.0)
-    parser.add_argument("--window-minutes", type=float, default=5.0)
-    parser.add_argument("--users", type=int, default=3, help="closed-loop users per server")
-    parser.add_argument("--name", default=None, help="result file name")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.servers, args.users, args.minutes, args.window_minutes = "qwen2_5_vl", 1, 0.2, 0.07
-    from iris_serve.tiny_checkpoint import builtin_checkpoint
-
-    runs = []
-    for name in args.servers.split(","):
-        arch, flags = SERVERS[name]
-        model = builtin_checkpoint(arch=arch, size=args.size)
-        runs.append(Soaked(name, IrisServer(model, [*BOUNDS, *flags], stop_timeout=60)))
+def soak(runs: list[Soaked], users: int, seconds: float, period: float) -> None:
+    """Start `runs`' servers, drive them together for `seconds`, settle and stop them."""
     try:
         for run in runs:
             run.server.launch()
         for run in runs:
             run.server.wait_ready()
-        seconds = args.minutes * 60
-        period = min(SAMPLE_SECONDS, args.window_minutes * 60 / 3)
-        asyncio.run(drive(runs, args.users, seconds, period))
+        asyncio.run(drive(runs, users, seconds, period))
         threads = [threading.Thread(target=settle, args=(run,)) for run in runs]
         for thread in threads:
             thread.start()
@@ -337,6 +324,32 @@ def main(argv: Sequence[str] | None = None) -> None:
             pid = run.server.process.pid if run.server.process else None
             run.exit_status = run.server.stop()
             run.shm_left = shm_segments(pid) if pid else 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="A soak of everything at once.")
+    add_common_arguments(parser, quick_help="one server, one user, 12 seconds (smoke test)")
+    parser.add_argument("--servers", default=",".join(SERVERS), help=f"of {', '.join(SERVERS)}")
+    parser.add_argument("--minutes", type=float, default=32.0)
+    parser.add_argument("--window-minutes", type=float, default=5.0)
+    parser.add_argument("--users", type=int, default=3, help="closed-loop users per server")
+    parser.add_argument("--name", default=None, help="result file name")
+    parser.add_argument(
+        "--one-at-a-time", action="store_true", help="each server alone for --minutes, in turn"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.servers, args.users, args.minutes, args.window_minutes = "qwen2_5_vl", 1, 0.2, 0.07
+    from iris_serve.tiny_checkpoint import builtin_checkpoint
+
+    runs = []
+    for name in args.servers.split(","):
+        arch, flags = SERVERS[name]
+        model = builtin_checkpoint(arch=arch, size=args.size)
+        runs.append(Soaked(name, IrisServer(model, [*BOUNDS, *flags], stop_timeout=60)))
+    seconds = args.minutes * 60
+    for group in [[run] for run in runs] if args.one_at_a_time else [runs]:
+        soak(group, args.users, seconds, min(SAMPLE_SECONDS, args.window_minutes * 60 / 3))
     text = report(runs, args, seconds)
     name = args.name or f"soak_{args.size}" + ("_quick" if args.quick else "")
     title = f"Soak: {', '.join(ARCH_TITLES[SERVERS[r.name][0]] for r in runs)} ({args.size})"
