@@ -4,8 +4,8 @@ and holds it, and once they all have, no process's memory goes on growing.
 One `iris serve` on the tiny checkpoint with every bound small: the KV cache (1 MiB: 128
 pages) and the host tier under it (64 pages), the embedding cache, the processor cache
 (the arena's cached pixels) and the uuid bindings.
-Distinct images with prompts of varied length drive them all past their bounds; then 60
-more requests must leave each process's resident memory where it was, within what
+Distinct images with prompts of varied length drive them all past their bounds; then
+HELD_REQUESTS more must leave each process's resident memory where it was, within what
 the allocator's own noise moves it. A leak of per-request state (a dict entry, a detokenizer,
 a request's logprobs) would grow it by the same amount for every request of the second
 half. Every prompt has a length of its own, as a server's prompts do: oneDNN compiles a
