@@ -2,7 +2,7 @@
 KV cache and the attention backend over it, and a hybrid model's linear-attention state
 pool. The engine (rank 0) and every follower rank build theirs here, so the ranks cannot
 disagree on how; each step of the build lives with its concept (`load`, `kv.sizing`,
-`hybrid.state_pool`, `step.graph_capture`)."""
+`hybrid.state_pool`, `step.graph_capture`, `heap_policy` for a CPU rank's malloc)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from .attention import AttentionBackend, create_backend
 from .auto_dtype import auto_dtype
 from .config import EngineConfig
+from .heap_policy import hold_freed_heap
 from .hybrid.linear_state import LinearStates
 from .hybrid.state_pool import linear_state_pool, say_hybrid
 from .kv.host_tier import HostMemory
@@ -54,6 +55,8 @@ class DeviceState:
         every rank in the same order (their collectives are recorded too)."""
         device = rank_device(config.resolved_device(), replica * tp.size + tp.rank)
         say = logger.info if tp.rank == 0 else logger.debug  # once per replica
+        if device.type == "cpu":
+            hold_freed_heap()
         checkpoint_dtype = load_config(config.model).dtype
         dtype = config.resolved_dtype(device, checkpoint_dtype)
         if config.dtype == "auto":
