@@ -18,10 +18,11 @@ server uses (the process's, as `iris serve` sets it).
   roofline step reads every weight once and each sequence's K/V, so `roofline ms =
   (weight bytes + batch × context × KV bytes per token) / read bandwidth`, and the
   fraction is roofline ms ÷ measured ms (1.0 = at the bandwidth limit);
-- prefill: one prompt of the largest context, `2 × parameters × tokens` FLOPs (attention
-  left out) ÷ the matmul rate in the model's dtype;
+- prefill: one prompt of the largest context, `2 × parameters × tokens` FLOPs plus its
+  attention's (QKᵀ and PV over the causal pairs, `bench.attention_flops`) ÷ the matmul
+  rate in the model's dtype;
 - ViT: one 1280×720 and one 1920×1080 image through the vision tower, `2 × vision
-  parameters × patches` FLOPs ÷ the matmul rate;
+  parameters × patches` FLOPs plus its attention's ÷ the matmul rate;
 - a returning agent's turns on `iris serve` (same checkpoint and dtype), one at a time:
   TTFT against its new screenshot's tower plus the steps that prefilled its new tokens,
   by the server's own clocks (`bench.agent_turn_split`);
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from bench.agent_turn_split import TurnSplit, agent_turns
+from bench.attention_flops import AttentionFlops
 from bench.results_io import (
     Checkpoint,
     add_arch_argument,
@@ -152,7 +154,9 @@ def prefill_row(engine: Engine, tokens: int, matmul_rate: float) -> list:
         engine.generate([prompt], Sampling(temperature=0.0, max_tokens=1, ignore_eos=True))
 
     seconds = seconds_per_call(prefill, engine.device, 2)
-    roofline = 2 * params * tokens / matmul_rate
+    with AttentionFlops() as attention:  # untimed: the mode sees every op
+        prefill()
+    roofline = (2 * params * tokens + attention.flops) / matmul_rate
     return [f"prefill, {tokens} tokens", seconds * 1e3, roofline * 1e3, tokens / seconds,
             roofline / seconds]  # fmt: skip
 
@@ -178,7 +182,9 @@ def vit_row(engine: Engine, model_dir: Path, size: tuple[int, int], matmul_rate:
         seconds = seconds_per_call(
             lambda: engine.model.encode_images(pixels, grid), engine.device, 3
         )
-    roofline = 2 * params * pixels.shape[0] / matmul_rate
+        with AttentionFlops() as attention:
+            engine.model.encode_images(pixels, grid)
+    roofline = (2 * params * pixels.shape[0] + attention.flops) / matmul_rate
     return [f"ViT, one {size[0]}×{size[1]} image ({pixels.shape[0]} patches)", seconds * 1e3,
             roofline * 1e3, 1 / seconds, roofline / seconds]  # fmt: skip
 
@@ -237,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{checkpoint.sentence} {dtype} on {name}: read bandwidth {read_bandwidth / 1e9:.1f} "
         f"GB/s (a sum), copy {copy_bandwidth / 1e9:.1f} GB/s; matmul rate ({side}² matmul) "
         f"{measured_rates}. Decode rooflines use the read bandwidth; prefill and ViT the "
-        f"matmul rate in {dtype}. Decode steps: {args.steps} per point."
+        f"matmul rate in {dtype}, over their weights' and their attention's FLOPs. Decode "
+        f"steps: {args.steps} per point."
         + (
             f" Mixture of experts ({moe.top_k} of {moe.num_experts} experts per token): the "
             "rooflines count every expert (weight bytes in decode, 2 × parameters × tokens "
