@@ -1,12 +1,13 @@
 """The FLOPs a forward spends in attention, counted from the attention calls it makes.
 
 A roofline that counts the weights' matmuls only (2 × parameters × tokens) leaves out
-QKᵀ and PV, which are matmuls too: for a 1280×720 image's tower (four thousand patches in
-one sequence in its full-attention layers) or a 4k-token prefill they are a third or more
-of the work. `AttentionFlops` watches the torch SDPA kernels a forward dispatches and adds
+QKᵀ and PV, which are matmuls too: for a large image's tower (thousands of patches in one
+sequence in its full-attention layers) or a long prefill they are a large share of the
+work. `AttentionFlops` watches the torch SDPA kernels a forward dispatches and adds
 up 2 × heads × (query, key) pairs × (key dim + value dim) per call, the pairs a causal or
 boolean mask leaves out not counted. Attention that runs outside torch's SDPA ops (a
-Triton kernel on a GPU) is not seen: its rows stay weights-only.
+Triton kernel on a GPU) is not seen: its rows stay weights-only. torch's own
+`FlopCounterMode` counts every pair as if unmasked and skips the CPU flash kernel.
 """
 
 from __future__ import annotations

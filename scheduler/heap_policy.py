@@ -1,7 +1,7 @@
 """A CPU rank keeps the memory one forward frees for the next (glibc's malloc told to).
 
 A forward on the CPU allocates its activations anew on every call; a 1280×720 image's
-vision tower makes tensors of 10-50 MB by the dozen. By default glibc serves allocations
+vision tower makes dozens of tensors of tens of megabytes. By default glibc serves allocations
 past its mmap threshold (at most 32 MiB, adjusted as blocks are freed) with fresh mappings
 and hands free memory at the top of its heap back to the kernel once it passes the trim
 threshold, so each call faults in, and the kernel zeroes, hundreds of megabytes that the

@@ -1,7 +1,7 @@
-"""A CPU rank's freed tensors stay in the heap for the next forward (`heap_policy`): the
-same allocations again fault in no new pages, where glibc's defaults fault in every page
-of every large tensor on every call. Each case runs in a process of its own, since the
-policy is process-wide."""
+"""A CPU rank's freed tensors stay in the heap for the next forward (`heap_policy`): once
+the heap has grown to them, the same allocations again fault in no new pages, where glibc's
+defaults fault in every page of every large tensor on every call. Each case runs in a
+process of its own, since the policy is process-wide."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-ROUNDS = 8
+ROUNDS = 16
 TENSOR_PAGES = (48 << 20) // 4096  # one 48 MiB float32 tensor
 
 # A forward's pattern in small: two large activations made, used and freed, round after
@@ -44,5 +44,7 @@ def test_freed_tensors_are_reused_without_new_page_faults() -> None:
     assert held["applied"] is True
     # glibc's defaults: both tensors' pages faulted in again in every round
     assert min(default) >= 2 * TENSOR_PAGES * 0.9, default
-    # held: once the heap has grown to the pattern (a few rounds), the rounds reuse it
-    assert max(held["faults"][-2:]) < TENSOR_PAGES // 20, held["faults"]
+    # held: the heap grows for the first rounds (how many varies with where glibc's blocks
+    # land) to a high-water mark of a few tensors, then the rounds reuse it
+    assert sum(held["faults"]) < 12 * TENSOR_PAGES, held["faults"]
+    assert sum(held["faults"][-4:]) < TENSOR_PAGES // 20, held["faults"]
