@@ -201,13 +201,16 @@ def test_an_fp8_layer_whose_kernel_did_not_load_computes_through_the_buffer(monk
     assert calls == []
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_steps_decodes_through_the_kernel_equal_sdpa_per_sequence(dtype, monkeypatch):
+@pytest.mark.parametrize(
+    ("dtype", "heads"), [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 6)]
+)
+def test_a_steps_decodes_through_the_kernel_equal_sdpa_per_sequence(dtype, heads, monkeypatch):
     """Three decodes around a prefill chunk (their rows not consecutive), contexts of 5, 300
     and 700 tokens (one part, two, three: merged by log-sum-exps) over pages handed out in
-    reverse (a run per page), 4 query heads on 2 KV heads: the kernel's rows equal torch's
-    SDPA run per sequence, and the chunk's rows are untouched by it."""
-    heads, kv_heads, dim, page = 4, 2, 32, 16
+    reverse (a run per page), 4 query heads on 2 KV heads (a group the kernel compiles as a
+    constant) or 6 (one it takes at run time): the kernel's rows equal torch's SDPA run per
+    sequence, and the chunk's rows are untouched by it."""
+    kv_heads, dim, page = 2, 32, 16
     layout = KVLayout(1, kv_heads, dim, page, dtype)
     cache = KVCache(layout, num_pages=128, device=torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)

@@ -47,10 +47,12 @@ struct Partial {
 };
 
 // Attention of `group` query rows (`q`, float32, already scaled) over `tokens` [first, last)
-// of a context given as `spans`, for KV head `head`.
-template <typename T>
-void attend_part(const float* q, int64_t group, int64_t dim, const Layer<T>& layer, int64_t head,
+// of a context given as `spans`, for KV head `head`. `G` is the group when it is one of the
+// common sizes, compiled as a constant so the accumulators stay in registers; 0: any group.
+template <typename T, int G>
+void attend_part(const float* q, int64_t runtime_group, int64_t dim, const Layer<T>& layer, int64_t head,
                  const Span* spans, int64_t num_spans, int64_t first, int64_t last, Partial part) {
+  const int64_t group = G > 0 ? G : runtime_group;
   const int64_t vectors = dim / kLanes;
   for (int64_t g = 0; g < group; ++g) {
     part.maximum[g] = kNegInf;
@@ -144,8 +146,16 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
       const int64_t first = (part - first_part[b]) * kPart, last = std::min(lengths[b], first + kPart);
       const int64_t row = part * heads + head * group;
       Partial result{outs.data() + row * dim, maxima.data() + row, totals.data() + row};
-      attend_part(queries.data() + (b * heads + head * group) * dim, group, dim, layer, head,
-                  spans + sequence_spans[b], sequence_spans[b + 1] - sequence_spans[b], first, last, result);
+      const float* query = queries.data() + (b * heads + head * group) * dim;
+      const Span* own = spans + sequence_spans[b];
+      const int64_t count = sequence_spans[b + 1] - sequence_spans[b];
+      switch (group) {
+        case 1: attend_part<T, 1>(query, group, dim, layer, head, own, count, first, last, result); break;
+        case 2: attend_part<T, 2>(query, group, dim, layer, head, own, count, first, last, result); break;
+        case 4: attend_part<T, 4>(query, group, dim, layer, head, own, count, first, last, result); break;
+        case 8: attend_part<T, 8>(query, group, dim, layer, head, own, count, first, last, result); break;
+        default: attend_part<T, 0>(query, group, dim, layer, head, own, count, first, last, result);
+      }
     }
   });
   T* out_data = out.data_ptr<T>();
