@@ -268,13 +268,16 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     label = "gpu" if on_gpu else "cpu"
-    suffix = "_quick" if args.quick else ""
+    # A dtype other than fp32 (`auto` on a CPU with native bf16) is its own result.
+    suffix = ("" if dtype == torch.float32 else "_" + DTYPE_NAMES.get(dtype, str(dtype)))
+    suffix += "_quick" if args.quick else ""
     written = write_result(f"roofline_{label}_{checkpoint.label}{suffix}",
                            "Iris against the device's limits", body, args.out)  # fmt: skip
     plot(rows, turns, written.with_suffix(".png"), f"{checkpoint.title}, {dtype} on {name}")
 
 
 GEMM_DTYPES = (torch.float32, torch.bfloat16)
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def served_turns(model_dir: Path, args: argparse.Namespace, dtype: torch.dtype) -> list[TurnSplit]:
