@@ -11,6 +11,8 @@ running (its grace period, `--shutdown-timeout 1`, then the teardown). The CPU s
 
     python -m bench.server_startup [--size tiny|small] [--reps 4] [--before-tree DIR]
         [--quick] [--out DIR]
+
+`--quick` (the smoke test) starts the default and the in-flight variant once each.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "1 tokenizer worker": ("--tokenizer-workers", "1"),
     IN_FLIGHT: ("--shutdown-timeout", str(GRACE_SECONDS)),
 }
+DEFAULT = next(iter(VARIANTS))
+QUICK_VARIANTS = (DEFAULT, IN_FLIGHT)  # `--quick`: the baseline and the stop with a stream
 
 
 def children_cpu_seconds() -> float:
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         name + suffix: (flags, tree)
         for suffix, tree in trees.items()
         for name, flags in VARIANTS.items()
+        if name in QUICK_VARIANTS or not args.quick
     }
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
     for _ in range(reps):
