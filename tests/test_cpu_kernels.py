@@ -24,6 +24,7 @@ from iris_serve.scheduler.cpu_kernels import build
 from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.models import block_fp8, layers
 from iris_serve.scheduler.models.block_fp8 import BlockFp8Linear
+from iris_serve.scheduler.models.cpu_linear import BF16_KERNEL_ROWS, dense_product
 from iris_serve.scheduler.models.gated_deltanet import recurrent_delta_step
 from iris_serve.scheduler.models.layers import (
     RMSNorm,
@@ -67,7 +68,14 @@ def fused_calls(monkeypatch) -> list[int]:
 
 def test_the_kernels_build_on_this_machine():
     """CI's machine has a C++ compiler and AVX-512: the fast path is the one tested."""
-    for kernel in ("fp8_linear", "paged_attention", "gated_delta", "rms_norm", "rotary"):
+    for kernel in (
+        "fp8_linear",
+        "paged_attention",
+        "gated_delta",
+        "rms_norm",
+        "rotary",
+        "bf16_linear",
+    ):
         assert cpu_kernels.load(kernel), f"{kernel}: see the log line of iris.cpu_kernels"
 
 
@@ -116,6 +124,37 @@ def test_a_few_rows_go_through_the_kernel_and_equal_the_dequantized_product(
     assert calls == [1, 3, 5, 16]
 
 
+def test_a_bf16_dense_product_of_a_few_rows_goes_through_the_kernel(monkeypatch):
+    """The LM head's product in a decode step: 1 to 16 rows, with and without a bias, 203
+    outputs (not whole units of rows), through the kernel and equal to the float32 product
+    of the same bf16 values up to the output's one rounding; 17 rows, and a weight seen
+    transposed (a quantized layer's dequantized view), through F.linear."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(203, 96, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(203, generator=generator).to(torch.bfloat16)
+    kernel = torch.ops.iris_bf16.bf16_linear
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, w, b)
+
+    monkeypatch.setattr(torch.ops.iris_bf16, "bf16_linear", counted)
+    for rows, b in ((1, None), (3, bias), (5, None), (BF16_KERNEL_ROWS, bias), (17, None)):
+        x = torch.randn(rows, 96, generator=generator).to(torch.bfloat16)
+        expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        got = dense_product(x, weight, b)
+        assert got.dtype == torch.bfloat16
+        # bf16's half unit in the last place, 2^-9 of the value, with room for the sums' order
+        torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-4)
+    assert calls == [1, 3, 5, BF16_KERNEL_ROWS]
+    x = torch.randn(2, 1, 96, generator=generator).to(torch.bfloat16)  # [sequences, 1, H]
+    assert dense_product(x, weight).shape == (2, 1, 203) and calls[-1] == 2
+    transposed = weight.t().contiguous().t()
+    torch.testing.assert_close(dense_product(x, transposed), F.linear(x, weight))
+    assert len(calls) == 5
+
+
 def test_a_prompt_of_rows_keeps_its_shape_through_the_kernel():
     """Inputs of [batch, tokens, features] come back as [batch, tokens, outputs]."""
     q, s = quantize(torch.randn(64, 128), torch.bfloat16)
@@ -158,13 +197,15 @@ def test_threads_asking_for_a_kernel_at_once_build_it_once(monkeypatch):
 @pytest.mark.parametrize(
     ("arch", "dtype", "kernels"),
     [("qwen2_5_vl", "float32", ["paged_attention", "rotary"]),
-     ("qwen3_5", "bfloat16", ["gated_delta", "paged_attention", "rms_norm", "rotary"])],
+     ("qwen3_5", "bfloat16",
+      ["bf16_linear", "gated_delta", "paged_attention", "rms_norm", "rotary"])],
 )  # fmt: skip
 def test_a_cpu_engine_loads_its_models_kernels_before_any_request(
     arch, dtype, kernels, request, monkeypatch
 ):
     """A build takes seconds (once per machine): at start-up, not in a request's TTFT;
-    only the kernels that run in the model's dtype (the norm's runs in bf16 only)."""
+    only the kernels that run in the model's dtype (the norm's and the LM head's run in
+    bf16 only)."""
     built: list[str] = []
     monkeypatch.setattr(build, "build_and_load", lambda name: built.append(name) or True)
     monkeypatch.setattr(build, "_loaded", {})

@@ -21,6 +21,9 @@ waits for a build.
   transformers' order of roundings (`models/layers.py`).
 - `rotary.cpp` (`torch.ops.iris_rotary.rotary`): the rotary embedding of a query or key
   tensor in one pass, rounding as PyTorch's ops do (`models/layers.py`).
+- `bf16_linear.cpp` (`torch.ops.iris_bf16.bf16_linear`): a bfloat16 dense weight times a
+  few rows at the machine's bandwidth: the LM head in a decode step, dequantized copies
+  (`models/cpu_linear.py`'s `dense_product`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ DTYPES = (torch.float32, torch.bfloat16)  # what every kernel here computes in
 # added in another order than PyTorch's, moves the fp32 parity suite's logits past its bar)
 RUNS_IN: dict[str, tuple[torch.dtype, ...]] = {
     "fp8_linear": DTYPES, "paged_attention": DTYPES, "gated_delta": DTYPES,
-    "rms_norm": (torch.bfloat16,), "rotary": DTYPES,
+    "rms_norm": (torch.bfloat16,), "rotary": DTYPES, "bf16_linear": (torch.bfloat16,),
 }  # fmt: skip
 VECTOR_FLOATS = 16  # a head's size must be whole vectors of the widest SIMD compiled for
 MAX_HEAD_DIM = 256  # the largest head the attention and Gated DeltaNet kernels keep in registers

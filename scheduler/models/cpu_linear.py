@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from .. import cpu_kernels
 from .linear_method import LinearLayer, LinearMethod
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -49,11 +50,32 @@ def dense_product(
 ) -> torch.Tensor:
     """`x · weightᵀ (+ bias)` for a weight nobody packed ahead (a quantized layer's
     dequantized copy, the LM head): in float32 on a CPU through oneDNN, unpacked, which
-    on AMD processors is faster than `F.linear`'s MKL path at every row count; elsewhere
-    (bfloat16 included, where the two are even) `F.linear`."""
+    on AMD processors is faster than `F.linear`'s MKL path at every row count; in bfloat16
+    on a CPU, up to `BF16_KERNEL_ROWS` rows (a decode step's), through our kernel
+    (`cpu_kernels/bf16_linear.cpp`: PyTorch's bf16 paths read a dense weight at about half
+    the bandwidth); elsewhere `F.linear`."""
     if x.dtype == weight.dtype == torch.float32 and x.numel() and can_pack(x.device, x.dtype):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if _bf16_kernel_takes(x, weight, bias):
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.iris_bf16.bf16_linear(rows.contiguous(), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+BF16_KERNEL_ROWS = 16  # up to here the kernel is at or above F.linear's speed
+
+
+def _bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.bfloat16
+        and 0 < x.numel() <= BF16_KERNEL_ROWS * x.shape[-1]
+        and x.shape[-1] % 32 == 0
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+        and cpu_kernels.load("bf16_linear")
+    )
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -41,6 +41,7 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
 
 
 class Qwen2VLForCausalLM(nn.Module):
+    CPU_KERNELS: ClassVar[tuple[str, ...]] = ("bf16_linear",)  # the LM head: cpu_kernels.load_for
     vision_tower: ClassVar[type[nn.Module]] = Qwen2VisionTransformer  # built from config.vision
     language_model: ClassVar[type[Qwen2Model] | type[Qwen3Model] | type[Qwen3_5Model]] = Qwen2Model
     quantization: str | None = None  # the checkpoint's quantized format (registry.load_model)
