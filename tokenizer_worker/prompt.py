@@ -48,7 +48,10 @@ class PromptBuilder:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
-        self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
+        # Any: the processor's class is the checkpoint's (transformers types it as its base)
+        self.image_processor: Any = AutoImageProcessor.from_pretrained(
+            self.model_dir, backend="pil"
+        )
         self.resizer = ImageResizer(self.image_processor)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.image_token_id: int = config["image_token_id"]

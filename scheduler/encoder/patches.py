@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,7 +56,8 @@ class PatchMaker:
         """From the checkpoint's image processor (transformers' PIL backend, as the worker's)."""
         from transformers import AutoImageProcessor
 
-        processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+        # Any: the processor's class is the checkpoint's (transformers types it as its base)
+        processor: Any = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
         levels = np.broadcast_to(np.arange(256, dtype=np.uint8), (3, 1, 256))  # [C, H, W]
         values: np.ndarray = np.asarray(levels, dtype=np.float32)
         if processor.do_rescale:
