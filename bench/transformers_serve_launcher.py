@@ -8,16 +8,17 @@ Why the swap: `transformers serve` builds a model's processor with `AutoProcesso
 for the Qwen-VL models that also builds the video processor, which needs torchvision;
 with the CPU torch wheel there is none, so the stock CLI fails at start-up with
 "Qwen2VLVideoProcessor requires the Torchvision library". This launcher replaces only
-the processor loader (`ModelLoader.load_processor` from transformers 5.25, which takes one
-model id `repo[@revision][:file.gguf]`; `ModelManager._load_processor` before), and only for a
-local folder of an architecture `reference_processor` knows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE), by `tiny_checkpoint.reference_processor`: transformers' own processor class,
-built from the folder's tokenizer and its (PIL) image processor, with no video processor.
+the processor loader (`ModelLoader.load_processor` in transformers 5.25 and later, which
+takes one model id `repo[@revision][:file.gguf]`; `ModelManager._load_processor` in earlier
+5.x releases), and only for a local folder of an architecture `reference_processor` knows
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), by `tiny_checkpoint.reference_processor`:
+transformers' own processor class, built from the folder's tokenizer and its (PIL) image
+processor, with no video processor.
 Chat template, image loading, resizing, normalisation, the model, `generate`, batching
 (none for images: one VLM request at a time) and the HTTP layer are all stock.
 
-The swap is made on import: from 5.25 the model runs in a spawned process, which imports
-this module again (as its main module) but does not call `main`.
+The swap is made on import: in 5.25 and later the model runs in a spawned process, which
+imports this module again (as its main module) but does not call `main`.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ def dense_product(
 
 
 BF16_KERNEL_ROWS = 16  # up to here the kernel is at or above F.linear's speed
+BF16_KERNEL_COLUMNS = 32  # the kernel reads K a pair vector at a time (`kColumns`)
 
 
 def _bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -71,7 +72,7 @@ def _bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.bfloat16
         and 0 < x.numel() <= BF16_KERNEL_ROWS * x.shape[-1]
-        and x.shape[-1] % 32 == 0
+        and x.shape[-1] % BF16_KERNEL_COLUMNS == 0
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
         and cpu_kernels.load("bf16_linear")
