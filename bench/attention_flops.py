@@ -5,8 +5,9 @@ QKᵀ and PV, which are matmuls too: for a large image's tower (thousands of pat
 sequence in its full-attention layers) or a long prefill they are a large share of the
 work. `AttentionFlops` watches the torch SDPA kernels a forward dispatches and adds
 up 2 × heads × (query, key) pairs × (key dim + value dim) per call, the pairs a causal or
-boolean mask leaves out not counted. Attention that runs outside torch's SDPA ops (a
-Triton kernel on a GPU) is not seen: its rows stay weights-only. torch's own
+boolean mask leaves out not counted, and our CPU kernel for the towers' segments
+(`iris_vision::segment_attention`) as every pair within a segment. Attention that runs
+outside these ops (a Triton kernel on a GPU) is not seen: its rows stay weights-only. torch's own
 `FlopCounterMode` counts every pair as if unmasked and skips the CPU flash kernel.
 """
 
@@ -29,6 +30,8 @@ SDPA_KERNELS = {
     aten._scaled_dot_product_cudnn_attention.default: (6, 3, "attn_bias"),
 }
 
+SEGMENT_KERNEL = "iris_vision::segment_attention"  # q, k, v [tokens, heads, D], starts
+
 
 class AttentionFlops(TorchDispatchMode):
     """`with AttentionFlops() as counted: forward()`, then `counted.flops`."""
@@ -44,6 +47,8 @@ class AttentionFlops(TorchDispatchMode):
             causal = _argument(args, kwargs, causal_at, "is_causal")
             mask = _argument(args, kwargs, mask_at, mask_name)
             self.flops += attention_flops(args[0], args[1], args[2], bool(causal), mask)
+        elif getattr(func, "name", lambda: "")() == SEGMENT_KERNEL:
+            self.flops += segment_flops(args[0], args[3])
         return func(*args, **kwargs)
 
 
@@ -70,6 +75,13 @@ def attention_flops(
     else:
         per_row = queries * keys
     return 2 * rows * per_row * (dim + value_dim)
+
+
+def segment_flops(q: torch.Tensor, starts: torch.Tensor) -> int:
+    """FLOPs of attention within each segment `[starts[i], starts[i + 1])` of q's tokens."""
+    lengths = starts[1:] - starts[:-1]
+    pairs = int((lengths * lengths).sum())
+    return 2 * q.shape[1] * pairs * 2 * q.shape[2]
 
 
 def _argument(args: tuple, kwargs: dict, index: int | None, name: str | None) -> Any:

@@ -56,3 +56,13 @@ def test_masks_count_the_pairs_they_keep() -> None:
 def test_other_ops_count_nothing() -> None:
     q, k, _ = qkv()
     assert counted(lambda: q @ k.transpose(-1, -2)) == 0
+
+
+def test_our_cpu_kernel_counts_the_pairs_within_each_segment() -> None:
+    from iris_serve.scheduler import cpu_kernels
+
+    assert cpu_kernels.load("segment_attention")
+    q = torch.randn(10, HEADS, DIM).bfloat16()
+    starts = torch.tensor([0, 4, 4, 10])  # segments of 4, 0 and 6 tokens
+    kernel = torch.ops.iris_vision.segment_attention
+    assert counted(lambda: kernel(q, q, q, starts, 1.0)) == HEADS * (16 + 36) * PER_PAIR

@@ -75,6 +75,7 @@ def test_the_kernels_build_on_this_machine():
         "rms_norm",
         "rotary",
         "bf16_linear",
+        "segment_attention",
     ):
         assert cpu_kernels.load(kernel), f"{kernel}: see the log line of iris.cpu_kernels"
 
@@ -198,14 +199,15 @@ def test_threads_asking_for_a_kernel_at_once_build_it_once(monkeypatch):
     ("arch", "dtype", "kernels"),
     [("qwen2_5_vl", "float32", ["paged_attention", "rotary"]),
      ("qwen3_5", "bfloat16",
-      ["bf16_linear", "gated_delta", "paged_attention", "rms_norm", "rotary"])],
+      ["bf16_linear", "gated_delta", "paged_attention", "rms_norm", "rotary",
+       "segment_attention"])],
 )  # fmt: skip
 def test_a_cpu_engine_loads_its_models_kernels_before_any_request(
     arch, dtype, kernels, request, monkeypatch
 ):
     """A build takes seconds (once per machine): at start-up, not in a request's TTFT;
-    only the kernels that run in the model's dtype (the norm's and the LM head's run in
-    bf16 only)."""
+    only the kernels that run in the model's dtype (the norm's, the LM head's and the
+    towers' attention run in bf16 only)."""
     built: list[str] = []
     monkeypatch.setattr(build, "build_and_load", lambda name: built.append(name) or True)
     monkeypatch.setattr(build, "_loaded", {})

@@ -24,6 +24,9 @@ waits for a build.
 - `bf16_linear.cpp` (`torch.ops.iris_bf16.bf16_linear`): a bfloat16 dense weight times a
   few rows at the machine's bandwidth: the LM head in a decode step, dequantized copies
   (`models/cpu_linear.py`'s `dense_product`).
+- `segment_attention.cpp` (`torch.ops.iris_vision.segment_attention`): the vision towers'
+  attention over each image (or window) in bfloat16 pair products (`models/layers.py`'s
+  `SegmentPlan`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from .build import disabled, load
 
 DTYPES = (torch.float32, torch.bfloat16)  # what every kernel here computes in
 # where each kernel is used: the RMS norm in bfloat16 only (in float32 its sum of squares,
-# added in another order than PyTorch's, moves the fp32 parity suite's logits past its bar)
+# added in another order than PyTorch's, moves the fp32 parity suite's logits past its bar);
+# the bf16 products (the LM head's, the towers' attention) where bf16 is computed natively
 RUNS_IN: dict[str, tuple[torch.dtype, ...]] = {
     "fp8_linear": DTYPES, "paged_attention": DTYPES, "gated_delta": DTYPES,
     "rms_norm": (torch.bfloat16,), "rotary": DTYPES, "bf16_linear": (torch.bfloat16,),
+    "segment_attention": (torch.bfloat16,),
 }  # fmt: skip
 VECTOR_FLOATS = 16  # a head's size must be whole vectors of the widest SIMD compiled for
 MAX_HEAD_DIM = 256  # the largest head the attention and Gated DeltaNet kernels keep in registers

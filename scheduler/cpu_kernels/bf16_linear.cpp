@@ -60,11 +60,11 @@ void store_rows(const Problem& p, Vec (&acc)[R][I], int64_t n, bf16* out) {
 
 // One step along K: how many columns, loading x's and W's vectors, and their product added.
 #if defined(__AVX512BF16__)
-struct Products {  // bf16 pair products, 32 columns at a time
-  using Operand = __m512bh;
+struct Products {  // bf16 pair products (vec.h), 32 columns at a time
+  using Operand = Pairs;
   static constexpr int64_t kStep = kColumns;
-  static Operand load_pairs(const bf16* p) { return (Operand)_mm512_loadu_si512(p); }
-  static Vec add_product(Vec acc, Operand x, Operand w) { return _mm512_dpbf16_ps(acc, x, w); }
+  static Operand load_pairs(const bf16* p) { return iris::load_pairs(p); }
+  static Vec add_product(Vec acc, Operand x, Operand w) { return add_pair_products(acc, x, w); }
 };
 #else
 struct Products {  // widened to float32, a vector at a time

@@ -109,6 +109,48 @@ inline Vec exp_nonpositive(Vec x) {
 #endif
 }
 
+// Bfloat16 pair products: a vector of kLanes pairs (2·kLanes bfloat16 values), each lane's
+// two products added to its float32 accumulator. With AVX512-BF16 one vdpbf16ps; elsewhere
+// both halves widened to float32 (exact: a bf16 is a float32's upper half) and two FMAs.
+#if defined(__AVX512BF16__)
+using Pairs = __m512bh;
+inline Pairs load_pairs(const c10::BFloat16* p) { return (Pairs)_mm512_loadu_si512(p); }
+inline Pairs broadcast_pair(const c10::BFloat16* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return (Pairs)_mm512_set1_epi32(pair);
+}
+inline Vec add_pair_products(Vec acc, Pairs a, Pairs b) { return _mm512_dpbf16_ps(acc, a, b); }
+#else
+using Pairs = Ints;
+#if defined(__AVX512F__)
+inline Pairs load_pairs(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
+#else
+inline Pairs load_pairs(const c10::BFloat16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+inline Pairs broadcast_pair(const c10::BFloat16* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return int_broadcast(pair);
+}
+inline Vec add_pair_products(Vec acc, Pairs a, Pairs b) {
+  acc = fma(bits(shift_left(a, 16)), bits(shift_left(b, 16)), acc);  // the even elements
+  return fma(bits(and_(a, 0xFFFF0000u)), bits(and_(b, 0xFFFF0000u)), acc);
+}
+#endif
+
+// A vector rounded to bfloat16 (to nearest, ties to even, as c10::BFloat16 rounds) and
+// stored as kLanes values.
+inline void store_rounded(c10::BFloat16* p, Vec v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  alignas(64) float lanes[kLanes];
+  store(lanes, v);
+  for (int i = 0; i < kLanes; ++i) p[i] = c10::BFloat16(lanes[i]);
+#endif
+}
+
 // Calls `run` with a null pointer of the C++ type of `dtype` (float32 or bfloat16), so a
 // generic lambda can take the element type from it.
 template <typename Run>

@@ -253,11 +253,15 @@ class SegmentPlan:
     are gathered into one batched SDPA call (a tower with hundreds of same-sized windows makes
     a handful of calls), and memory grows with the sum of the segments' squared lengths,
     never with the square of the total: a call batches at most `max_scores // length**2`
-    segments, so a backend that materialises the scores holds about one large image's worth."""
+    segments, so a backend that materialises the scores holds about one large image's worth.
+    On a CPU in bfloat16 every segment is attended in one C++ call instead
+    (`cpu_kernels/segment_attention.cpp`): torch's CPU flash kernel computes bf16 at fp32's
+    pace."""
 
     def __init__(
         self, cu_seqlens: Sequence[int], device: torch.device, max_scores: int = 1 << 24
     ) -> None:
+        self.starts = torch.tensor(list(cu_seqlens), dtype=torch.long)  # the kernel's segments
         by_length: dict[int, list[int]] = {}
         for start, end in itertools.pairwise(cu_seqlens):
             if end > start:
@@ -274,6 +278,8 @@ class SegmentPlan:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q/k/v `[total, heads, D]` -> `[total, heads, D]`."""
         scale = q.shape[-1] ** -0.5
+        if self._kernel_runs(q, k, v):
+            return torch.ops.iris_vision.segment_attention(q, k, v, self.starts, scale)
         if self.whole:  # 4-D inputs: the fused (flash / mem-efficient) kernels need them
             qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             return F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
@@ -284,3 +290,22 @@ class SegmentPlan:
             attended = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
             out[index] = attended.transpose(1, 2)
         return out
+
+    @staticmethod
+    def _kernel_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether `segment_attention.cpp` takes these: on a CPU, in a dtype `RUNS_IN` names
+        (bfloat16: fp32 keeps SDPA's arithmetic), each head contiguous and of an even size it
+        holds, no autograd, and the kernel built."""
+        head = q.shape[-1]
+        return (
+            q.device.type == "cpu"
+            and q.dtype in cpu_kernels.RUNS_IN["segment_attention"]
+            and k.dtype == v.dtype == q.dtype
+            and all(t.stride(-1) == 1 for t in (q, k, v))
+            and head % 2 == 0
+            and head <= cpu_kernels.MAX_HEAD_DIM
+            and not (
+                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            )
+            and cpu_kernels.load("segment_attention")
+        )

@@ -9,6 +9,7 @@ Attention never crosses an image (or a frame) boundary.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,8 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
+    CPU_KERNELS: ClassVar[tuple[str, ...]] = ("segment_attention",)  # cpu_kernels.load_for
+
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads = num_heads
