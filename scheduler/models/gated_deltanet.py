@@ -133,14 +133,16 @@ def chunked_delta_rule(
     pair_decay = log_decay[..., :, None] - log_decay[..., None, :]
     pair_decay = pair_decay.masked_fill(later, -torch.inf).exp()  # exp(L_i − L_j), 0 for j > i
     k_beta = k * beta[..., None]
-    # the system's matrix; solve_triangular takes its diagonal as 1 (unitriangular)
+    # the system's matrix; solve_triangular takes its diagonal as 1 (unitriangular). Its
+    # inverse, then two products: one solve of a small identity costs less than two of the
+    # right-hand sides (LAPACK's layout copies of them are most of a solve's time)
     system = (k_beta @ k.transpose(-1, -2)) * pair_decay
-    writes_if_empty = torch.linalg.solve_triangular(  # a: u when S₀ = 0
-        system, v * beta[..., None], upper=False, unitriangular=True
+    identity = torch.eye(chunk_size, dtype=k.dtype, device=k.device).expand_as(system)
+    inverse = torch.linalg.solve_triangular(
+        system, identity.contiguous(), upper=False, unitriangular=True
     )
-    state_reads = torch.linalg.solve_triangular(  # b: u = a − b·S₀
-        system, k_beta * log_decay.exp()[..., None], upper=False, unitriangular=True
-    )
+    writes_if_empty = inverse @ (v * beta[..., None])  # a: u when S₀ = 0
+    state_reads = inverse @ (k_beta * log_decay.exp()[..., None])  # b: u = a − b·S₀
     scores = (q @ k.transpose(-1, -2)) * pair_decay  # within-chunk attention, causal
     q_decayed = q * log_decay.exp()[..., None]
 
