@@ -118,14 +118,14 @@ def chunked_delta_rule(
     if any(not 0 < count <= length for count in snapshots_at):
         raise ValueError(f"snapshots after {list(snapshots_at)} of {length} tokens")
     num_chunks = -(-length // chunk_size)
-    pad = num_chunks * chunk_size - length
 
     def chunked(x: torch.Tensor) -> torch.Tensor:
         """`[T, H, ...]` -> `[H, chunks, chunk_size, ...]`, zero-padded: a padded token has
-        k = v = 0 and β = g = 0, so it neither writes nor decays the state."""
-        x = x.transpose(0, 1)
-        x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
-        return x.reshape(heads, num_chunks, chunk_size, *x.shape[2:])
+        k = v = 0 and β = g = 0, so it neither writes nor decays the state. Contiguous, in
+        one copy: a strided operand would be copied again by every product that takes it."""
+        out = x.new_zeros(heads, num_chunks * chunk_size, *x.shape[2:])
+        out[:, :length] = x.transpose(0, 1)
+        return out.view(heads, num_chunks, chunk_size, *x.shape[2:])
 
     q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
     log_decay = g.cumsum(-1)  # [H, chunks, C]: L_i
