@@ -46,6 +46,69 @@ struct Partial {
   float* total;    // [group]
 };
 
+// Independent chains of products a loop keeps in registers (enough to hide an FMA's latency):
+// a small group's key rows are scored several at once, its output vectors added several at
+// once; a group of kChains or more is enough chains by itself.
+constexpr int kChains = 8;
+constexpr int kValueChains = 16;  // an output vector's chain also waits on its load and broadcast
+
+// scores[g][j + r] for the R key rows from j: q_g · k, each row's products in the order one
+// row alone would take them (R rows at once only interleave independent chains).
+template <typename T, int G, int R>
+inline void score_rows(const float* q, int64_t runtime_group, const T* keys, int64_t dim, int64_t j,
+                       float (*scores)[kLanes]) {
+  const int64_t group = G > 0 ? G : runtime_group;
+  Vec acc[R][G > 0 ? G : kMaxGroup];
+  for (int r = 0; r < R; ++r)
+    for (int64_t g = 0; g < group; ++g) acc[r][g] = zero();
+  for (int64_t i = 0; i < dim; i += kLanes) {
+    Vec k[R];
+    for (int r = 0; r < R; ++r) k[r] = load(keys + (j + r) * dim + i);
+    for (int64_t g = 0; g < group; ++g) {
+      const Vec query = load(q + g * dim + i);
+      for (int r = 0; r < R; ++r) acc[r][g] = fma(query, k[r], acc[r][g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t g = 0; g < group; ++g) scores[g][j + r] = sum(acc[r][g]);
+}
+
+// out[g] vectors [first, first + C) += Σ_j weights[g][j] · v_j over the block's n rows,
+// row after row for each vector as the single-vector loop would add them.
+template <typename T, int G, int C>
+inline void add_values(float* out, int64_t runtime_group, int64_t dim, const T* values, int64_t n,
+                       const float (*weights)[kLanes], int64_t first) {
+  const int64_t group = G > 0 ? G : runtime_group;
+  Vec acc[G > 0 ? G : kMaxGroup][C];
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = load(out + g * dim + (first + c) * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int c = 0; c < C; ++c) {
+      const Vec v = load(values + j * dim + (first + c) * kLanes);
+      for (int64_t g = 0; g < group; ++g) acc[g][c] = fma(broadcast(weights[g][j]), v, acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < C; ++c) store(out + g * dim + (first + c) * kLanes, acc[g][c]);
+}
+
+// The outputs' vectors C at a time, C the most that divides them with G·C registers.
+template <typename T, int G>
+void add_all_values(float* out, int64_t group, int64_t dim, const T* values, int64_t n,
+                    const float (*weights)[kLanes]) {
+  const int64_t vectors = dim / kLanes;
+  auto fits = [&](int64_t c) { return G > 0 && G * c <= kValueChains && vectors % c == 0; };
+  const int64_t c = fits(8) ? 8 : fits(4) ? 4 : fits(2) ? 2 : 1;
+  for (int64_t i = 0; i < vectors; i += c) {
+    switch (c) {
+      case 8: add_values<T, G, 8>(out, group, dim, values, n, weights, i); break;
+      case 4: add_values<T, G, 4>(out, group, dim, values, n, weights, i); break;
+      case 2: add_values<T, G, 2>(out, group, dim, values, n, weights, i); break;
+      default: add_values<T, G, 1>(out, group, dim, values, n, weights, i);
+    }
+  }
+}
+
 // Attention of `group` query rows (`q`, float32, already scaled) over `tokens` [first, last)
 // of a context given as `spans`, for KV head `head`. `G` is the group when it is one of the
 // common sizes, compiled as a constant so the accumulators stay in registers; 0: any group.
@@ -77,15 +140,10 @@ void attend_part(const float* q, int64_t runtime_group, int64_t dim, const Layer
           __builtin_prefetch(next_values + byte);
         }
       }
-      for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the group
-        Vec acc[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) acc[g] = zero();
-        for (int64_t i = 0; i < vectors; ++i) {
-          const Vec k = load(keys + j * dim + i * kLanes);
-          for (int64_t g = 0; g < group; ++g) acc[g] = fma(load(q + g * dim + i * kLanes), k, acc[g]);
-        }
-        for (int64_t g = 0; g < group; ++g) scores[g][j] = sum(acc[g]);
-      }
+      int64_t j = 0;  // scores: each key row read once for the group, R rows at a time
+      constexpr int R = G > 0 && G < kChains ? kChains / G : 1;
+      for (; j + R <= n; j += R) score_rows<T, G, R>(q, group, keys, dim, j, scores);
+      for (; j < n; ++j) score_rows<T, G, 1>(q, group, keys, dim, j, scores);
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t j = n; j < kLanes; ++j) scores[g][j] = kNegInf;
         const Vec block = load(scores[g]);
@@ -101,15 +159,9 @@ void attend_part(const float* q, int64_t runtime_group, int64_t dim, const Layer
             store(out + i * kLanes, mul(load(out + i * kLanes), broadcast(correction)));
         }
       }
-      for (int64_t i = 0; i < vectors; ++i) {  // values: the outputs' vector i kept in registers
-        Vec acc[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) acc[g] = load(part.out + g * dim + i * kLanes);
-        for (int64_t j = 0; j < n; ++j) {
-          const Vec v = load(values + j * dim + i * kLanes);
-          for (int64_t g = 0; g < group; ++g) acc[g] = fma(broadcast(weights[g][j]), v, acc[g]);
-        }
-        for (int64_t g = 0; g < group; ++g) store(part.out + g * dim + i * kLanes, acc[g]);
-      }
+      // values: several of the outputs' vectors kept in registers while the block's rows
+      // pass, so each register's chain of products waits on one product per row
+      add_all_values<T, G>(part.out, group, dim, values, n, weights);
     }
   }
 }
