@@ -14,6 +14,7 @@ from . import cpu_kernels
 from .config import EngineConfig
 from .kv.sizing import readable_bytes
 from .models.cpu_linear import bound_primitive_caches
+from .models.gated_deltanet import GatedDeltaNet
 from .models.int4_cpu import Int4PackedCpuLinear
 from .models.int4_kernel import Int4TritonLinear
 from .models.linear_method import (
@@ -47,6 +48,9 @@ def load_rank_model(
     say("loading %s on %s (%s)", config.model, device, str(dtype).removeprefix("torch."))
     with building_with(method):
         model = load_model(config.model, dtype=dtype, device=device, tp=tp)
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet):
+            module.fuse_input_projections()
     process_linears_after_loading(model)
     for experts in model.modules():
         if isinstance(experts, RoutedExperts):

@@ -18,10 +18,12 @@ import torch.nn.functional as F
 
 from iris_serve.ipc.messages import Sampling
 from iris_serve.scheduler.models.cpu_linear import OneDNNPackedLinear, dense_product
+from iris_serve.scheduler.models.gated_deltanet import GatedDeltaNet
 from iris_serve.scheduler.models.linear_method import (
     DENSE,
     LinearLayer,
     building_with,
+    fused_rows,
     linear_layers,
     linear_weight_bytes,
     process_linears_after_loading,
@@ -158,3 +160,29 @@ def test_an_unpacked_weights_product_is_pytorchs_linear(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
     assert dense_product(x[:0], weight_t.t()).shape == (0, 5, 40)
+
+
+def test_layers_reading_one_input_fuse_into_one_that_gives_their_outputs_side_by_side():
+    layers = _packed_layers([(64, 40, False), (64, 8, False), (64, 24, False)], torch.float32)
+    x = torch.randn(3, 64)
+    apart = torch.cat([F.linear(x, layer.weight) for layer in layers], dim=-1)
+    fused = fused_rows(list(layers))
+    assert fused is not None and fused.shard_sizes == (40, 8, 24)
+    process_linears_after_loading(fused)  # packed as the model's own layers are
+    torch.testing.assert_close(fused(x), apart)
+    biased = _packed_layers([(64, 8, True), (64, 8, False)], torch.float32)
+    other_input = _packed_layers([(64, 8, False), (32, 8, False)], torch.float32)
+    with building_with(DENSE):
+        dense = ReplicatedLinear(64, 8, bias=False)
+    assert fused_rows(list(biased)) is None and fused_rows(list(other_input)) is None
+    assert fused_rows([layers[0], dense]) is None  # another method
+
+
+def test_gated_deltanets_input_projections_are_one_layer_once_loaded(qwen3_5_tiny):
+    """One call for the four in a decode step; what they compute, the parity suite pins."""
+    model = cpu_engine(qwen3_5_tiny).model
+    linear_attention = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    assert linear_attention
+    for layer in linear_attention:
+        assert layer.in_proj is not None and not hasattr(layer, "in_proj_qkv")
+        assert layer.in_proj.method.name == "onednn" and len(layer.in_proj.shard_sizes or ()) == 4

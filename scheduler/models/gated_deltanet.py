@@ -38,6 +38,7 @@ from .. import cpu_kernels
 from ..hybrid.linear_state import LinearStates, LinearStepContext
 from .config import VLModelConfig
 from .layers import rms_normalized
+from .linear_method import LinearLayer, fused_rows
 from .tensor_parallel import RowParallelLinear, TPSplit, column_slices
 
 CHUNK_SIZE = 64
@@ -228,7 +229,8 @@ class GatedDeltaNet(nn.Module):
 
     `in_proj_qkv` yields the conv's input, q then k (key heads) then v (value heads);
     `in_proj_z` the output gate per value channel, `in_proj_b` β and `in_proj_a` the decay's
-    input per value head: g = −exp(A_log)·softplus(a + dt_bias)."""
+    input per value head: g = −exp(A_log)·softplus(a + dt_bias). Loaded, the four are one
+    layer where they can be (`fuse_input_projections`)."""
 
     CPU_KERNELS: ClassVar[tuple[str, ...]] = ("gated_delta",)  # cpu_kernels.load_for
 
@@ -258,6 +260,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = column_slices(hidden, value_rows)
         self.in_proj_b = column_slices(hidden, value_heads)
         self.in_proj_a = column_slices(hidden, value_heads)
+        self.in_proj: LinearLayer | None = None  # the four above, once fused
         self.A_log = nn.Parameter(torch.empty(heads.num_value_heads))
         self.dt_bias = nn.Parameter(torch.empty(heads.num_value_heads))
         self.tp_splits = {"A_log": TPSplit(0, value_heads), "dt_bias": TPSplit(0, value_heads)}
@@ -273,9 +276,9 @@ class GatedDeltaNet(nn.Module):
         n = x.shape[0]
         if sum(s.num_tokens for s in step.sequences) != n:
             raise ValueError(f"the step's sequences do not cover its {n} tokens")
-        columns = self.in_proj_qkv(x)
-        beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        columns, z, b, a = self._input_projections(x)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if step.is_decode:
             out = self._step(columns, g, beta, step.states, step.slot_ids)
             for sequence in step.sequences:
@@ -284,8 +287,29 @@ class GatedDeltaNet(nn.Module):
         else:
             out = torch.cat(self._each_sequence(columns, g, beta, step))
         out = out.to(x.dtype)
-        z = self.in_proj_z(x).view(n, self.num_value_heads, self.value_head_dim)
+        z = z.view(n, self.num_value_heads, self.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(n, -1))
+
+    def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The conv's columns, z, b and a of `x`: one product where they are fused."""
+        if self.in_proj is not None:
+            return self.in_proj(x).split(self.in_proj.shard_sizes or (), dim=-1)
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def fuse_input_projections(self) -> bool:
+        """Once loaded: the four projections of the input, where they hold plain weights
+        under one method (a checkpoint that quantizes some keeps them apart), become one
+        layer of their rows side by side, so that a decode step makes one call for the
+        four instead of four (two of them a few rows each, all launch and no bytes).
+        Whether it fused them."""
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        fused = fused_rows([getattr(self, name) for name in names])
+        if fused is None:
+            return False
+        for name in names:
+            delattr(self, name)
+        self.in_proj = fused
+        return True
 
     def _each_sequence(
         self, columns: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: LinearStepContext

@@ -16,7 +16,7 @@ layer without being passed through each model class's constructor.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, ClassVar
@@ -107,6 +107,27 @@ def process_linears_after_loading(model: nn.Module) -> None:
     """Lets every linear layer's method process its loaded weights (`process_after_loading`)."""
     for layer in linear_layers(model):
         layer.method.process_after_loading(layer)
+
+
+FUSABLE_METHODS = ("dense", "onednn")  # plain weights as loaded, until processed
+
+
+def fused_rows(layers: Sequence[LinearLayer]) -> LinearLayer | None:
+    """One layer whose output is `layers`' outputs side by side (their weights' rows
+    concatenated, `shard_sizes` their widths), for layers that read one input: where all
+    are loaded, unprocessed, bias-free and under one plain method; else None."""
+    method = layers[0].method
+    if method.name not in FUSABLE_METHODS or any(
+        layer.method is not method or layer.has_bias or layer.in_features != layers[0].in_features
+        for layer in layers
+    ):
+        return None
+    weights = [layer.weight for layer in layers]
+    with torch.device("meta"):
+        fused = LinearLayer(layers[0].in_features, sum(w.shape[0] for w in weights), False, method)
+    fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+    fused.shard_sizes = tuple(w.shape[0] for w in weights)
+    return fused
 
 
 def linear_layers(model: nn.Module) -> Iterator[LinearLayer]:
