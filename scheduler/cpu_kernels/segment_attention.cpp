@@ -179,7 +179,7 @@ void accumulate_chunk(const Problem& p, const bf16* values, int64_t pairs, int64
 // Query rows [first_row, first_row + kTile) of segment s, head h (rows past the segment
 // repeat its last row, and are not stored).
 void attend_tile(const Problem& p, int64_t s, int64_t h, int64_t first_row, Packed packed, Tile& tile) {
-  const int64_t length = p.length(s), padded = round_up(length, kKeyBlock);
+  const int64_t length = p.length(s);
   const int64_t rows = std::min(kTile, length - first_row);
   const int64_t groups = (rows + kRows - 1) / kRows;
   const int64_t vectors = p.d_padded / kLanes;
@@ -261,7 +261,10 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
   };
   const int64_t packs = static_cast<int64_t>(long_segments.size()) * heads;
   at::parallel_for(0, packs, 1, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) pack(p, long_segments[i / heads], i % heads, packed(long_segments[i / heads], i % heads));
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t s = long_segments[i / heads], h = i % heads;
+      pack(p, s, h, packed(s, h));
+    }
   });
   const int64_t count = static_cast<int64_t>(tasks.size()) / 2;
   at::parallel_for(0, count * heads, 1, [&](int64_t first, int64_t last) {
