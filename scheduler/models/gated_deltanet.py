@@ -112,9 +112,9 @@ def chunked_delta_rule(
 
         u_i + Σ_{j<i} β_i (k_i·k_j) exp(L_i − L_j) u_j = β_i v_i − β_i exp(L_i) S₀ᵀk_i,
 
-    a unit lower-triangular system in u: solved once for each right-hand term, u = a − b·S₀
-    where only the S₀-free parts a and b need the solve. Then every output and the next
-    state are matrix products with S₀."""
+    a unit lower-triangular system in u, inverted once per chunk: u = a − b·S₀, where the
+    S₀-free parts a and b are the inverse's products with the two right-hand terms. Then
+    every output and the next state are matrix products with S₀."""
     length, heads, _ = k.shape
     if any(not 0 < count <= length for count in snapshots_at):
         raise ValueError(f"snapshots after {list(snapshots_at)} of {length} tokens")
@@ -135,8 +135,8 @@ def chunked_delta_rule(
     pair_decay = pair_decay.masked_fill(later, -torch.inf).exp()  # exp(L_i − L_j), 0 for j > i
     k_beta = k * beta[..., None]
     # the system's matrix; solve_triangular takes its diagonal as 1 (unitriangular). Its
-    # inverse, then two products: one solve of a small identity costs less than two of the
-    # right-hand sides (LAPACK's layout copies of them are most of a solve's time)
+    # inverse, then two products: one solve of a small identity costs less than solving
+    # for the two right-hand sides (LAPACK's layout copies of those dominate a solve)
     system = (k_beta @ k.transpose(-1, -2)) * pair_decay
     identity = torch.eye(chunk_size, dtype=k.dtype, device=k.device).expand_as(system)
     inverse = torch.linalg.solve_triangular(
