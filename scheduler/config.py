@@ -11,7 +11,7 @@ parses its flags (and `--help` answers) without loading torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +32,8 @@ _CACHES = "caches"  # the help section of the cache flags (`launch.args`)
 # to 4, text loses throughput below 2.5 and grows its tail above (the measurements are in
 # bench/results/itl_stretch_small*.md).
 CPU_ITL_STRETCH = 2.5
+CpuLinear = Literal["auto", "pairs", "onednn", "aten"]  # `--cpu-linear` (`select_linear_method`)
+CPU_LINEARS: tuple[str, ...] = get_args(CpuLinear)
 
 
 def _flag(flag: str, help: str, **more: object) -> dict[str, object]:
@@ -65,13 +67,15 @@ class EngineConfig:
             "TRITON_INTERPRET=1)",
         ),
     )
-    cpu_linear: Literal["onednn", "aten"] = field(
-        default="onednn",
+    cpu_linear: CpuLinear = field(
+        default="auto",
         metadata=_flag(
             "--cpu-linear",
-            "how a CPU model's linear layers compute: onednn (weights prepacked at load for "
-            "oneDNN's matmul, faster on every CPU measured; twice the linear weights' memory) "
-            "or aten (PyTorch's default, MKL's sgemm)",
+            "how a CPU model's linear layers compute: auto (pairs in bfloat16 on a CPU with "
+            "AVX512-BF16 and no AMX, else onednn), pairs (bfloat16 weights packed at load "
+            "for our kernel, which reads a decode step's weights at the machine's bandwidth), "
+            "onednn (weights prepacked at load for oneDNN's matmul) or aten (PyTorch's "
+            "default, MKL's sgemm); the packed kinds hold only the packed copy",
         ),
     )
     enforce_eager: bool = field(
@@ -284,8 +288,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be positive")
         if self.mm_embedding_cache_bytes < 0:
             raise ValueError("mm_embedding_cache_bytes must not be negative")
-        if self.cpu_linear not in ("onednn", "aten"):
-            raise ValueError("cpu_linear must be 'onednn' or 'aten'")
+        if self.cpu_linear not in CPU_LINEARS:
+            raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEARS)}")
         if self.kv_offload_bytes < 0:
             raise ValueError("kv_offload_bytes must not be negative")
         if self.mm_cache_granularity not in ("image", "request"):

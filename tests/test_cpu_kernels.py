@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from iris_serve.scheduler import cpu_kernels
 from iris_serve.scheduler.attention import SequenceChunk, cpu_decode
 from iris_serve.scheduler.attention.sdpa import SdpaBackend
+from iris_serve.scheduler.auto_dtype import native_bf16_cpu
 from iris_serve.scheduler.cpu_kernels import build
 from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.models import block_fp8, layers
@@ -76,6 +77,7 @@ def test_the_kernels_build_on_this_machine():
         "rotary",
         "bf16_linear",
         "segment_attention",
+        "pair_linear",
     ):
         assert cpu_kernels.load(kernel), f"{kernel}: see the log line of iris.cpu_kernels"
 
@@ -207,11 +209,14 @@ def test_a_cpu_engine_loads_its_models_kernels_before_any_request(
 ):
     """A build takes seconds (once per machine): at start-up, not in a request's TTFT;
     only the kernels that run in the model's dtype (the norm's, the LM head's and the
-    towers' attention run in bf16 only)."""
+    towers' attention run in bf16 only; the linear layers' where `--cpu-linear auto` takes
+    them, bf16 on AVX512-BF16 without AMX)."""
     built: list[str] = []
     monkeypatch.setattr(build, "build_and_load", lambda name: built.append(name) or True)
     monkeypatch.setattr(build, "_loaded", {})
     cpu_engine(request.getfixturevalue(f"{arch}_tiny"), dtype=dtype)
+    if dtype == "bfloat16" and native_bf16_cpu() == "AVX512-BF16":
+        kernels = sorted([*kernels, "pair_linear"])
     assert sorted(built) == kernels
 
 

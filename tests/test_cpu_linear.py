@@ -1,9 +1,11 @@
-"""`--cpu-linear onednn` (the default on a CPU): every linear layer but the LM head computes
-through oneDNN with a prepacked weight and gives what PyTorch's own linear gives, to float
-rounding; once loaded, a layer holds only the packed copy, so the model's linear weights
-take what they take dense (1.0x, not 2x); `--cpu-linear aten` keeps the dense method, and
-both give the same greedy tokens (parity with transformers runs on the default everywhere
-else)."""
+"""`--cpu-linear onednn` (what `auto` takes on a CPU in float32): every linear layer but the
+LM head computes through oneDNN with a prepacked weight and gives what PyTorch's own linear
+gives, to float rounding; once loaded, a layer holds only the packed copy, so the model's
+linear weights take what they take dense (1.0x, not 2x); `--cpu-linear aten` keeps the
+dense method, and both give the same greedy tokens (parity with transformers runs on the
+default everywhere else). `--cpu-linear pairs` (what `auto` takes in bfloat16 on AVX512-BF16
+without AMX): our kernel over weights packed in pairs gives the float32 product of the bf16
+values, rounded once, for every row count and ragged shape, and holds only the packed copy."""
 
 from __future__ import annotations
 
@@ -17,17 +19,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from iris_serve.ipc.messages import Sampling
+from iris_serve.scheduler.auto_dtype import native_bf16_cpu
 from iris_serve.scheduler.models.cpu_linear import OneDNNPackedLinear, dense_product
 from iris_serve.scheduler.models.gated_deltanet import GatedDeltaNet
 from iris_serve.scheduler.models.linear_method import (
     DENSE,
     LinearLayer,
+    LinearMethod,
     building_with,
     fused_rows,
     linear_layers,
     linear_weight_bytes,
     process_linears_after_loading,
 )
+from iris_serve.scheduler.models.pair_linear import PairPackedLinear
 from iris_serve.scheduler.models.quantization import select_linear_method
 from iris_serve.scheduler.models.tensor_parallel import ReplicatedLinear
 from iris_serve.tokenizer_worker.prompt import PromptBuilder
@@ -37,10 +42,11 @@ torch.set_num_threads(2)
 CPU = torch.device("cpu")
 
 
-def _packed_layers(shapes, dtype: torch.dtype) -> nn.ModuleList:
-    """Layers built with the oneDNN method, random weights loaded (not processed yet)."""
+def _packed_layers(shapes, dtype: torch.dtype, method: LinearMethod | None = None) -> nn.ModuleList:
+    """Layers built with `method` (the oneDNN one unless told), random weights loaded (not
+    processed yet)."""
     torch.manual_seed(0)
-    with building_with(OneDNNPackedLinear()):
+    with building_with(method or OneDNNPackedLinear()):
         layers = nn.ModuleList([ReplicatedLinear(i, o, bias=bias) for i, o, bias in shapes]).to(
             dtype
         )
@@ -114,6 +120,48 @@ def test_the_method_is_picked_in_one_place():
     assert select_linear_method(CPU, bf16, "aten") is DENSE
     assert select_linear_method(CPU, fp16, "onednn") is DENSE  # oneDNN packs fp32 and bf16
     assert select_linear_method(torch.device("meta"), bf16, "onednn") is DENSE
+    assert select_linear_method(CPU, bf16, "pairs").name == "pairs"
+    with pytest.raises(ValueError, match="pairs computes bfloat16"):
+        select_linear_method(CPU, torch.float32, "pairs")
+    assert select_linear_method(CPU, torch.float32, "auto").name == "onednn"
+    native_pairs = native_bf16_cpu() == "AVX512-BF16"  # AMX: oneDNN's tiles compute faster
+    assert select_linear_method(CPU, bf16, "auto").name == ("pairs" if native_pairs else "onednn")
+    assert select_linear_method(torch.device("meta"), bf16, "auto") is DENSE
+
+
+def test_a_layer_packed_in_pairs_gives_the_float32_product_of_its_bf16_values_rounded_once():
+    """Ragged shapes (outputs not whole blocks of 64, inputs not whole vectors), with and
+    without a bias, rows 1 (a decode step's own path), tiles of 6 and their remainders,
+    more rows than a task's, batched and empty; once processed only the packed copy is
+    held, and it counts as the dense weight it replaced."""
+    layers = _packed_layers([(96, 203, True), (34, 64, False)], torch.bfloat16, PairPackedLinear())
+    dense = [(layer.weight.detach().clone(), layer.bias) for layer in layers]
+    dense_bytes = sum(p.numel() * p.element_size() for p in layers.parameters())
+    process_linears_after_loading(layers)
+    assert not [layer for layer in layers if hasattr(layer, "weight")]
+    assert linear_weight_bytes(layers)[1] == dense_bytes
+    for layer, (weight, bias) in zip(layers, dense, strict=True):
+        for rows in ([1], [2], [5], [6], [7], [13], [100], [2, 5], [0]):
+            x = torch.randn(*rows, layer.in_features).to(torch.bfloat16)
+            expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            got = layer(x)
+            assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+            # bf16's half unit in the last place, 2^-9 of the value, with room for the sums' order
+            torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-4)
+    with pytest.raises(TypeError, match="packed as bfloat16 pairs"):
+        layers[0](torch.randn(1, 96))
+
+
+def test_the_pairs_and_onednn_give_a_bf16_model_the_same_greedy_tokens(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen2_5_vl")
+    prompt = chat_prompt(PromptBuilder(model_dir), "Describe.", [make_image(84, 56, seed=3)])
+    greedy = Sampling(temperature=0.0, max_tokens=8)
+    tokens = {}
+    for kind in ("pairs", "onednn"):
+        engine = cpu_engine(model_dir, dtype="bfloat16", cpu_linear=kind)
+        assert {layer.method.name for layer in linear_layers(engine.model.model)} == {kind}
+        tokens[kind] = engine.generate([prompt], greedy)
+    assert tokens["pairs"] == tokens["onednn"]
 
 
 def test_the_engine_packs_by_default_holds_1x_and_aten_gives_the_same_tokens(

@@ -24,6 +24,8 @@ waits for a build.
 - `bf16_linear.cpp` (`torch.ops.iris_bf16.bf16_linear`): a bfloat16 dense weight times a
   few rows at the machine's bandwidth: the LM head in a decode step, dequantized copies
   (`models/cpu_linear.py`'s `dense_product`).
+- `pair_linear.cpp` (`torch.ops.iris_pairs.pair_linear`, `pack_pairs`): a bfloat16 linear
+  layer's weight packed in blocks of pairs, times any number of rows (`models/pair_linear.py`).
 - `segment_attention.cpp` (`torch.ops.iris_vision.segment_attention`): the vision towers'
   attention over each image (or window) in bfloat16 pair products (`models/layers.py`'s
   `SegmentPlan`).
@@ -42,7 +44,7 @@ DTYPES = (torch.float32, torch.bfloat16)  # what every kernel here computes in
 RUNS_IN: dict[str, tuple[torch.dtype, ...]] = {
     "fp8_linear": DTYPES, "paged_attention": DTYPES, "gated_delta": DTYPES,
     "rms_norm": (torch.bfloat16,), "rotary": DTYPES, "bf16_linear": (torch.bfloat16,),
-    "segment_attention": (torch.bfloat16,),
+    "segment_attention": (torch.bfloat16,), "pair_linear": (torch.bfloat16,),
 }  # fmt: skip
 VECTOR_FLOATS = 16  # a head's size must be whole vectors of the widest SIMD compiled for
 MAX_HEAD_DIM = 256  # the largest head the attention and Gated DeltaNet kernels keep in registers

@@ -1,4 +1,5 @@
-"""oneDNN for a CPU model's linear layers (`--cpu-linear onednn`, the default on a CPU): a
+"""oneDNN for a CPU model's linear layers (`--cpu-linear onednn`; what `auto` takes on a CPU
+but in bfloat16 on AVX512-BF16 without AMX, where `pair_linear.py`'s kernel is faster): a
 `LinearMethod` that, once the checkpoint is loaded, prepacks each layer's weight into
 oneDNN's blocked layout, frees the dense weight, and computes through oneDNN's matmul.
 

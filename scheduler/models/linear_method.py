@@ -1,5 +1,5 @@
 """How a linear layer holds and computes its weights: the seam every weight format plugs
-into (dense now, oneDNN-packed on a CPU, quantized checkpoints next).
+into (dense, oneDNN-packed or packed in pairs on a CPU, the quantized checkpoints' formats).
 
 A linear layer (`LinearLayer`, and its column-, row-parallel and replicated kinds in
 `tensor_parallel`) owns no arithmetic of its own: its `LinearMethod` creates its weights
@@ -109,7 +109,7 @@ def process_linears_after_loading(model: nn.Module) -> None:
         layer.method.process_after_loading(layer)
 
 
-FUSABLE_METHODS = ("dense", "onednn")  # plain weights as loaded, until processed
+FUSABLE_METHODS = ("dense", "onednn", "pairs")  # plain weights as loaded, until processed
 
 
 def fused_rows(layers: Sequence[LinearLayer]) -> LinearLayer | None:

@@ -2,8 +2,11 @@
 the settings and the checkpoint for it.
 
 - `dense`: plain `F.linear` over the weights as loaded (GPUs; `--cpu-linear aten`);
+- `pairs`: on a CPU in bfloat16, weights packed into blocks of pairs for our kernel after
+  loading, the dense copy freed (`pair_linear`; what `--cpu-linear auto` takes where the
+  CPU has AVX512-BF16 and no AMX);
 - `onednn`: on a CPU in float32 or bfloat16, weights prepacked for oneDNN after loading,
-  the dense copy freed (`cpu_linear`; `--cpu-linear onednn`, the default there);
+  the dense copy freed (`cpu_linear`; what `auto` takes on a CPU otherwise);
 - `block-fp8`: the layers a block-FP8 checkpoint stores quantized (`block_fp8`);
 - `awq`: the layers an AWQ (4-bit, GEMM packing) checkpoint stores quantized (`awq`);
 - `gptq`: the layers a GPTQ (4-bit) checkpoint stores quantized (`gptq`);
@@ -28,7 +31,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,10 +44,17 @@ from .gptq import GptqLinear
 from .linear_method import DENSE, LinearLayer, LinearMethod, use_method
 from .loader import checkpoint_names
 from .moe import RoutedExperts
+from .pair_linear import PairPackedLinear
+from .pair_linear import can_run as pairs_can_run
+from .pair_linear import preferred as pairs_preferred
+
+if TYPE_CHECKING:
+    from ..config import CpuLinear
 
 LINEAR_METHODS: dict[str, LinearMethod] = {
     DENSE.name: DENSE,
     OneDNNPackedLinear.name: OneDNNPackedLinear(),
+    PairPackedLinear.name: PairPackedLinear(),
 }
 
 
@@ -210,10 +220,21 @@ _PER_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.*\.experts)\.\d+\.\w+\.weight$")
 def select_linear_method(
     device: torch.device,
     dtype: torch.dtype,
-    cpu_linear: Literal["onednn", "aten"],
+    cpu_linear: CpuLinear,
 ) -> LinearMethod:
-    """The method for a model on `device` in `dtype`: oneDNN-packed on a CPU where it can
-    run (`cpu_linear` "onednn"), dense otherwise."""
-    if cpu_linear == "onednn" and can_pack(device, dtype):
+    """The method for a model on `device` in `dtype`, from `--cpu-linear`: `auto` takes our
+    pairs where `pair_linear.preferred` says so, else oneDNN-packed where oneDNN runs;
+    `pairs` and `onednn` ask for theirs (`pairs` raises where it cannot run); dense
+    otherwise, and everywhere off a CPU."""
+    if cpu_linear == "pairs":
+        if not pairs_can_run(device, dtype):
+            raise ValueError(
+                f"--cpu-linear pairs computes bfloat16 on a CPU whose kernels build, not "
+                f"{dtype} on {device.type}"
+            )
+        return LINEAR_METHODS[PairPackedLinear.name]
+    if cpu_linear == "auto" and pairs_preferred(device, dtype):
+        return LINEAR_METHODS[PairPackedLinear.name]
+    if cpu_linear in ("auto", "onednn") and can_pack(device, dtype):
         return LINEAR_METHODS[OneDNNPackedLinear.name]
     return LINEAR_METHODS[DENSE.name]
