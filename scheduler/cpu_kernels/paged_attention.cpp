@@ -109,6 +109,24 @@ void add_all_values(float* out, int64_t group, int64_t dim, const T* values, int
   }
 }
 
+// The first slot of the block `ahead` blocks after the one at context position `t` of span
+// `s` (whose first position is `span_start`), in the order the loop below visits blocks
+// (a span's blocks start at its first position); -1 where that is at or past `last`.
+inline int64_t slot_ahead(const Span* spans, int64_t num_spans, int64_t s, int64_t span_start, int64_t t,
+                          int64_t last, int ahead) {
+  for (int a = 0; a < ahead; ++a) {
+    t += kLanes;
+    while (true) {
+      if (t >= last) return -1;
+      if (t < span_start + spans[s].length) break;
+      span_start += spans[s].length;
+      if (++s >= num_spans) return -1;
+      t = span_start;
+    }
+  }
+  return spans[s].first_slot + (t - span_start);
+}
+
 // Attention of `group` query rows (`q`, float32, already scaled) over `tokens` [first, last)
 // of a context given as `spans`, for KV head `head`. `G` is the group when it is one of the
 // common sizes, compiled as a constant so the accumulators stay in registers; 0: any group.
@@ -132,9 +150,12 @@ void attend_part(const float* q, int64_t runtime_group, int64_t dim, const Layer
       const int64_t slot = spans[s].first_slot + (t - span_start);
       const T* keys = layer.keys + head * layer.head_stride + slot * dim;
       const T* values = layer.values + head * layer.head_stride + slot * dim;
-      if (t + 2 * kLanes <= to) {  // the block after next: a run's slots are consecutive
-        const char* next_keys = reinterpret_cast<const char*>(keys + 2 * kLanes * dim);
-        const char* next_values = reinterpret_cast<const char*>(values + 2 * kLanes * dim);
+      // the block after next, in this run or a later one (a page's run is one block)
+      const int64_t ahead = slot_ahead(spans, num_spans, s, span_start, t, last, 2);
+      if (ahead >= 0) {
+        const int64_t offset = head * layer.head_stride + ahead * dim;
+        const char* next_keys = reinterpret_cast<const char*>(layer.keys + offset);
+        const char* next_values = reinterpret_cast<const char*>(layer.values + offset);
         for (int64_t byte = 0; byte < kLanes * dim * int64_t(sizeof(T)); byte += 64) {
           __builtin_prefetch(next_keys + byte);
           __builtin_prefetch(next_values + byte);
