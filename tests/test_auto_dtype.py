@@ -47,13 +47,15 @@ def test_auto_takes_the_checkpoints_half_dtype_only_where_the_cpu_computes_bf16(
     assert pinned.resolved_dtype(CPU, "bfloat16") is torch.float32
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_5"])
 def test_a_bf16_checkpoint_answers_as_transformers_in_bf16_where_its_choice_is_clear(
-    native_bf16: None, tiny_checkpoint, caplog: pytest.LogCaptureFixture
+    arch: str, native_bf16: None, tiny_checkpoint, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Greedy tokens with an image, prefill chunked: equal to transformers' in bf16 up to
     the first step where transformers' top two logits are within bf16's rounding (after
-    it the two may rightly part); the engine says why it took bf16."""
-    checkpoint: Path = tiny_checkpoint("qwen2_5_vl", dtype="bfloat16")
+    it the two may rightly part); the engine says why it took bf16. Qwen3.5: its linear
+    attention's decode steps fused in bf16 (`gated_delta_decode_step`)."""
+    checkpoint: Path = tiny_checkpoint(arch, dtype="bfloat16")
     caplog.set_level("INFO")
     engine = Engine(
         EngineConfig(

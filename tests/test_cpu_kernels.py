@@ -26,7 +26,11 @@ from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
 from iris_serve.scheduler.models import block_fp8, layers
 from iris_serve.scheduler.models.block_fp8 import BlockFp8Linear
 from iris_serve.scheduler.models.cpu_linear import BF16_KERNEL_ROWS, dense_product
-from iris_serve.scheduler.models.gated_deltanet import recurrent_delta_step
+from iris_serve.scheduler.models.gated_deltanet import (
+    causal_conv_step,
+    l2_normalized,
+    recurrent_delta_step,
+)
 from iris_serve.scheduler.models.layers import (
     RMSNorm,
     ZeroCenteredRMSNorm,
@@ -317,6 +321,53 @@ def test_a_gated_deltanet_decode_step_advances_its_slots_in_place():
     torch.testing.assert_close(states[slots], expected_states, rtol=1e-5, atol=1e-5)
     for other in (0, 2, 4):
         assert torch.equal(states[other], before[other])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_gated_deltanet_decode_step_is_the_ops_it_replaces(dtype):
+    """Three sequences in slots 4, 0 and 2 of 6, 2 key heads serving 4 value heads, the
+    projections' views of one row (a, b after the conv's columns): from the projections to
+    the output, what `forward`'s g and β, `causal_conv_step`, `_heads` and the decode kernel
+    give, both states advanced in place and the other slots untouched. bf16: the conv's sum
+    rounded once (as transformers' conv1d), not each product, so to bf16's rounding."""
+    generator = torch.Generator().manual_seed(0)
+    batch, key_heads, value_heads, dk, dv, width = 3, 2, 4, 32, 48, 4
+    channels = 2 * key_heads * dk + value_heads * dv
+    projections = torch.randn(batch, channels + 2 * value_heads, generator=generator).to(dtype)
+    columns, b, a = projections.split((channels, value_heads, value_heads), dim=-1)
+    conv = torch.randn(6, channels, width - 1, generator=generator).to(dtype)
+    weight = (0.5 * torch.randn(channels, 1, width, generator=generator)).to(dtype)
+    a_log, dt_bias = (0.3 * torch.randn(2, value_heads, generator=generator)).to(dtype)
+    recurrent = 0.1 * torch.randn(6, value_heads, dk, dv, generator=generator)
+    slots = torch.tensor([4, 0, 2])
+    expected_conv, expected_recurrent = conv.clone(), recurrent.clone()
+    beta = b.sigmoid().float()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    mixed, window = causal_conv_step(columns, expected_conv[slots], weight)
+    expected_conv.index_copy_(0, slots, window)
+    q, k, v = mixed.float().split((key_heads * dk, key_heads * dk, value_heads * dv), dim=-1)
+    q, k = (
+        l2_normalized(x.view(batch, key_heads, 1, dk))
+        .expand(batch, key_heads, value_heads // key_heads, dk)
+        .reshape(batch, value_heads, dk)
+        for x in (q, k)
+    )
+    inputs = (q * dk**-0.5, k, v.reshape(batch, value_heads, dv), g, beta)
+    assert cpu_kernels.load("gated_delta")
+    kernels = torch.ops.iris_gdn
+    expected = kernels.gated_delta_decode(
+        *(x.contiguous() for x in inputs), expected_recurrent, slots
+    )
+    before = recurrent.clone()
+    out = kernels.gated_delta_decode_step(
+        columns, a, b, conv, weight, a_log, dt_bias, recurrent, slots, key_heads, dk
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(recurrent, expected_recurrent, rtol=tolerance, atol=tolerance)
+    assert torch.equal(conv, expected_conv)
+    for other in (1, 3, 5):
+        assert torch.equal(recurrent[other], before[other])
 
 
 def test_the_rms_norms_in_one_pass_round_as_transformers_order_does():

@@ -16,7 +16,8 @@ waits for a build.
 - `paged_attention.cpp` (`torch.ops.iris_attention.paged_decode_attention`): every decode
   of a step over its page runs in the cache, in one call (`attention/cpu_decode.py`).
 - `gated_delta.cpp` (`torch.ops.iris_gdn.gated_delta_decode`): Gated DeltaNet's decode
-  step, in place on the state slots (`models/gated_deltanet.py`).
+  step, in place on the state slots; `gated_delta_decode_step`, the same from the input
+  projections on, the conv and the norms included (bf16, `models/gated_deltanet.py`).
 - `rms_norm.cpp` (`torch.ops.iris_norm.rms_norm`): an RMS norm in one pass per row, in
   transformers' order of roundings (`models/layers.py`).
 - `rotary.cpp` (`torch.ops.iris_rotary.rotary`): the rotary embedding of a query or key

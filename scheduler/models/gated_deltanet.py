@@ -189,6 +189,16 @@ def _kernel_steps(recurrent: torch.Tensor) -> bool:
     )
 
 
+# The dtypes whose decode steps run fused (`gated_delta_decode_step`): bf16 only, since in
+# float32 its sums in another order than PyTorch's could move the fp32 parity suite's tokens.
+FUSED_STEP_DTYPES = (torch.bfloat16,)
+
+
+def _fused_steps(columns: torch.Tensor, recurrent: torch.Tensor) -> bool:
+    """Whether a decode step over these states runs fused, from the input projections on."""
+    return columns.dtype in FUSED_STEP_DTYPES and _kernel_steps(recurrent)
+
+
 def l2_normalized(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_NORM_EPS)
 
@@ -277,15 +287,19 @@ class GatedDeltaNet(nn.Module):
         if sum(s.num_tokens for s in step.sequences) != n:
             raise ValueError(f"the step's sequences do not cover its {n} tokens")
         columns, z, b, a = self._input_projections(x)
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if step.is_decode and _fused_steps(columns, step.states.recurrent[self.state_layer]):
+            out = self._fused_step(columns, a, b, step.states, step.slot_ids)
+        else:
+            beta = b.sigmoid().float()
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            if step.is_decode:
+                out = self._step(columns, g, beta, step.states, step.slot_ids)
+            else:
+                out = torch.cat(self._each_sequence(columns, g, beta, step))
         if step.is_decode:
-            out = self._step(columns, g, beta, step.states, step.slot_ids)
             for sequence in step.sequences:
                 for _, snapshot in sequence.captures:
                     self._copy_state(step.states, sequence.slot, snapshot)
-        else:
-            out = torch.cat(self._each_sequence(columns, g, beta, step))
         out = out.to(x.dtype)
         z = z.view(n, self.num_value_heads, self.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(n, -1))
@@ -375,6 +389,22 @@ class GatedDeltaNet(nn.Module):
         out, state = recurrent_delta_step(q, k, v, g, beta, recurrent[slots])
         recurrent.index_copy_(0, slots, state)
         return out
+
+    def _fused_step(
+        self,
+        columns: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        states: LinearStates,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """`_step` with g and β, from the projections to the output, in one kernel call."""
+        kernel = torch.ops.iris_gdn.gated_delta_decode_step
+        conv, recurrent = states.conv[self.state_layer], states.recurrent[self.state_layer]
+        return kernel(
+            columns, a, b, conv, self.conv1d.weight, self.A_log, self.dt_bias, recurrent, slots,
+            self.num_key_heads, self.key_head_dim,
+        )  # fmt: skip
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output `[N, C]` -> fp32 q, k `[N, value heads, Dk]` (normalised, q
