@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from iris_serve.scheduler import cpu_kernels
 from iris_serve.scheduler.attention import SequenceChunk, sdpa
 from iris_serve.scheduler.attention.sdpa import SdpaBackend
 from iris_serve.scheduler.kv.kv_cache import KVCache, KVLayout
@@ -24,28 +25,33 @@ def dense_causal(q, k, v):
 
 
 @pytest.mark.parametrize("layout", ["scattered pages", "gathered", "one run per sequence"])
-@pytest.mark.parametrize("after_history", ["masked", "split"])
+@pytest.mark.parametrize("after_history", ["masked", "split", "bf16 kernel"])
 def test_chunked_prefill_and_batched_decode_match_dense_attention(
     layout, after_history, monkeypatch
 ):
     """`split`: every chunk after history (of 2 tokens or more) attends to its own tokens
-    and to each run of its history apart, the parts merged by log-sum-exps. `gathered`:
-    scattered pages, and every decode over two runs or more gathers its pages first."""
+    and to each run of its history apart, the parts merged by log-sum-exps. `bf16 kernel`:
+    a bfloat16 cache, where every chunk after history splits and its history runs through
+    our kernel (`history_attention`), to bf16's rounding of the float32 reference over
+    the same values. `gathered`: scattered pages, and every decode over two runs or more
+    gathers its pages first."""
     threshold = 2 if after_history == "split" else 1 << 30
     monkeypatch.setattr(sdpa, "SPLIT_MIN_NEW_TOKENS", threshold)
     monkeypatch.setattr(sdpa, "GATHER_MIN_RUNS", 2 if layout == "gathered" else 1 << 30)
+    dtype = torch.bfloat16 if after_history == "bf16 kernel" else torch.float32
+    kernel_calls = _counted_history_kernel(monkeypatch)
     g = torch.Generator().manual_seed(0)
     lengths = [11, 5, 17]
     seqs = [
         (
-            torch.randn(n, HEADS, DIM, generator=g),
-            torch.randn(n, KV_HEADS, DIM, generator=g),
-            torch.randn(n, KV_HEADS, DIM, generator=g),
+            torch.randn(n, HEADS, DIM, generator=g).to(dtype),
+            torch.randn(n, KV_HEADS, DIM, generator=g).to(dtype),
+            torch.randn(n, KV_HEADS, DIM, generator=g).to(dtype),
         )
         for n in lengths
     ]
     cache = KVCache(
-        KVLayout(1, KV_HEADS, DIM, PAGE, torch.float32), num_pages=32, device=torch.device("cpu")
+        KVLayout(1, KV_HEADS, DIM, PAGE, dtype), num_pages=32, device=torch.device("cpu")
     )
     if layout != "one run per sequence":  # every page its own run: the copy path
         pages = [cache.pool.allocate(5)[::-1] for _ in lengths]
@@ -68,9 +74,26 @@ def test_chunked_prefill_and_batched_decode_match_dense_attention(
             outputs[i].append(out[row : row + schedules[i][step]])
             row += schedules[i][step]
             done[i] += schedules[i][step]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (q, k, v) in enumerate(seqs):
-        got = torch.cat(outputs[i])
-        torch.testing.assert_close(got, dense_causal(q, k, v), atol=1e-5, rtol=1e-5)
+        got = torch.cat(outputs[i]).float()
+        expected = dense_causal(q.float(), k.float(), v.float())
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    assert (len(kernel_calls) > 0) == (dtype == torch.bfloat16)
+
+
+def _counted_history_kernel(monkeypatch) -> list[int]:
+    """The query rows of each call to `history_attention`."""
+    assert cpu_kernels.load("segment_attention")
+    calls: list[int] = []
+    kernel = torch.ops.iris_vision.history_attention
+
+    def counted(q, k, v, scale):
+        calls.append(q.shape[0])
+        return kernel(q, k, v, scale)
+
+    monkeypatch.setattr(torch.ops.iris_vision, "history_attention", counted)
+    return calls
 
 
 def test_each_decode_reads_its_own_context_in_place(monkeypatch):

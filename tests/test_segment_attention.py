@@ -82,3 +82,33 @@ def test_inputs_the_kernel_cannot_take_are_refused():
         kernel(odd, odd, odd, starts, 0.25)
     plan = SegmentPlan([0, 10], torch.device("cpu"))
     assert plan.attend(odd, odd, odd).shape == odd.shape  # SDPA takes what the kernel cannot
+
+
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "keys", "head"), [(37, 4, 2, 300, 80), (5, 6, 3, 1, 128)]
+)
+def test_a_chunks_attention_to_its_history_is_exact_attentions_to_bf16s_rounding(
+    rows, heads, kv_heads, keys, head
+):
+    """`history_attention`: query rows against a run of a head-major cache (a strided view),
+    each KV head read by its group of query heads, no mask: the outputs as close to exact
+    attention as torch's bf16 SDPA, and the log-sum-exps the merge with the chunk's own
+    causal part needs (scores scaled as SDPA's)."""
+    generator = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, heads, head, generator=generator).mul(2).bfloat16()
+    cache = torch.randn(2, kv_heads, keys + 40, head, generator=generator).mul(2).bfloat16()
+    k, v = cache[0, :, 20 : 20 + keys], cache[1, :, 20 : 20 + keys]  # [kv_heads, keys, head]
+    assert cpu_kernels.load("segment_attention")
+    out, lse = torch.ops.iris_vision.history_attention(q, k, v, head**-0.5)
+    group = heads // kv_heads
+    k_full, v_full = (t.float().repeat_interleave(group, 0) for t in (k, v))  # per query head
+    scores = torch.einsum("nhd,hkd->hnk", q.float(), k_full) * head**-0.5
+    exact = torch.einsum("hnk,hkd->nhd", scores.softmax(-1), v_full)
+    torch_bf16 = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    ).transpose(0, 1)
+    bar = (torch_bf16.float() - exact).abs().max().item()
+    assert (out.float() - exact).abs().max().item() <= max(2 * bar, 1e-2)
+    torch.testing.assert_close(lse, scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="multiple of the KV heads"):
+        torch.ops.iris_vision.history_attention(q[:, :1].expand(rows, 5, head), k, v, 0.1)

@@ -11,7 +11,11 @@ view that SDPA reads as it is (`free_pages.py` keeps runs few). Per sequence and
   attends causally over its own new k/v and, unmasked, over each run of its history,
   merged by log-sum-exps: a mask makes the CPU kernel compute every block of the
   rectangle, while the causal part skips those above the diagonal; below the bound the
-  mask is as fast or faster (bench/results/chunk_attention_small.md).
+  mask is as fast or faster (bench/results/chunk_attention_small.md). In bfloat16 every
+  chunk after history splits, its history through our kernel
+  (`cpu_kernels/segment_attention.cpp`'s `history_attention`: bf16 pair products, where
+  torch's CPU flash attention computes bf16 at fp32's pace), faster than the mask at
+  every chunk size measured.
 
 A context over several runs (a shared prefix, a fragmented pool): a decode over a few
 runs attends to each on its own and merges the results by their log-sum-exps (CPU;
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import cpu_kernels
 from ..kv.kv_cache import KVCache
 from .base import AttentionBackend, SequenceChunk, new_token_slots
 from .cpu_decode import BatchedDecodes, SlotSpan
@@ -75,6 +80,7 @@ class SdpaStep:
         slots = [slot for chunk in chunks for slot in new_token_slots(chunk, page_size)]
         self.slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)
         self.items: list[_Item] = []
+        history_kernel = _history_kernel_runs(kv_cache, device)
         decode_rows: list[int] = []
         decode_spans: list[tuple[SlotSpan, ...]] = []
         row = 0
@@ -84,7 +90,9 @@ class SdpaStep:
             if chunk.num_cached == 0:
                 self.items.append(_Item(rows, (), is_decode=False, mask=None))
                 continue
-            split = not chunk.is_decode and chunk.num_new >= SPLIT_MIN_NEW_TOKENS
+            split = not chunk.is_decode and (
+                chunk.num_new >= SPLIT_MIN_NEW_TOKENS or history_kernel
+            )
             if split and device.type == "cpu":
                 spans = _context_spans(chunk, page_size, chunk.num_cached)
                 self.items.append(_Item(rows, spans, is_decode=False, mask=None, split=True))
@@ -103,6 +111,7 @@ class SdpaStep:
                 mask = mask.tril(diagonal=chunk.num_cached).to(device)
             self.items.append(_Item(rows, spans, chunk.is_decode, mask))
         self.decodes = BatchedDecodes.of(kv_cache, decode_rows, decode_spans, device)
+        self.history_kernel = history_kernel
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -121,7 +130,7 @@ class SdpaStep:
                 continue
             if item.split:
                 own = (query, k[item.rows], v[item.rows])
-                out[item.rows] = _after_history(*own, keys, values, item.spans)
+                out[item.rows] = _after_history(*own, keys, values, item.spans, self.history_kernel)
             elif item.is_decode:
                 packed = query.view(1, num_kv_heads, -1, query.shape[-1])  # [1, kv, group, D]
                 if item.pages is not None:
@@ -202,19 +211,39 @@ def _after_history(
     keys: torch.Tensor,
     values: torch.Tensor,
     spans: tuple[SlotSpan, ...],
+    history_kernel: bool = False,
 ) -> torch.Tensor:
     """A prefill chunk after cached tokens, on the CPU: q `[n, heads, dim]` and its own
-    k/v `[n, kv, dim]` causally, each history span unmasked, merged by log-sum-exps."""
+    k/v `[n, kv, dim]` causally, each history span unmasked (through our kernel where
+    `history_kernel`), merged by log-sum-exps."""
     query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]; the kernel groups heads
     parts = [_flash(query, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), True)]
     for start, length in spans:
-        span_k = keys[:, start : start + length].unsqueeze(0)
-        span_v = values[:, start : start + length].unsqueeze(0)
-        parts.append(_flash(query, span_k, span_v, False))
+        span_k, span_v = keys[:, start : start + length], values[:, start : start + length]
+        if history_kernel:
+            kernel = torch.ops.iris_vision.history_attention
+            out, lse = kernel(q, span_k, span_v, q.shape[-1] ** -0.5)  # SDPA's default scale
+            parts.append((out.permute(1, 0, 2).unsqueeze(0), lse.unsqueeze(0)))
+        else:
+            parts.append(_flash(query, span_k.unsqueeze(0), span_v.unsqueeze(0), False))
     outs, lses = zip(*parts, strict=True)
     weights = torch.softmax(torch.stack(lses), dim=0).unsqueeze(-1)  # [parts, 1, heads, n, 1]
     merged = (torch.stack(outs) * weights).sum(dim=0).to(q.dtype)
     return merged[0].transpose(0, 1)
+
+
+def _history_kernel_runs(kv_cache: KVCache, device: torch.device) -> bool:
+    """Whether a prefill chunk's attention to its history runs through our bf16 kernel: a
+    bfloat16 cache on a CPU, heads of an even size it keeps in registers, the kernel built."""
+    layout = kv_cache.layout
+    return (
+        device.type == "cpu"
+        and layout.dtype == torch.bfloat16
+        and layout.dtype in cpu_kernels.RUNS_IN["segment_attention"]
+        and layout.head_dim % 2 == 0
+        and layout.head_dim <= cpu_kernels.MAX_HEAD_DIM
+        and cpu_kernels.load("segment_attention")
+    )
 
 
 def _flash(

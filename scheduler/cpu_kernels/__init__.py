@@ -29,7 +29,8 @@ waits for a build.
   layer's weight packed in blocks of pairs, times any number of rows (`models/pair_linear.py`).
 - `segment_attention.cpp` (`torch.ops.iris_vision.segment_attention`): the vision towers'
   attention over each image (or window) in bfloat16 pair products (`models/layers.py`'s
-  `SegmentPlan`).
+  `SegmentPlan`); `history_attention`, a prefill chunk's attention to its history in the
+  paged cache the same way (`attention/sdpa.py`).
 """
 
 from __future__ import annotations

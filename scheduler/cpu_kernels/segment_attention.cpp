@@ -1,6 +1,7 @@
 // Non-causal bfloat16 attention over contiguous segments of a flat token axis on a CPU: the
 // vision towers' attention (a whole image, or its windows; `models/layers.py`'s
-// SegmentPlan). PyTorch's CPU flash kernel computes bfloat16 at float32's pace; here
+// SegmentPlan); and, with the same tiles, a prefill chunk's attention to a run of its
+// history in the paged cache (`history_attention`, query heads grouped on KV heads). PyTorch's CPU flash kernel computes bfloat16 at float32's pace; here
 // both products are bf16 pair products (`vec.h`: vdpbf16ps where the CPU has AVX512-BF16)
 // accumulated in float32, the softmax runs online in float32 per block of keys, the
 // probabilities are rounded to bf16 for their product with V (as flash kernels do) and
@@ -20,6 +21,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <tuple>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -73,15 +76,16 @@ void interleave(const bf16* even, const bf16* odd, int64_t d, int64_t d_padded, 
   for (; c < d_padded; ++c) pairs[c] = 0;
 }
 
-// Segment s, head h's keys and values into their packed layouts (pairs moved as 32 bits).
-void pack(const Problem& p, int64_t s, int64_t h, Packed into) {
-  const int64_t length = p.length(s), padded = round_up(length, kKeyBlock), pairs = p.d / 2;
+// Keys and values [first, first + length) of (KV) head h into their packed layouts (pairs
+// moved as 32 bits).
+void pack(const Problem& p, int64_t first, int64_t length, int64_t h, Packed into) {
+  const int64_t padded = round_up(length, kKeyBlock), pairs = p.d / 2;
   auto* keys = reinterpret_cast<uint32_t*>(into.keys);
   bf16* values = into.values;
   for (int64_t t = 0; t < padded; ++t) {
     uint32_t* column = keys + (t / kKeyBlock) * pairs * kKeyBlock + t % kKeyBlock;
     if (t < length) {
-      const bf16* k = p.k + (p.starts[s] + t) * p.k_token + h * p.k_head;
+      const bf16* k = p.k + (first + t) * p.k_token + h * p.k_head;
       for (int64_t j = 0; j < pairs; ++j) std::memcpy(column + j * kKeyBlock, k + 2 * j, sizeof(uint32_t));
     } else {
       for (int64_t j = 0; j < pairs; ++j) column[j * kKeyBlock] = 0;
@@ -89,7 +93,7 @@ void pack(const Problem& p, int64_t s, int64_t h, Packed into) {
   }
   std::vector<bf16> zeros(p.d, bf16(0.0f));  // the padding keys' values
   for (int64_t t = 0; t < padded; t += 2) {
-    auto row = [&](int64_t u) { return u < length ? p.v + (p.starts[s] + u) * p.v_token + h * p.v_head : zeros.data(); };
+    auto row = [&](int64_t u) { return u < length ? p.v + (first + u) * p.v_token + h * p.v_head : zeros.data(); };
     interleave(row(t), row(t + 1), p.d, p.d_padded, values + t * p.d_padded);
   }
 }
@@ -176,11 +180,12 @@ void accumulate_chunk(const Problem& p, const bf16* values, int64_t pairs, int64
   }
 }
 
-// Query rows [first_row, first_row + kTile) of segment s, head h (rows past the segment
-// repeat its last row, and are not stored).
-void attend_tile(const Problem& p, int64_t s, int64_t h, int64_t first_row, Packed packed, Tile& tile) {
-  const int64_t length = p.length(s);
-  const int64_t rows = std::min(kTile, length - first_row);
+// Query rows [first_token, first_token + rows) of head h (rows at most kTile; rows past
+// them repeat the last, and are not stored) against `length` keys packed in `packed`: the
+// outputs into p.out, and where `lse` is given each row's log-sum-exp of its scores there
+// (`lse_stride` apart by head, by row after `first_token`).
+void attend_rows(const Problem& p, int64_t first_token, int64_t rows, int64_t h, int64_t length, Packed packed,
+                 Tile& tile, float* lse = nullptr, int64_t lse_stride = 0) {
   const int64_t groups = (rows + kRows - 1) / kRows;
   const int64_t vectors = p.d_padded / kLanes;
   const int64_t chunk = vectors <= kMaxChunk ? vectors : 4;
@@ -197,7 +202,7 @@ void attend_tile(const Problem& p, int64_t s, int64_t h, int64_t first_row, Pack
     for (int64_t g = 0; g < groups; ++g) {
       const bf16* query[kRows];
       for (int r = 0; r < kRows; ++r) {
-        const int64_t token = p.starts[s] + first_row + std::min<int64_t>(g * kRows + r, rows - 1);
+        const int64_t token = first_token + std::min<int64_t>(g * kRows + r, rows - 1);
         query[r] = p.q + token * p.q_token + h * p.q_head;
       }
       score_group(p, query, keys, first, bias, tile, g * kRows);
@@ -207,12 +212,19 @@ void attend_tile(const Problem& p, int64_t s, int64_t h, int64_t first_row, Pack
   }
   for (int64_t r = 0; r < rows; ++r) {
     const Vec inverse = broadcast(1.0f / tile.total[r]);
-    bf16* out = p.out + ((p.starts[s] + first_row + r) * p.heads + h) * p.d;
+    bf16* out = p.out + ((first_token + r) * p.heads + h) * p.d;
     const float* acc = tile.out + r * p.d_padded;
     int64_t c = 0;
     for (; c + kLanes <= p.d; c += kLanes) store_rounded(out + c, mul(load(acc + c), inverse));
     for (; c < p.d; ++c) out[c] = bf16(acc[c] / tile.total[r]);
+    if (lse != nullptr) lse[h * lse_stride + first_token + r] = tile.maximum[r] + std::log(tile.total[r]);
   }
+}
+
+// Query rows [first_row, first_row + kTile) of segment s, head h, against the segment.
+void attend_tile(const Problem& p, int64_t s, int64_t h, int64_t first_row, Packed packed, Tile& tile) {
+  const int64_t length = p.length(s);
+  attend_rows(p, p.starts[s] + first_row, std::min(kTile, length - first_row), h, length, packed, tile);
 }
 
 // q, k, v [total, heads, D] bfloat16, each head's D contiguous (any token and head
@@ -263,7 +275,7 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
   at::parallel_for(0, packs, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t s = long_segments[i / heads], h = i % heads;
-      pack(p, s, h, packed(s, h));
+      pack(p, p.starts[s], p.length(s), h, packed(s, h));
     }
   });
   const int64_t count = static_cast<int64_t>(tasks.size()) / 2;
@@ -277,11 +289,54 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
         attend_tile(p, s, h, row, packed(s, h), *tile);
         continue;
       }
-      pack(p, s, h, own);
+      pack(p, p.starts[s], p.length(s), h, own);
       for (int64_t r = 0; r < p.length(s); r += kTile) attend_tile(p, s, h, r, own, *tile);
     }
   });
   return out;
+}
+
+// q [n, heads, D] against keys and values [kv_heads, L, D] (a run of the paged cache, any
+// strides with D contiguous), bfloat16, no mask, query head h reading KV head h / group:
+// a prefill chunk's attention to its history (`attention/sdpa.py` merges it with the
+// chunk's causal attention to itself by their log-sum-exps). Returns the outputs [n,
+// heads, D] and the log-sum-exps [heads, n] in float32. Each KV head is packed once for
+// its group's heads; a task is a tile of kTile rows of one head.
+std::tuple<at::Tensor, at::Tensor> history_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     double scale) {
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kBFloat16 && t->stride(2) == 1,
+                "history_attention takes bfloat16 q [n, heads, D] and k, v [kv_heads, L, D], D contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2), "k and v of one shape, q's head size");
+  const int64_t n = q.size(0), heads = q.size(1), kv_heads = k.size(0), length = k.size(1), d = q.size(2);
+  TORCH_CHECK(d % 2 == 0 && d > 0 && d <= kMaxHead, "a head of an even size up to 256");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads a multiple of the KV heads");
+  TORCH_CHECK(length > 0, "at least one key");
+  at::Tensor out = at::empty({n, heads, d}, q.options());
+  at::Tensor lse = at::empty({heads, n}, q.options().dtype(at::kFloat));
+  const Problem p{q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), q.stride(0), q.stride(1),
+                  k.stride(1), k.stride(0), v.stride(1), v.stride(0), out.data_ptr<bf16>(), heads, d,
+                  round_up(d, kLanes), static_cast<float>(scale), nullptr};
+  const int64_t padded = round_up(length, kKeyBlock), group = heads / kv_heads;
+  at::Tensor packed_keys = at::empty({kv_heads * padded * d}, q.options());
+  at::Tensor packed_values = at::empty({kv_heads * padded * p.d_padded}, q.options());
+  auto packed = [&](int64_t kv) {
+    return Packed{packed_keys.data_ptr<bf16>() + kv * padded * d,
+                  packed_values.data_ptr<bf16>() + kv * padded * p.d_padded};
+  };
+  at::parallel_for(0, kv_heads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t kv = first; kv < last; ++kv) pack(p, 0, length, kv, packed(kv));
+  });
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  float* lse_data = lse.data_ptr<float>();
+  at::parallel_for(0, heads * tiles, 1, [&](int64_t first, int64_t last) {
+    auto tile = std::make_unique<Tile>();
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t h = i / tiles, row = (i % tiles) * kTile;
+      attend_rows(p, row, std::min(kTile, n - row), h, length, packed(h / group), *tile, lse_data, n);
+    }
+  });
+  return {out, lse};
 }
 
 }  // namespace
@@ -289,4 +344,5 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
 TORCH_LIBRARY(iris_vision, m) {
   m.def("segment_attention(Tensor q, Tensor k, Tensor v, Tensor starts, float scale) -> Tensor",
         &segment_attention);
+  m.def("history_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)", &history_attention);
 }
