@@ -5,8 +5,9 @@ QKᵀ and PV, which are matmuls too: for a large image's tower (thousands of pat
 sequence in its full-attention layers) or a long prefill they are a large share of the
 work. `AttentionFlops` watches the torch SDPA kernels a forward dispatches and adds
 up 2 × heads × (query, key) pairs × (key dim + value dim) per call, the pairs a causal or
-boolean mask leaves out not counted, and our CPU kernel for the towers' segments
-(`iris_vision::segment_attention`) as every pair within a segment. Attention that runs
+boolean mask leaves out not counted, our CPU kernel for the towers' segments
+(`iris_vision::segment_attention`) as every pair within a segment, and its kernel for a
+prefill chunk's history (`iris_vision::history_attention`) as every (row, key) pair. Attention that runs
 outside these ops (a Triton kernel on a GPU) is not seen: its rows stay weights-only. torch's own
 `FlopCounterMode` counts every pair as if unmasked and skips the CPU flash kernel.
 """
@@ -31,6 +32,7 @@ SDPA_KERNELS = {
 }
 
 SEGMENT_KERNEL = "iris_vision::segment_attention"  # q, k, v [tokens, heads, D], starts
+HISTORY_KERNEL = "iris_vision::history_attention"  # q [n, heads, D], k, v [kv_heads, L, D]
 
 
 class AttentionFlops(TorchDispatchMode):
@@ -49,6 +51,9 @@ class AttentionFlops(TorchDispatchMode):
             self.flops += attention_flops(args[0], args[1], args[2], bool(causal), mask)
         elif getattr(func, "name", lambda: "")() == SEGMENT_KERNEL:
             self.flops += segment_flops(args[0], args[3])
+        elif getattr(func, "name", lambda: "")() == HISTORY_KERNEL:
+            q, k = args[0], args[1]
+            self.flops += 2 * q.shape[1] * q.shape[0] * k.shape[1] * 2 * q.shape[2]
         return func(*args, **kwargs)
 
 

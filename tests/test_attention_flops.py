@@ -66,3 +66,13 @@ def test_our_cpu_kernel_counts_the_pairs_within_each_segment() -> None:
     starts = torch.tensor([0, 4, 4, 10])  # segments of 4, 0 and 6 tokens
     kernel = torch.ops.iris_vision.segment_attention
     assert counted(lambda: kernel(q, q, q, starts, 1.0)) == HEADS * (16 + 36) * PER_PAIR
+
+
+def test_our_history_kernel_counts_every_row_and_key() -> None:
+    from iris_serve.scheduler import cpu_kernels
+
+    assert cpu_kernels.load("segment_attention")
+    q = torch.randn(5, HEADS, DIM).bfloat16()  # 5 rows, every head reading one KV head
+    k = torch.randn(1, 7, DIM).bfloat16()
+    kernel = torch.ops.iris_vision.history_attention
+    assert counted(lambda: kernel(q, k, k, 1.0)) == HEADS * 5 * 7 * PER_PAIR
