@@ -20,9 +20,10 @@ first token (`chunked_delta_rule`): within a chunk the delta updates form one un
 lower-triangular system, solved at once, so only the passage from chunk to chunk is
 sequential. A decode step applies the recurrence itself (`recurrent_delta_step`), batched
 over the step's sequences; on a CPU through our C++ kernel instead, in place on the state
-slots (`cpu_kernels/gated_delta.cpp`: two passes over each S, no gather or scatter). The
-two forms agree up to fp rounding, so a prompt prefilled over several calls matches one
-call up to rounding too.
+slots (`cpu_kernels/gated_delta.cpp`: two passes over each S, no gather or scatter), and
+in bfloat16 from the input projections on, the conv, norms, g and β included, in one call
+(`gated_delta_decode_step`). The forms agree up to fp rounding, so a prompt prefilled
+over several calls matches one call up to rounding too.
 """
 
 from __future__ import annotations
