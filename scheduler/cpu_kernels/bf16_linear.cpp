@@ -95,12 +95,12 @@ void dot_rows(const Problem& p, const bf16* x, int64_t n, bf16* out) {
   store_rows(p, acc, n, out);
 }
 
-// Output row `n` for input rows [0, I) of `x`, the weight row read front to back into
+// Output row `n` for input rows [0, I) of p.x, the weight row read front to back into
 // kChains accumulators per input row (independent chains of products): one sequential
 // stream per thread, which this path reads at about twice the rate of several rows side by
 // side, where a pass over the weights is all there is (a decode step's few rows).
 template <int I>
-void stream_row(const Problem& p, const bf16* x, int64_t n, bf16* out) {
+void stream_row(const Problem& p, int64_t n) {
   Vec acc[I][kChains];
   for (auto& row : acc)
     for (auto& v : row) v = zero();
@@ -111,22 +111,22 @@ void stream_row(const Problem& p, const bf16* x, int64_t n, bf16* out) {
     for (int c = 0; c < kChains; ++c) {
       const auto wv = Products::load_pairs(w + j + c * Products::kStep);
       for (int i = 0; i < I; ++i)
-        acc[i][c] = Products::add_product(acc[i][c], Products::load_pairs(x + i * p.k + j + c * Products::kStep), wv);
+        acc[i][c] = Products::add_product(acc[i][c], Products::load_pairs(p.x + i * p.k + j + c * Products::kStep), wv);
     }
   for (; j < p.k; j += Products::kStep) {
     const auto wv = Products::load_pairs(w + j);
-    for (int i = 0; i < I; ++i) acc[i][0] = Products::add_product(acc[i][0], Products::load_pairs(x + i * p.k + j), wv);
+    for (int i = 0; i < I; ++i) acc[i][0] = Products::add_product(acc[i][0], Products::load_pairs(p.x + i * p.k + j), wv);
   }
   for (int i = 0; i < I; ++i) {
     Vec total = acc[i][0];
     for (int c = 1; c < kChains; ++c) total = add(total, acc[i][c]);
-    out[i * p.n + n] = bf16(sum(total) + bias_of(p, n));
+    p.out[i * p.n + n] = bf16(sum(total) + bias_of(p, n));
   }
 }
 
 template <int I>
 void stream_span(const Problem& p, int64_t first, int64_t last) {
-  for (int64_t n = first; n < last; ++n) stream_row<I>(p, p.x, n, p.out);
+  for (int64_t n = first; n < last; ++n) stream_row<I>(p, n);
 }
 
 template <int I>

@@ -138,7 +138,7 @@ inline void l2_normalize(const float* x, int64_t n, float scale, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * factor * scale;
 }
 
-// columns [B, C], a, b [B, Hv] (rows `row_stride` apart: views of one projection's output),
+// columns [B, C], a, b [B, Hv] (any row stride: views of one projection's output),
 // conv_states [slots, C, kernel - 1] and conv_weight [C, 1, kernel] in the model's dtype;
 // A_log, dt_bias [Hv]; recurrent [slots, Hv, Dk, Dv] float32; slots [B] int64. One decode
 // token per sequence from the input projections to the delta rule's output [B, Hv, Dv]

@@ -7,7 +7,7 @@ GEMM rate, but read a decode step's weights at about half its bandwidth, and a d
 step's cost is what its weights cost to read. Our layout is one sequential stream per
 thread, so a decode step's rows run near the bandwidth, and its tiles keep the pair
 products busy at many rows: at or above oneDNN's speed at every row count measured
-(`bench/results/` has the served figures). With AMX, oneDNN's tile kernels compute many
+(`bench/results/cpu_linear_small_bf16.md` has the served comparison). With AMX, oneDNN's tile kernels compute many
 rows several times faster than pair products can, so `auto` keeps oneDNN there.
 
 Once loaded, a layer holds only the packed copy (its last block padded to whole blocks of
@@ -31,7 +31,6 @@ def can_run(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether layers on `device` in `dtype` can compute through the kernel here."""
     return (
         device.type == "cpu"
-        and dtype == torch.bfloat16
         and dtype in cpu_kernels.RUNS_IN[KERNEL]
         and cpu_kernels.load(KERNEL)
     )
