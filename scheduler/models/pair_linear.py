@@ -6,9 +6,10 @@ oneDNN's prepacked weights (`cpu_linear.py`) compute a prefill chunk at the mach
 GEMM rate, but read a decode step's weights at about half its bandwidth, and a decode
 step's cost is what its weights cost to read. Our layout is one sequential stream per
 thread, so a decode step's rows run near the bandwidth, and its tiles keep the pair
-products busy at many rows: at or above oneDNN's speed at every row count measured
-(`bench/results/cpu_linear_small_bf16.md` has the served comparison). With AMX, oneDNN's tile kernels compute many
-rows several times faster than pair products can, so `auto` keeps oneDNN there.
+products busy at many rows: faster than oneDNN up to a prefill chunk's rows, within a few
+percent of it at a vision tower's thousands (`bench/results/cpu_linear_small_bf16.md` has
+the served comparison). With AMX, oneDNN's tile kernels compute many rows several times
+faster than pair products can, so `auto` keeps oneDNN there.
 
 Once loaded, a layer holds only the packed copy (its last block padded to whole blocks of
 64 outputs); the LM head stays dense as everywhere on a CPU.
@@ -30,9 +31,7 @@ KERNEL = "pair_linear"
 def can_run(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether layers on `device` in `dtype` can compute through the kernel here."""
     return (
-        device.type == "cpu"
-        and dtype in cpu_kernels.RUNS_IN[KERNEL]
-        and cpu_kernels.load(KERNEL)
+        device.type == "cpu" and dtype in cpu_kernels.RUNS_IN[KERNEL] and cpu_kernels.load(KERNEL)
     )
 
 
