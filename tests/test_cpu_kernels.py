@@ -286,6 +286,37 @@ def test_a_steps_decodes_through_the_kernel_equal_sdpa_per_sequence(dtype, heads
     assert torch.equal(got[2:10], expected[2:10])  # the prefill chunk: the same path
 
 
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (128, 4), (256, 2), (128, 8), (64, 3)])
+def test_bf16_decode_attention_equals_exact_attention_over_scattered_pages(head_dim, group):
+    """A bf16 cache on a CPU with AVX512-BF16 takes the kernel's pair-product path (one
+    vector of pairs per 32 dims, value passes of 1 to 8 vectors by group; a group of 3
+    the generic path): over pages handed out at random, with partial pages and one to
+    three parts, the output equals float32 attention over the same bf16 values up to
+    the output's rounding."""
+    assert cpu_kernels.load("paged_attention")
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, slots, page = 2, 2048, 16
+    keys, values = (
+        torch.randn(kv_heads, slots, head_dim, generator=generator).to(torch.bfloat16)
+        for _ in range(2)
+    )
+    for context in (1, 17, 300, 700):
+        pages = torch.randperm(slots // page, generator=generator)[: -(-context // page)]
+        lengths = [min(page, context - i * page) for i in range(len(pages))]
+        spans = torch.tensor([[int(p) * page, n] for p, n in zip(pages, lengths, strict=True)])
+        q = torch.randn(1, kv_heads * group, head_dim, generator=generator).to(torch.bfloat16)
+        scale = head_dim**-0.5
+        got = torch.ops.iris_attention.paged_decode_attention(
+            q, keys, values, spans, torch.tensor([0, len(spans)]), scale
+        )
+        used = torch.cat([torch.arange(first, first + n) for first, n in spans.tolist()])
+        k = keys[:, used].float().repeat_interleave(group, 0)
+        v = values[:, used].float().repeat_interleave(group, 0)
+        weights = torch.softmax(q[0].float()[:, None] @ k.transpose(1, 2) * scale, dim=-1)
+        expected = (weights @ v)[:, 0]
+        torch.testing.assert_close(got[0].float(), expected, rtol=0, atol=1e-2)
+
+
 def test_decodes_the_kernel_cannot_run_or_speed_up_go_through_sdpa():
     """A head size that is not whole vectors, and a single float32 decode (SDPA streams it
     as fast): no batch, the per-sequence path; one bfloat16 decode, or two in float32,

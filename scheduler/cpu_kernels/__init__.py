@@ -14,7 +14,8 @@ waits for a build.
   few rows (a decode step), reading each byte once (`models/block_fp8.py`,
   `models/fp8_experts.py`).
 - `paged_attention.cpp` (`torch.ops.iris_attention.paged_decode_attention`): every decode
-  of a step over its page runs in the cache, in one call (`attention/cpu_decode.py`).
+  of a step over its page runs in the cache, in one call (`attention/cpu_decode.py`); a
+  bf16 cache on AVX512-BF16 scores keys by pair products, keys then values in two passes.
 - `gated_delta.cpp` (`torch.ops.iris_gdn.gated_delta_decode`): Gated DeltaNet's decode
   step, in place on the state slots; `gated_delta_decode_step`, the same from the input
   projections on, the conv and the norms included (bf16, `models/gated_deltanet.py`).

@@ -1,10 +1,11 @@
 // Decode attention over the paged KV cache on a CPU: every decoding sequence of a step in
 // one call, reading each sequence's keys and values once, where it is. A task of PyTorch's
 // thread pool is (sequence, KV head, part of the context of at most kPart tokens); each
-// keeps, for every query head sharing that KV head, a running maximum, its sum of
-// exponentials and an unnormalised output (online softmax over blocks of one vector of
-// tokens), and the parts are merged by their log-sum-exps. Float32 arithmetic throughout;
-// bfloat16 caches are widened as they are read and the output rounded once.
+// keeps, for every query head sharing that KV head, its maximum score, its sum of
+// exponentials and an unnormalised output, and the parts are merged by their log-sum-exps.
+// Float32 sums throughout; bfloat16 caches are widened as they are read (or multiplied as
+// bf16 pairs, below) and the output rounded once. The generic path is an online softmax
+// over blocks of one vector of tokens; bf16 on AVX512-BF16 has its own, below.
 //
 // The cache is head-major, `[kv_heads, slots, head_dim]` per layer, and a context is a list
 // of runs of consecutive slots (`sdpa.py`'s spans), so nothing is gathered.
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -187,6 +189,182 @@ void attend_part(const float* q, int64_t runtime_group, int64_t dim, const Layer
   }
 }
 
+#if defined(__AVX512BF16__)
+// Bfloat16 caches where the CPU has AVX512-BF16. A part takes two passes, each reading one
+// of the cache's arrays front to back: the scores of all its tokens from the keys, one
+// softmax over them, then the values. Scores: a block's kLanes key rows each against the
+// raw bf16 query by pair products (vdpbf16ps: nothing widened, half the instructions), the
+// scale applied to the sums, and each row's vector summed across by one transpose-and-add
+// tree for the whole block. Values: float32 weights times the rows' even and odd elements,
+// both exact float32 from one load (no shuffle); the outputs come out in even/odd order,
+// put back at the end. The weights stay float32: rounded to bf16 for pair products (as
+// PyTorch's flash attention does) they move a token of the bf16 transformers parity test.
+constexpr int64_t kPairChunk = 2 * kLanes;  // bf16 values in one vector of pairs
+
+// Lane j of the result is the sum of rows[transposed(j)]'s lanes, transposed(j) =
+// (j % 4) · 4 + j / 4: four levels of halving, each pairing vectors by a shuffle and an add.
+inline Vec transposed_sums(Vec (&rows)[kLanes]) {
+  Vec s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves
+    s1[i] = add(_mm512_shuffle_f32x4(rows[2 * i], rows[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                _mm512_shuffle_f32x4(rows[2 * i], rows[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters
+    s2[i] = add(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // pairs of lanes
+    s3[i] = add(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return add(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+             _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+using BF16 = c10::BFloat16;
+
+// The scaled scores of query row `q` against the block's key rows (rows past the block
+// point at zeros), lane j for row j.
+inline Vec pair_scores(const BF16* q, const BF16* const (&rows)[kLanes], int64_t dim, float scale) {
+  Vec acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = zero();
+  for (int64_t c = 0; c < dim; c += kPairChunk) {
+    const Pairs query = load_pairs(q + c);
+    for (int j = 0; j < kLanes; ++j)  // acc[j] is row transposed(j): the tree puts it at j
+      acc[j] = add_pair_products(acc[j], load_pairs(rows[(j % 4) * 4 + j / 4] + c), query);
+  }
+  return mul(transposed_sums(acc), broadcast(scale));
+}
+
+// out[g] (in even/odd order) += Σ_j weights[g][j] · v_j over the block's n rows, for the
+// vectors of pairs [first, first + C): a vector of 2·kLanes bf16 values read as kLanes int32
+// lanes gives its even elements shifted up 16 bits and its odd ones masked, both exact
+// float32, with no shuffle; the float32 weights multiply them as the generic path does.
+template <int G, int C>
+inline void add_value_halves(float* out, int64_t dim, const BF16* const (&rows)[kLanes], int64_t n,
+                             const float (*weights)[kPart], int64_t first) {
+  Vec even[G][C], odd[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) {
+      even[g][c] = load(out + g * dim + (first + c) * kPairChunk);
+      odd[g][c] = load(out + g * dim + (first + c) * kPairChunk + kLanes);
+    }
+  for (int64_t j = 0; j < n; ++j) {
+    Vec w[G];
+    for (int g = 0; g < G; ++g) w[g] = broadcast(weights[g][j]);
+    for (int c = 0; c < C; ++c) {
+      const Ints v = _mm512_loadu_si512(rows[j] + (first + c) * kPairChunk);
+      const Vec low = bits(shift_left(v, 16)), high = bits(and_(v, 0xFFFF0000u));
+      for (int g = 0; g < G; ++g) {
+        even[g][c] = fma(w[g], low, even[g][c]);
+        odd[g][c] = fma(w[g], high, odd[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) {
+      store(out + g * dim + (first + c) * kPairChunk, even[g][c]);
+      store(out + g * dim + (first + c) * kPairChunk + kLanes, odd[g][c]);
+    }
+}
+
+// The even/odd order back to dimensions, a vector of pairs at a time.
+inline void deinterleave(float* out, int64_t values) {
+  const Ints first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const Ints second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t i = 0; i < values; i += kPairChunk) {
+    const Vec even = load(out + i), odd = load(out + i + kLanes);
+    store(out + i, _mm512_permutex2var_ps(even, first, odd));
+    store(out + i + kLanes, _mm512_permutex2var_ps(even, second, odd));
+  }
+}
+
+// Every vector of pairs, C at a time: the most of 8 / G (2·G·C accumulators) that divide them.
+template <int G>
+void add_all_value_halves(float* out, int64_t dim, const BF16* const (&rows)[kLanes], int64_t n,
+                          const float (*weights)[kPart]) {
+  const int64_t chunks = dim / kPairChunk;
+  auto fits = [&](int64_t c) { return G * c <= 8 && chunks % c == 0; };
+  const int64_t c = fits(8) ? 8 : fits(4) ? 4 : fits(2) ? 2 : 1;
+  for (int64_t i = 0; i < chunks; i += c) {
+    if constexpr (G <= 1) {
+      if (c == 8) { add_value_halves<G, 8>(out, dim, rows, n, weights, i); continue; }
+    }
+    if constexpr (G <= 2) {
+      if (c == 4) { add_value_halves<G, 4>(out, dim, rows, n, weights, i); continue; }
+    }
+    if constexpr (G <= 4) {
+      if (c == 2) { add_value_halves<G, 2>(out, dim, rows, n, weights, i); continue; }
+    }
+    add_value_halves<G, 1>(out, dim, rows, n, weights, i);
+  }
+}
+
+// The blocks of kLanes context tokens in [first, last) of `spans`, in order: `visit(slot, n,
+// index)` for each (its first slot, its tokens, its index from 0), after prefetching into
+// L2 the `kAhead`-th block after it of the run `head_offset` + slot · dim of `rows`.
+template <typename Visit>
+inline void for_each_block(const Span* spans, int64_t num_spans, int64_t first, int64_t last, const BF16* rows,
+                           int64_t dim, Visit&& visit) {
+  constexpr int kAhead = 1;
+  int64_t index = 0, span_start = 0;
+  for (int64_t s = 0; s < num_spans && span_start < last; span_start += spans[s].length, ++s) {
+    const int64_t from = std::max(first, span_start), to = std::min(last, span_start + spans[s].length);
+    for (int64_t t = from; t < to; t += kLanes, ++index) {
+      const int64_t ahead = slot_ahead(spans, num_spans, s, span_start, t, last, kAhead);
+      if (ahead >= 0) {
+        const char* next = reinterpret_cast<const char*>(rows + ahead * dim);
+        for (int64_t byte = 0; byte < kLanes * dim * int64_t(sizeof(BF16)); byte += 64)
+          __builtin_prefetch(next + byte, 0, 2);
+      }
+      visit(spans[s].first_slot + (t - span_start), std::min<int64_t>(kLanes, to - t), index);
+    }
+  }
+}
+
+// A part's attention in two passes, each reading one of the cache's arrays front to back:
+// the scores of all its tokens from the keys, one softmax, then the values.
+template <int G>
+void attend_part_pairs(const BF16* q, float scale, int64_t dim, const Layer<BF16>& layer, int64_t head,
+                       const Span* spans, int64_t num_spans, int64_t first, int64_t last, Partial part) {
+  alignas(64) static const BF16 zeros[kMaxDim] = {};
+  alignas(64) float scores[G][kPart];
+  const BF16* keys = layer.keys + head * layer.head_stride;
+  const BF16* values = layer.values + head * layer.head_stride;
+  auto rows_of = [&](const BF16* array, int64_t slot, int64_t n, const BF16* (&rows)[kLanes]) {
+    for (int j = 0; j < kLanes; ++j) rows[j] = j < n ? array + (slot + j) * dim : zeros;
+  };
+  int64_t blocks = 0;
+  for_each_block(spans, num_spans, first, last, keys, dim, [&](int64_t slot, int64_t n, int64_t index) {
+    const BF16* rows[kLanes];
+    rows_of(keys, slot, n, rows);
+    const __mmask16 inside = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g)
+      store(scores[g] + index * kLanes,
+            _mm512_mask_mov_ps(broadcast(kNegInf), inside, pair_scores(q + g * dim, rows, dim, scale)));
+    blocks = index + 1;
+  });
+  for (int g = 0; g < G; ++g) {
+    Vec maximum = broadcast(kNegInf);
+    for (int64_t i = 0; i < blocks; ++i) maximum = max(maximum, load(scores[g] + i * kLanes));
+    const float most = max_of(maximum);
+    Vec total = zero();
+    for (int64_t i = 0; i < blocks; ++i) {
+      const Vec w = exp_nonpositive(add(load(scores[g] + i * kLanes), broadcast(-most)));
+      total = add(total, w);
+      store(scores[g] + i * kLanes, w);  // the weights, in place of the scores
+    }
+    part.maximum[g] = most;
+    part.total[g] = sum(total);
+    std::fill(part.out + g * dim, part.out + (g + 1) * dim, 0.0f);
+  }
+  for_each_block(spans, num_spans, first, last, values, dim, [&](int64_t slot, int64_t n, int64_t index) {
+    const BF16* rows[kLanes];
+    rows_of(values, slot, n, rows);
+    const float(*weights)[kPart] = reinterpret_cast<const float(*)[kPart]>(&scores[0][index * kLanes]);
+    add_all_value_halves<G>(part.out, dim, rows, n, weights);
+  });
+  for (int g = 0; g < G; ++g) deinterleave(part.out + g * dim, dim);
+}
+#endif
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
          const int64_t* span_data, const int64_t* sequence_spans, double scale, at::Tensor& out) {
@@ -222,6 +400,20 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
       const float* query = queries.data() + (b * heads + head * group) * dim;
       const Span* own = spans + sequence_spans[b];
       const int64_t count = sequence_spans[b + 1] - sequence_spans[b];
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, BF16>) {
+        if (dim % kPairChunk == 0) {
+          const BF16* raw = q_data + (b * heads + head * group) * dim;
+          switch (group) {
+            case 1: attend_part_pairs<1>(raw, scale, dim, layer, head, own, count, first, last, result); continue;
+            case 2: attend_part_pairs<2>(raw, scale, dim, layer, head, own, count, first, last, result); continue;
+            case 4: attend_part_pairs<4>(raw, scale, dim, layer, head, own, count, first, last, result); continue;
+            case 8: attend_part_pairs<8>(raw, scale, dim, layer, head, own, count, first, last, result); continue;
+            default: break;
+          }
+        }
+      }
+#endif
       switch (group) {
         case 1: attend_part<T, 1>(query, group, dim, layer, head, own, count, first, last, result); break;
         case 2: attend_part<T, 2>(query, group, dim, layer, head, own, count, first, last, result); break;
