@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, huge_pages
 from .config import EngineConfig
 from .kv.sizing import readable_bytes
 from .models.cpu_linear import bound_primitive_caches
@@ -58,6 +58,8 @@ def load_rank_model(
     if device.type == "cpu":
         loaded = cpu_kernels.load_for(model, dtype)
         say("CPU kernels: %s", ", ".join(loaded) or "none (PyTorch's paths)")
+        on_huge_pages = huge_pages.collapse_weights(model)
+        say("weights on huge pages: %s", readable_bytes(on_huge_pages) if on_huge_pages else "none")
     say("model loaded in %.1f s", time.monotonic() - started)
     resident, dense = linear_weight_bytes(model)
     say(

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import huge_pages
+
 
 @dataclass(frozen=True)
 class LinearStateLayout:
@@ -56,10 +58,10 @@ class LinearStates:
     def __init__(self, layout: LinearStateLayout, num_slots: int, device: torch.device) -> None:
         self.layout = layout
         self.num_slots = num_slots
-        self.conv = torch.zeros(
+        self.conv = huge_pages.zeros(
             layout.num_layers, num_slots, *layout.conv_shape, dtype=layout.conv_dtype, device=device
         )
-        self.recurrent = torch.zeros(
+        self.recurrent = huge_pages.zeros(
             layout.num_layers,
             num_slots,
             *layout.recurrent_shape,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import huge_pages
 from .free_pages import FreePages
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ class KVCache:
         self.layout = layout
         self.num_pages = num_pages
         self.pool = PagePool(num_pages)
-        self.slots = torch.zeros(
+        self.slots = huge_pages.zeros(
             layout.num_layers,
             2,
             layout.num_kv_heads,
