@@ -13,6 +13,7 @@ import torch
 from . import cpu_kernels, huge_pages
 from .config import EngineConfig
 from .kv.sizing import readable_bytes
+from .models import fused_decode
 from .models.cpu_linear import bound_primitive_caches
 from .models.gated_deltanet import GatedDeltaNet
 from .models.int4_cpu import Int4PackedCpuLinear
@@ -60,6 +61,8 @@ def load_rank_model(
         say("CPU kernels: %s", ", ".join(loaded) or "none (PyTorch's paths)")
         on_huge_pages = huge_pages.collapse_weights(model)
         say("weights on huge pages: %s", readable_bytes(on_huge_pages) if on_huge_pages else "none")
+        if fused_decode.attach(model):
+            say("decode steps: every layer in one C++ call (decode_layers)")
     say("model loaded in %.1f s", time.monotonic() - started)
     resident, dense = linear_weight_bytes(model)
     say(

@@ -41,8 +41,9 @@ import torch.nn.functional as F
 
 from .. import cpu_kernels
 from ..kv.kv_cache import KVCache
+from ..models.attention_api import KernelDecodes
 from .base import AttentionBackend, SequenceChunk, new_token_slots
-from .cpu_decode import BatchedDecodes, SlotSpan
+from .cpu_decode import MAX_GROUP, BatchedDecodes, SlotSpan
 
 SPLIT_MIN_NEW_TOKENS = 512  # on the CPU, a chunk after history this long splits its attention
 GATHER_MIN_RUNS = 8  # a decode whose context has this many runs gathers its pages first
@@ -112,6 +113,19 @@ class SdpaStep:
             self.items.append(_Item(rows, spans, chunk.is_decode, mask))
         self.decodes = BatchedDecodes.of(kv_cache, decode_rows, decode_spans, device)
         self.history_kernel = history_kernel
+
+    def kernel_decodes(self) -> KernelDecodes | None:
+        """The step as `KernelDecodes` where each of its rows is a decode the C++ kernel
+        attends to (rows in order: one per chunk); None otherwise."""
+        decodes = self.decodes
+        if decodes is None or not all(item.is_decode for item in self.items):
+            return None
+        if decodes.rows != slice(0, len(self.items)):
+            return None
+        cache = self.kv_cache.slots
+        return KernelDecodes(
+            cache, self.slot_mapping, decodes.spans, decodes.sequence_spans, MAX_GROUP
+        )
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -32,6 +32,9 @@ waits for a build.
   attention over each image (or window) in bfloat16 pair products (`models/layers.py`'s
   `SegmentPlan`); `history_attention`, a prefill chunk's attention to its history in the
   paged cache the same way (`attention/sdpa.py`).
+- `decode_layers.cpp` (`torch.ops.iris_decode.decode_layers`): a bfloat16 decode step
+  through every Qwen2 decoder layer in one call, through the kernels above
+  (`models/fused_decode.py`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ RUNS_IN: dict[str, tuple[torch.dtype, ...]] = {
     "fp8_linear": DTYPES, "paged_attention": DTYPES, "gated_delta": DTYPES,
     "rms_norm": (torch.bfloat16,), "rotary": DTYPES, "bf16_linear": (torch.bfloat16,),
     "segment_attention": (torch.bfloat16,), "pair_linear": (torch.bfloat16,),
+    "decode_layers": (torch.bfloat16,),
 }  # fmt: skip
 VECTOR_FLOATS = 16  # a head's size must be whole vectors of the widest SIMD compiled for
 MAX_HEAD_DIM = 256  # the largest head the attention and Gated DeltaNet kernels keep in registers

@@ -8,12 +8,12 @@ which the loader fills from `q/k/v_proj` and `gate/up_proj`. Attention itself is
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
-from .attention_api import AttentionContext
+from .attention_api import AttentionContext, kernel_decodes
 from .config import VLModelConfig
 from .layers import GatedMLP, MRotaryEmbedding, RMSNorm, apply_rotary
 from .tensor_parallel import (
@@ -21,6 +21,9 @@ from .tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+
+if TYPE_CHECKING:
+    from .fused_decode import FusedDecode
 
 
 def qkv_projection(config: VLModelConfig, bias: bool, gated: bool = False) -> ColumnParallelLinear:
@@ -96,7 +99,10 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    """Checkpoint prefix `model.`: embeddings, decoder layers, final norm."""
+    """Checkpoint prefix `model.`: embeddings, decoder layers, final norm. A step of decodes
+    only goes through `fused_decode` where the loader attached one (`fused_decode.py`)."""
+
+    fused_decode: FusedDecode | None = None
 
     def __init__(self, config: VLModelConfig) -> None:
         super().__init__()
@@ -114,6 +120,12 @@ class Qwen2Model(nn.Module):
         if positions.dim() == 1:
             positions = positions.expand(3, -1)
         cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
+        decodes = None if self.fused_decode is None else kernel_decodes(attn)
+        fused = None
+        if self.fused_decode is not None and decodes is not None:
+            fused = self.fused_decode.run(inputs_embeds, cos, sin, decodes)
+        if fused is not None:
+            return self.norm(fused)
         x = inputs_embeds
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
