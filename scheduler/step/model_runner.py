@@ -184,6 +184,8 @@ class ModelRunner(RequestResources):
             hidden = self.model(embeddings, inputs.positions, attention, deepstack, states=states)
         if not inputs.logit_rows:
             return None
+        if inputs.logit_rows == list(range(hidden.shape[0])):  # a step of decodes: every row
+            return self.model.compute_logits(hidden)
         rows = torch.tensor(inputs.logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
